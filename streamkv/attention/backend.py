@@ -1,0 +1,88 @@
+"""The attention backend seam: metadata built once per step, used by every layer.
+
+A backend owns how K/V are written into and read from the paged cache. The reference
+backend (``torch_ref``) is pure PyTorch and is the oracle for faster GPU backends, which
+plug in here with the same two methods.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's rows in the flattened batch: rows [q_start, q_start + q_len) hold
+    positions [start, start + q_len); its KV lives in ``block_table``."""
+
+    q_start: int
+    q_len: int
+    start: int
+    block_table: tuple[int, ...]
+
+    @property
+    def ctx_len(self) -> int:
+        return self.start + self.q_len
+
+
+class KVCache:
+    """Paged K/V tensors, one flat slot axis per layer.
+
+    ``k[layer]`` and ``v[layer]`` are [num_blocks * block_size, num_kv_heads, head_dim];
+    slot ``b * block_size + i`` holds token ``i`` of block ``b``. Keys are stored after RoPE.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class AttentionBackend(ABC):
+    """Template: :meth:`prepare` once per step, then :meth:`forward` per layer."""
+
+    def __init__(self, cache: KVCache, scale: float) -> None:
+        self.cache = cache
+        self.scale = scale
+
+    @abstractmethod
+    def prepare(self, spans: list[SeqSpan], num_tokens: int) -> Any:
+        """Build per-step metadata (slot mapping, gather indices, masks) for ``spans``."""
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Store k/v [T, Hkv, D] in the cache and attend: q [T, H, D] -> out [T, H, D]."""
+
+
+BACKENDS: dict[str, Callable[[KVCache, float], AttentionBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
+    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        BACKENDS[name] = cls
+        return cls
+    return wrap
+
+
+def make_backend(name: str, cache: KVCache, scale: float) -> AttentionBackend:
+    import streamkv.attention.torch_ref  # noqa: F401  (registration)
+
+    try:
+        return BACKENDS[name](cache, scale)
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(BACKENDS)}") from None

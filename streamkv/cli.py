@@ -1,0 +1,84 @@
+"""Command line: ``streamkv generate ...``; engine flags come from the config dataclasses."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any, Sequence
+
+from streamkv.config import EngineConfig
+from streamkv.errors import StreamKVError
+
+
+def _flag_type(field: dataclasses.Field) -> Any:  # type: ignore[type-arg]
+    text = str(field.type)
+    if "bool" in text:
+        return "bool"
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per config field (``kv_cache_memory`` -> ``--kv-cache-memory``)."""
+    for section in dataclasses.fields(EngineConfig):
+        group = parser.add_argument_group(section.name)
+        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+            flag = "--" + f.name.replace("_", "-")
+            kind = _flag_type(f)
+            helptext = f.metadata.get("help", "")
+            if kind == "bool":
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=helptext)
+            else:
+                group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=helptext)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for s in dataclasses.fields(EngineConfig) for f in dataclasses.fields(s.default_factory())}  # type: ignore[misc]
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one prompt and print the result")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    add_engine_flags(gen)
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from streamkv import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    llm = LLM(show_progress=sys.stderr.isatty(), **engine_options(args))
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate}[args.command](args)
+    except (StreamKVError, ValueError) as exc:
+        print(f"streamkv: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Frozen configuration dataclasses, one per subsystem, composed into EngineConfig.
+
+The CLI is generated from these (see ``streamkv.cli``): every field with a ``help``
+metadata entry becomes a ``--flag``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(default=None, metadata={"help": "GGUF file or Hugging Face directory "
+                                                               "(default: embedded SmolLM2-135M-Instruct)"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
+    max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: the model's)"})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    kv_cache_memory: int = field(default=1 << 30, metadata={"help": "bytes of KV cache (sets the pool size)"})
+    num_blocks: int | None = field(default=None, metadata={"help": "explicit pool size in blocks "
+                                                                    "(overrides --kv-cache-memory)"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prefixes"})
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences per step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget per step"})
+    max_chunk_tokens: int | None = field(default=None, metadata={"help": "largest prefill chunk of one "
+                                                                          "sequence per step (default: budget)"})
+    queue_policy: str = field(default="fcfs", metadata={"help": "fcfs | mcps"})
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+
+    @property
+    def chunk_cap(self) -> int:
+        return self.max_chunk_tokens or self.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: all cores)"})
+    device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @classmethod
+    def from_flat(cls, **kwargs: object) -> "EngineConfig":
+        """Build from flat keyword arguments (``dtype=..., max_num_seqs=...``)."""
+        from dataclasses import fields
+
+        parts: dict[str, dict[str, object]] = {}
+        known = {}
+        for f in fields(cls):
+            for sub in fields(f.default_factory()):  # type: ignore[misc]
+                known[sub.name] = f.name
+        for key, value in kwargs.items():
+            if key not in known:
+                raise ValueError(f"unknown engine option {key!r}; known: {sorted(known)}")
+            parts.setdefault(known[key], {})[key] = value
+        sections = {f.name: f.default_factory() for f in fields(cls)}  # type: ignore[misc]
+        for name, values in parts.items():
+            sections[name] = type(sections[name])(**values)
+        return cls(**sections)

@@ -1,0 +1,220 @@
+"""The synchronous engine: one thread calls :meth:`Engine.step` in a loop.
+
+One step = ``Scheduler.schedule()`` -> ``runner.execute(plan)`` -> ``Scheduler.update()``
+-> detokenize / stop strings -> outputs. Requests are validated when added, so a bad
+request is rejected with :class:`InvalidRequestError` before it can reach the loop; a
+failure inside a step fails only the requests of that step.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+from streamkv.config import EngineConfig
+from streamkv.engine.factory import ModelBundle, build_bundle
+from streamkv.engine.outputs import RequestOutput
+from streamkv.errors import InvalidRequestError
+from streamkv.kv.block_pool import BlockPool
+from streamkv.kv.manager import KVManager
+from streamkv.sampling.detokenizer import IncrementalDetokenizer
+from streamkv.sampling.params import SamplingParams
+from streamkv.sched.plan import StepOutput, TokenLogprobs
+from streamkv.sched.scheduler import Scheduler
+from streamkv.sched.sequence import PriorityClass, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    arrival: float
+    first_token: float | None = None
+    reported_tokens: int = 0
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    step_errors: int = 0
+
+
+class Engine:
+    """Owns scheduler, KV manager and runner; not thread-safe (one owner thread)."""
+
+    def __init__(self, config: EngineConfig | None = None, bundle: ModelBundle | None = None,
+                 show_progress: bool = False) -> None:
+        self.config = config or EngineConfig()
+        self.bundle = bundle or build_bundle(self.config, show_progress=show_progress)
+        self.tokenizer = self.bundle.tokenizer
+        self.max_model_len = self.bundle.max_model_len
+        cc = self.config.cache
+        self.pool = BlockPool(self.bundle.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv = KVManager(self.pool)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._by_seq: dict[int, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._pending: list[RequestOutput] = []
+
+    # ----------------------------------------------------------------- intake
+    def tokenize_prompt(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequestError("prompt must be a string or a list of token ids") from None
+        if any(isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt token ids must be integers")
+        return None, ids
+
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    priority: int = 0, klass: PriorityClass = PriorityClass.POOL) -> None:
+        """Validate and queue a request; raises InvalidRequestError and queues nothing on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        text, ids = self.tokenize_prompt(prompt)
+        self._validate_ids(ids)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.tokenizer.eos_token_ids)
+        seq = Sequence(seq_id=next(self._seq_ids), tokens=list(ids), num_prompt_tokens=len(ids),
+                       params=params, max_len=self.max_model_len, stop_ids=frozenset(stop_ids),
+                       priority=priority, klass=klass)
+        req = _Request(request_id, text, seq, IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.include_stop_str_in_output),
+            [] if params.logprobs is not None else None, time.perf_counter())
+        self._requests[request_id] = req
+        self._by_seq[seq.seq_id] = req
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(ids)
+
+    def _validate_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.bundle.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                f"(the prompt must leave room for at least one generated token)")
+        if self.kv.blocks_for(len(ids) + 1) > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but the KV cache holds only "
+                f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-cache-memory")
+
+    def abort(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq.seq_id, "abort")
+        self._pending.append(self._finish(req))
+        return True
+
+    # ------------------------------------------------------------------- loop
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns outputs of requests that progressed or ended."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if plan.empty and not plan.released:
+            return outputs
+        try:
+            result = self.bundle.runner.execute(plan)
+        except Exception as exc:  # a broken step fails its own requests, not the engine
+            log.exception("engine step failed")
+            self.stats.step_errors += 1
+            return outputs + self._fail(plan, f"{type(exc).__name__}: {exc}")
+        self.stats.steps += 1
+        now = time.perf_counter()
+        touched: dict[str, _Request] = {}
+        for seq, token in self.scheduler.update(plan, result):
+            req = self._by_seq[seq.seq_id]
+            self._on_token(req, token, result, now)
+            touched[req.request_id] = req
+        for req in touched.values():
+            outputs.append(self._finish(req) if req.seq.finished else self._snapshot(req))
+        return outputs
+
+    def _on_token(self, req: _Request, token: int | None, result: StepOutput, now: float) -> None:
+        seq = req.seq
+        self.stats.generated_tokens += 1
+        if req.first_token is None:
+            req.first_token = now
+        if req.logprobs is not None and seq.seq_id in result.logprobs:
+            req.logprobs.append(result.logprobs[seq.seq_id])
+        if token is None or (seq.finish_reason == "stop" and token in seq.stop_ids):
+            return
+        if req.detok.add(token) and not seq.finished:
+            self.scheduler.finish(seq.seq_id, "stop")
+
+    def _fail(self, plan, message: str) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
+        out = []
+        for item in plan.seqs:
+            req = self._by_seq.get(item.seq_id)
+            if req is not None:
+                req.error = message
+                self.scheduler.finish(item.seq_id, "error")
+                out.append(self._finish(req))
+        return out
+
+    # ---------------------------------------------------------------- outputs
+    def _snapshot(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        tokens = seq.tokens[seq.num_prompt_tokens:]
+        delta_ids = tokens[req.reported_tokens:]
+        req.reported_tokens = len(tokens)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=seq.tokens[:seq.num_prompt_tokens],
+            token_ids=list(tokens), text=req.detok.text, delta_text=req.detok.take_delta(),
+            delta_token_ids=delta_ids, finished=seq.finished, finish_reason=seq.finish_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens, error=req.error,
+            metrics={"arrival_time": req.arrival, "first_token_time": req.first_token or 0.0,
+                     "num_preemptions": seq.num_preemptions})
+
+    def _finish(self, req: _Request) -> RequestOutput:
+        req.detok.finish()
+        self._requests.pop(req.request_id, None)
+        self._by_seq.pop(req.seq.seq_id, None)
+        out = self._snapshot(req)
+        out.finished = True
+        out.metrics["finish_time"] = time.perf_counter()
+        return out
+
+    # ---------------------------------------------------------------- helpers
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    def run_to_completion(self, request_ids: Seq[str]) -> dict[str, RequestOutput]:
+        wanted = set(request_ids)
+        done: dict[str, RequestOutput] = {}
+        while wanted - done.keys():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+        return done

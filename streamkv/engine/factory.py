@@ -1,0 +1,73 @@
+"""Builds the model-side parts of an engine from its config."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from streamkv.attention.backend import KVCache, make_backend
+from streamkv.config import EngineConfig
+from streamkv.engine.dtype import resolve_dtype
+from streamkv.models.registry import model_class
+from streamkv.runner.model_runner import ModelRunner
+from streamkv.sampling.sampler import Sampler
+from streamkv.sched.plan import StepOutput, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute(self, plan: StepPlan) -> StepOutput: ...
+
+
+class TokenizerLike(Protocol):
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+@dataclass
+class ModelBundle:
+    """Everything the engine needs from a model; tests build one around a fake runner."""
+
+    runner: Runner
+    tokenizer: TokenizerLike
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    dtype: torch.dtype = torch.float32
+    model_name: str = "model"
+
+
+def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBundle:
+    from streamkv.loading import load_checkpoint
+
+    device = torch.device(config.runtime.device)
+    torch.set_num_threads(config.runtime.threads or os.cpu_count() or 1)
+    dtype = resolve_dtype(config.model.dtype, device)
+    ckpt = load_checkpoint(config.model.model, dtype=dtype, show_progress=show_progress)
+    arch = ckpt.arch
+    max_len = arch.max_position_embeddings
+    if config.model.max_model_len is not None:
+        if config.model.max_model_len > max_len:
+            raise ValueError(f"max_model_len {config.model.max_model_len} exceeds the model's "
+                             f"trained context ({max_len})")
+        max_len = config.model.max_model_len
+    weights = {k: v.to(device) for k, v in ckpt.weights.items()}
+    model = model_class(arch)(arch, weights, max_positions=max_len).eval()
+    cc = config.cache
+    per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory // per_block)
+    cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+    backend = make_backend("torch", cache, arch.head_dim ** -0.5)
+    log.info("model %s (%s, %s): %d KV blocks x %d tokens = %.0f MiB", arch.architecture, ckpt.source,
+             dtype, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)
+    runner = ModelRunner(model, backend, Sampler(device), device)
+    name = os.path.basename(ckpt.source.rstrip("/")) or "model"
+    return ModelBundle(runner, ckpt.tokenizer, max_len, arch.vocab_size, num_blocks, dtype, name)

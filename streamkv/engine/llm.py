@@ -1,0 +1,78 @@
+"""Offline API: ``LLM(model=None).generate(prompts, params)``."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from streamkv.config import EngineConfig
+from streamkv.engine.engine import Engine
+from streamkv.engine.outputs import RequestOutput
+from streamkv.errors import InvalidRequestError
+from streamkv.sampling.params import SamplingParams
+
+Prompt = str | Seq[int]
+
+
+class LLM:
+    """Synchronous generation on one engine.
+
+    Keyword options are the fields of the config dataclasses in ``streamkv.config``
+    (``dtype``, ``max_num_seqs``, ``kv_cache_memory``, ``enable_prefix_caching``, ...).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", show_progress: bool = False,
+                 **options: Any) -> None:
+        self.config = EngineConfig.from_flat(model=model, dtype=dtype, **options)
+        self.engine = Engine(self.config, show_progress=show_progress)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 priority: int | Seq[int] = 0) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs keep input order."""
+        batch = _as_batch(prompts)
+        plist = _broadcast(params or SamplingParams(), len(batch), "params")
+        prio = _broadcast(priority, len(batch), "priority")
+        ids = [f"llm-{next(self._ids)}" for _ in batch]
+        added: list[str] = []
+        try:
+            for rid, prompt, p, pr in zip(ids, batch, plist, prio):
+                self.engine.add_request(rid, prompt, p, priority=pr)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
+        done = self.engine.run_to_completion(ids)
+        return [done[rid] for rid in ids]
+
+    def chat(self, messages: Seq[dict[str, str]] | Seq[Seq[dict[str, str]]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
+        return self.generate(prompts, params)
+
+
+def _as_batch(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # type: ignore[arg-type]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidRequestError("prompts must be a string, a list of token ids, or a non-empty list of those")
+    return list(prompts)
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InvalidRequestError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,29 @@
+"""What the engine hands back for each request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from streamkv.sched.plan import TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one request plus what is new since the previous output.
+
+    ``finish_reason`` is ``"stop"`` (stop token or string), ``"length"`` (max_tokens or
+    context), ``"abort"`` or ``"error"`` (see ``error``), or None while running.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

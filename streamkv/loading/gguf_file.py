@@ -1,0 +1,110 @@
+"""Thin, error-checked access to a GGUF file: metadata values and dequantized tensors."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from streamkv.errors import ModelLoadError
+
+#: Quantization types streamkv promises to load (``gguf.quants`` may handle a few more).
+SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor entry of a GGUF file (data not yet dequantized)."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]  # numpy order (GGML order reversed)
+    raw: np.ndarray
+    type_id: Any
+
+
+class GGUFFile:
+    """A parsed GGUF file. Construction raises :class:`ModelLoadError` on corrupt input."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            from gguf import GGUFReader
+
+            self._reader = GGUFReader(path, "r")
+        except Exception as exc:  # gguf raises ValueError, IndexError, struct errors...
+            raise ModelLoadError(
+                f"{path}: not a readable GGUF file (corrupt or truncated?): "
+                f"{type(exc).__name__}: {exc}") from exc
+
+    def has(self, key: str) -> bool:
+        """Whether the metadata key ``key`` is present."""
+        return key in self._reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Metadata value of ``key`` (str, int, float, bool or list), or ``default``."""
+        field = self._reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return _field_value(field)
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: cannot read metadata {key!r}: {exc}") from exc
+
+    def require(self, key: str) -> Any:
+        """Metadata value of ``key``; :class:`ModelLoadError` if it is missing."""
+        if not self.has(key):
+            raise ModelLoadError(f"{self.path}: GGUF metadata key {key!r} is missing")
+        return self.get(key)
+
+    def tensor_names(self) -> list[str]:
+        """Names of every tensor in file order."""
+        return [t.name for t in self._reader.tensors]
+
+    def tensors(self) -> Iterator[GGUFTensor]:
+        """Iterate over the tensor entries (raw data, not dequantized)."""
+        for t in self._reader.tensors:
+            shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+            yield GGUFTensor(t.name, t.tensor_type.name, shape, t.data, t.tensor_type)
+
+    def dequantize(self, tensor: GGUFTensor) -> np.ndarray:
+        """Float32 numpy array of ``tensor`` in numpy (row-major) shape."""
+        if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"{self.path}: tensor {tensor.name!r} has unsupported GGML type "
+                f"{tensor.type_name}; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}")
+        try:
+            from gguf.quants import dequantize
+
+            values = dequantize(tensor.raw, tensor.type_id)
+            out = np.asarray(values, dtype=np.float32).reshape(tensor.shape)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{self.path}: cannot decode tensor {tensor.name!r} ({tensor.type_name}, shape "
+                f"{tensor.shape}); the file is corrupt or truncated: {exc}") from exc
+        # F32 data comes back as a view of the read-only memory map: copy it out.
+        return out.copy() if np.may_share_memory(out, tensor.raw) else out
+
+
+def _field_value(field: Any) -> Any:
+    """Decode one ``gguf.ReaderField`` into plain Python values."""
+    from gguf import GGUFValueType
+
+    main = field.types[0]
+    if main == GGUFValueType.ARRAY:
+        sub = field.types[-1]
+        if sub == GGUFValueType.STRING:
+            return [_to_str(field.parts[i]) for i in field.data]
+        return [v for i in field.data for v in field.parts[i].tolist()]
+    if main == GGUFValueType.STRING:
+        return _to_str(field.parts[-1])
+    return field.parts[-1].tolist()[0]
+
+
+def _to_str(part: np.ndarray) -> str:
+    """Decode a GGUF string payload (invalid UTF-8 is replaced, never fatal)."""
+    return part.tobytes().decode("utf-8", errors="replace")

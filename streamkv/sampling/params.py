@@ -1,0 +1,89 @@
+"""Per-request sampling parameters (validated on construction)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from streamkv.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InvalidRequestError(msg)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples its output.
+
+    ``temperature == 0`` is greedy decoding. ``seed`` makes random sampling reproducible
+    regardless of which other requests share the batch. ``logprobs`` (0..20) asks for the
+    sampled token's log-probability plus that many top alternatives per position.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                   and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
+        _check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0 or self.top_k == -1,
+               f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(0.0 < self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and -(2 ** 63) <= self.seed < 2 ** 64),
+               f"seed must be an integer in the 64-bit range, got {self.seed!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def deterministic(self) -> bool:
+        """Output depends only on the prompt and these parameters."""
+        return self.greedy or self.seed is not None

@@ -1,0 +1,109 @@
+"""Batched sampling: penalties, greedy / temperature / top-k / top-p / min-p, logprobs.
+
+Every random draw uses the sequence's own ``torch.Generator`` (seeded by the request's
+``seed``), one draw per sampled token, so a seeded request produces the same tokens
+whatever else shares its batch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+
+from streamkv.sched.plan import ScheduledSeq, TokenLogprobs
+
+
+class Sampler:
+    """Holds one generator per live sequence; :meth:`release` drops finished ones."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self._generators.pop(seq_id, None)
+
+    def _generator(self, item: ScheduledSeq) -> torch.Generator:
+        g = self._generators.get(item.seq_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            seed = item.params.seed if item.params.seed is not None else int.from_bytes(os.urandom(8), "little")
+            g.manual_seed(seed % (2 ** 64))
+            self._generators[item.seq_id] = g
+        return g
+
+    def __call__(self, logits: torch.Tensor, items: list[ScheduledSeq]) -> tuple[list[int], dict[int, TokenLogprobs]]:
+        """logits [N, V] float32, one row per item -> sampled ids and requested logprobs."""
+        want_lp = [i for i, it in enumerate(items) if it.params.logprobs is not None]
+        raw_lp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+        for i, item in enumerate(items):
+            if item.params.needs_penalties:
+                apply_penalties(logits[i], item)
+            if item.banned_ids:
+                logits[i, list(item.banned_ids)] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, it in enumerate(items) if not it.params.greedy]
+        if random_rows:
+            probs = filtered_probs(logits[random_rows], [items[i] for i in random_rows])
+            for j, i in enumerate(random_rows):
+                noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(items[i]))
+                tokens[i] = (probs[j] / noise).argmax()
+        token_list = tokens.tolist()
+        logprobs: dict[int, TokenLogprobs] = {}
+        if raw_lp is not None:
+            for j, i in enumerate(want_lp):
+                logprobs[items[i].seq_id] = token_logprobs(raw_lp[j], token_list[i], items[i].params.logprobs or 0)
+        return token_list, logprobs
+
+
+def apply_penalties(row: torch.Tensor, item: ScheduledSeq) -> None:
+    """In place on row [V]: repetition (prompt + output, HF style), presence and frequency
+    (output only, OpenAI style)."""
+    p = item.params
+    history = torch.as_tensor(list(item.history), dtype=torch.int64, device=row.device)
+    if p.repetition_penalty != 1.0 and history.numel():
+        seen = history.unique()
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    output = history[item.num_prompt:]
+    if output.numel() and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(output, minlength=row.numel())[: row.numel()].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def filtered_probs(logits: torch.Tensor, items: list[ScheduledSeq]) -> torch.Tensor:
+    """Temperature, top-k, min-p and top-p over rows [R, V] -> probabilities [R, V]."""
+    temps = torch.tensor([it.params.temperature for it in items], dtype=logits.dtype, device=logits.device)
+    x = logits / temps[:, None]
+    ks = [it.params.top_k if it.params.top_k > 0 else 0 for it in items]
+    if any(ks):
+        kmax = min(max(ks), x.shape[-1])
+        top = x.topk(kmax, dim=-1).values
+        idx = torch.tensor([min(k, kmax) - 1 if k else kmax - 1 for k in ks], device=x.device)
+        kth = top.gather(1, idx[:, None])
+        active = torch.tensor([k > 0 for k in ks], device=x.device)[:, None]
+        x = x.masked_fill(active & (x < kth), float("-inf"))
+    min_ps = [it.params.min_p for it in items]
+    if any(min_ps):
+        probs = x.softmax(-1)
+        mp = torch.tensor(min_ps, dtype=x.dtype, device=x.device)[:, None]
+        x = x.masked_fill(probs < mp * probs.max(-1, keepdim=True).values, float("-inf"))
+    top_ps = [it.params.top_p for it in items]
+    if any(tp < 1.0 for tp in top_ps):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        tp = torch.tensor(top_ps, dtype=x.dtype, device=x.device)[:, None]
+        drop = (cum - sorted_x.softmax(-1)) >= tp          # keep the smallest prefix reaching top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    return x.softmax(-1)
+
+
+def token_logprobs(lp: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n:
+        vals, ids = lp.topk(top_n)
+        top = tuple(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprobs(token, float(lp[token]), top)

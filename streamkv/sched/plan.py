@@ -1,0 +1,67 @@
+"""The scheduler -> runner contract: a tensor-free plan in, sampled tokens out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+from streamkv.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """Work for one sequence in one step.
+
+    Compute KV for ``token_ids`` at positions ``start .. start+len-1`` into the slots given
+    by ``block_table`` (slot of position p = ``block_table[p // bs] * bs + p % bs``). If
+    ``sample``, the last position's logits produce the next token with ``params``;
+    ``history`` is the sequence's full token list (prompt first ``num_prompt`` ids), read
+    only, for penalties; ``banned_ids`` may not be sampled (stop ids before ``min_tokens``).
+    """
+
+    seq_id: int
+    start: int
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    sample: bool
+    params: SamplingParams
+    history: Seq[int] = ()
+    num_prompt: int = 0
+    banned_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything the runner does in one forward pass; ``released`` ids lose runner state."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    preempted: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probability of the sampled token and the top alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class StepOutput:
+    """What the runner returns: one sampled token per sequence that sampled."""
+
+    tokens: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)

@@ -1,0 +1,182 @@
+"""Two-phase continuous-batching scheduler (DESIGN.md section 4).
+
+Phase 1 (order + feasibility): rank every runnable sequence and give each a chunk of the
+step's token budget; nothing changes. Phase 2 (acquire): walk the ranking and take KV
+blocks; when the pool runs dry, preempt (by recompute) the lowest-ranked running
+sequences below the one being served. The scheduler never touches tensors.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from streamkv.config import SchedulerConfig
+from streamkv.kv.manager import KVManager
+from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
+from streamkv.sched.policies import QueuePolicy, make_queue_policy
+from streamkv.sched.sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Proposal:
+    """Phase-1 decision: compute ``seq`` up to token index ``end`` this step."""
+
+    seq: Sequence
+    end: int
+
+
+class Scheduler:
+    """Owns the waiting/running sets; asks the KV manager for blocks."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVManager, policy: QueuePolicy | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy or make_queue_policy(config.queue_policy)
+        self.seqs: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+        self._released: list[int] = []
+
+    # ------------------------------------------------------------- bookkeeping
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence {seq.seq_id} already scheduled")
+        seq.status = SeqStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+
+    def finish(self, seq_id: int, reason: str) -> Sequence | None:
+        """Stop a sequence (stop string, abort, error) and free its KV at once."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return None
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq_id)
+        self._released.append(seq_id)
+        return seq
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for s in self.seqs.values() if s.status is SeqStatus.RUNNING)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for s in self.seqs.values() if s.status is SeqStatus.WAITING)
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> StepPlan:
+        ranked = self.policy.rank(self.seqs.values())
+        proposals = self._propose(ranked)
+        scheduled, preempted = self._acquire(proposals, ranked)
+        released, self._released = tuple(self._released), []
+        return StepPlan(tuple(self._to_plan(p) for p in scheduled), tuple(preempted), released)
+
+    def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
+        """Phase 1: chunk sizes under the token budget and sequence cap (no state change)."""
+        budget = self.config.max_num_batched_tokens
+        out: list[_Proposal] = []
+        for seq in ranked:
+            if budget <= 0 or len(out) >= self.config.max_num_seqs:
+                break
+            computed = seq.num_computed
+            if seq.status is SeqStatus.WAITING:
+                computed = self.kv.match_prefix(seq.tokens, seq.cache_key).num_tokens(self.kv.block_size)
+            n = min(len(seq.tokens) - computed, budget, self.config.chunk_cap)
+            out.append(_Proposal(seq, computed + n))
+            budget -= n
+        return out
+
+    def _acquire(self, proposals: list[_Proposal], ranked: list[Sequence]) -> tuple[list[_Proposal], list[int]]:
+        """Phase 2: take blocks in rank order, preempting from the bottom when short."""
+        victims = [s for s in reversed(ranked) if s.status is SeqStatus.RUNNING]
+        preempted: list[int] = []
+        done: list[_Proposal] = []
+        for prop in proposals:
+            seq = prop.seq
+            if seq.status is SeqStatus.WAITING and seq.seq_id in preempted:
+                continue
+            while not self._try_take(prop):
+                victim = next((v for v in victims if v is not seq and v.seq_id not in preempted
+                               and all(d.seq is not v for d in done)), None)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim.seq_id)
+            else:
+                done.append(prop)
+                continue
+            if seq.status is SeqStatus.RUNNING:
+                self._cannot_grow(seq, done, preempted)
+            break
+        return done, preempted
+
+    def _try_take(self, prop: _Proposal) -> bool:
+        seq = prop.seq
+        if seq.status is SeqStatus.RUNNING:
+            return self.kv.grow(seq.seq_id, prop.end)
+        # Look the prefix up again: allocations earlier in this step may have evicted
+        # blocks seen in phase 1. A hit can only shrink, so ``end`` stays reachable.
+        hit = self.kv.match_prefix(seq.tokens, seq.cache_key)
+        computed = hit.num_tokens(self.kv.block_size)
+        if self.kv.admission_cost(hit, prop.end) > self.kv.pool.num_free:
+            return False
+        self.kv.admit(seq.seq_id, hit, seq.cache_key, len(seq.tokens))
+        if not self.kv.grow(seq.seq_id, prop.end):
+            raise RuntimeError("admission cost check and allocation disagree")
+        seq.num_computed = computed
+        seq.num_cached_tokens = max(seq.num_cached_tokens, computed)
+        seq.status = SeqStatus.RUNNING
+        return True
+
+    def _cannot_grow(self, seq: Sequence, done: list[_Proposal], preempted: list[int]) -> None:
+        """A running sequence found no block and nobody below it to preempt."""
+        if done or any(s.status is SeqStatus.RUNNING and s is not seq for s in self.seqs.values()):
+            self._preempt(seq)
+            preempted.append(seq.seq_id)
+        else:
+            log.warning("sequence %d needs more KV than the whole pool; finishing it", seq.seq_id)
+            self.finish(seq.seq_id, "length")
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV, keep the tokens, requeue."""
+        self.kv.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _to_plan(self, prop: _Proposal) -> ScheduledSeq:
+        seq = prop.seq
+        start, end = seq.num_computed, prop.end
+        return ScheduledSeq(
+            seq_id=seq.seq_id, start=start, token_ids=tuple(seq.tokens[start:end]),
+            block_table=tuple(self.kv.block_table(seq.seq_id)), sample=end == len(seq.tokens),
+            params=seq.params, history=seq.tokens, num_prompt=seq.num_prompt_tokens,
+            banned_ids=tuple(seq.stop_ids) if seq.num_output < seq.params.min_tokens else ())
+
+    # ---------------------------------------------------------------- update
+    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, int | None]]:
+        """Advance ``num_computed``, append sampled tokens, finish stopped sequences.
+
+        Returns ``(sequence, new_token_or_None)`` for every sequence that sampled.
+        """
+        events: list[tuple[Sequence, int | None]] = []
+        for item in plan.seqs:
+            seq = self.seqs.get(item.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed = item.start + item.num_tokens
+            self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)
+            token = output.tokens.get(item.seq_id)
+            if not item.sample or token is None:
+                continue
+            seq.tokens.append(token)
+            reason = seq.stop_reason_after(token)
+            if reason is not None:
+                self.finish(seq.seq_id, reason)
+            events.append((seq, token))
+        return events

@@ -1,0 +1,69 @@
+"""One sequence: the unit every workload is made of (DESIGN.md section 3)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from streamkv.sampling.params import SamplingParams
+
+
+class PriorityClass(enum.IntEnum):
+    """Scheduling classes, most urgent first (DESIGN.md section 4)."""
+
+    FLASH = 0
+    SESSION = 1
+    POOL = 2
+    STREAM = 3
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids plus how many of them have KV (``num_computed``).
+
+    The scheduler only ever closes the gap ``len(tokens) - num_computed``; prefill, chunked
+    prefill, prefix hits and decode are all that one operation. When the last token of a
+    step's chunk is the last token of ``tokens``, its logits yield the next token.
+    """
+
+    seq_id: int
+    tokens: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_len: int
+    stop_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    klass: PriorityClass = PriorityClass.POOL
+    arrival: float = field(default_factory=time.perf_counter)
+    cache_key: int = 0
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def stop_reason_after(self, token_id: int) -> str | None:
+        """Finish reason once ``token_id`` has been appended, or None to continue."""
+        if token_id in self.stop_ids and self.num_output >= self.params.min_tokens:
+            return "stop"
+        if self.num_output >= self.params.max_tokens or len(self.tokens) >= self.max_len:
+            return "length"
+        return None
