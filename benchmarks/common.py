@@ -51,6 +51,11 @@ def export_hf(out: Path, gguf_path: Path | None = None) -> Path:
     kw = dict(gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    # the weights are already dequantized float32 tensors: drop the GGUF "quantizer" marker
+    # that makes save_pretrained refuse
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     if out.exists():

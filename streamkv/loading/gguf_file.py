@@ -9,7 +9,8 @@ import numpy as np
 
 from streamkv.errors import ModelLoadError
 
-#: Quantization types streamkv promises to load (``gguf.quants`` may handle a few more).
+#: Tensor types streamkv is tested with; any other type ``gguf.quants`` can dequantize
+#: (e.g. the IQ* types) loads too, anything else raises :class:`ModelLoadError`.
 SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -73,21 +74,27 @@ class GGUFFile:
 
     def dequantize(self, tensor: GGUFTensor) -> np.ndarray:
         """Float32 numpy array of ``tensor`` in numpy (row-major) shape."""
-        if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
-            raise ModelLoadError(
-                f"{self.path}: tensor {tensor.name!r} has unsupported GGML type "
-                f"{tensor.type_name}; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}")
-        try:
-            from gguf.quants import dequantize
+        from gguf.quants import dequantize
 
+        try:
             values = dequantize(tensor.raw, tensor.type_id)
-            out = np.asarray(values, dtype=np.float32).reshape(tensor.shape)
-        except Exception as exc:
+        except NotImplementedError as exc:
             raise ModelLoadError(
-                f"{self.path}: cannot decode tensor {tensor.name!r} ({tensor.type_name}, shape "
-                f"{tensor.shape}); the file is corrupt or truncated: {exc}") from exc
+                f"{self.path}: tensor {tensor.name!r} has unsupported GGML type {tensor.type_name}; "
+                f"supported types include {', '.join(SUPPORTED_TENSOR_TYPES)}") from exc
+        except Exception as exc:
+            raise self._corrupt(tensor, exc) from exc
+        try:
+            out = np.asarray(values, dtype=np.float32).reshape(tensor.shape)
+        except ValueError as exc:
+            raise self._corrupt(tensor, exc) from exc
         # F32 data comes back as a view of the read-only memory map: copy it out.
         return out.copy() if np.may_share_memory(out, tensor.raw) else out
+
+    def _corrupt(self, tensor: GGUFTensor, exc: Exception) -> ModelLoadError:
+        return ModelLoadError(
+            f"{self.path}: cannot decode tensor {tensor.name!r} ({tensor.type_name}, shape "
+            f"{tensor.shape}); the file is corrupt or truncated: {exc}")
 
 
 def _field_value(field: Any) -> Any:

@@ -42,6 +42,11 @@ def _scalar(gguf: GGUFFile, key: str, default: Any = None) -> Any:
     return value
 
 
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
 def _arch_config(gguf: GGUFFile, ga: str, architecture: str, tensors: dict[str, GGUFTensor],
                  tokenizer: Tokenizer) -> ArchConfig:
     """Build the :class:`ArchConfig` from ``{arch}.*`` metadata and the tensor list."""
@@ -52,7 +57,7 @@ def _arch_config(gguf: GGUFFile, ga: str, architecture: str, tensors: dict[str, 
     for key, value in (("embedding_length", hidden), ("attention.head_count", heads)):
         if value <= 0:
             raise ModelLoadError(f"{gguf.path}: GGUF metadata key {ga}.{key!r} is missing")
-    theta = float(_scalar(gguf, f"{ga}.rope.freq_base", 10000.0))
+    theta = _f32(_scalar(gguf, f"{ga}.rope.freq_base", 10000.0))
     head_dim = int(_scalar(gguf, f"{ga}.attention.key_length", hidden // heads))
     try:
         return ArchConfig(
@@ -64,7 +69,7 @@ def _arch_config(gguf: GGUFFile, ga: str, architecture: str, tensors: dict[str, 
             num_heads=heads,
             num_kv_heads=int(_scalar(gguf, f"{ga}.attention.head_count_kv", heads)),
             head_dim=head_dim,
-            rms_norm_eps=float(_scalar(gguf, f"{ga}.attention.layer_norm_rms_epsilon", 1e-5)),
+            rms_norm_eps=_f32(_scalar(gguf, f"{ga}.attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=theta,
             rope_scaling=_rope_scaling(gguf, ga, tensors, theta, head_dim),
             max_position_embeddings=int(_scalar(gguf, f"{ga}.context_length", 2048)),

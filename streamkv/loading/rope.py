@@ -69,8 +69,9 @@ def llama3_from_freq_factors(factors: np.ndarray, theta: float, rot_dim: int,
 
     llama.cpp stores the per-frequency divisors instead of the parameters. The smooth
     region is linear in 1/wavelength, which gives the parameters assuming
-    ``low_freq_factor == 1`` (true for every released Llama 3.x); the result is checked
-    by recomputing the divisors.
+    ``low_freq_factor == 1`` (true for every released Llama 3.x; with a single point in the
+    smooth region ``high_freq_factor == 4`` is assumed too); the result is checked by
+    recomputing the divisors.
     """
     factors = np.asarray(factors, dtype=np.float64).reshape(-1)
     factor = float(factors.max())
@@ -78,12 +79,13 @@ def llama3_from_freq_factors(factors: np.ndarray, theta: float, rot_dim: int,
     freqs = 1.0 / theta ** (np.arange(0, rot_dim, 2, dtype=np.float64) / rot_dim)
     inv_wavelen = freqs / (2 * math.pi)
     mid = (factors > 1 + 1e-4) & (factors < factor - 1e-4)
-    if factor > 1 and mid.sum() >= 2:
-        smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+    smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor) if factor > 1 else np.zeros(0)
+    if smooth.size >= 2:
         slope, intercept = np.polyfit(inv_wavelen[mid], smooth, 1)
         if intercept < 0:
-            high = 1 - 1 / intercept
-            candidates.insert(0, (1.0, float(high), float(-slope / intercept)))
+            candidates.insert(0, (1.0, float(1 - 1 / intercept), float(-slope / intercept)))
+    elif smooth.size == 1:  # one point: assume the released high_freq_factor of 4
+        candidates.insert(0, (1.0, 4.0, float((3 * smooth[0] + 1) / inv_wavelen[mid][0])))
     for low, high, original in candidates:
         if factors.shape == freqs.shape and np.allclose(
                 _llama3_factors(theta, rot_dim, factor, low, high, original), factors, rtol=1e-3):

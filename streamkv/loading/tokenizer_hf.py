@@ -55,15 +55,11 @@ def tokenizer_from_hf_dir(directory: Path, config: dict[str, Any]) -> Tokenizer:
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     tokens = [backend.id_to_token(i) for i in range(vocab_size)]
     literal = set(added) - special
-    variables = _template_variables(tok_config)
-    for name, token_id in (("bos_token", bos), ("eos_token", eos[0] if eos else None)):
-        if name not in variables and token_id is not None and token_id < vocab_size:
-            variables[name] = tokens[token_id] or ""
     return Tokenizer(
         backend, bos_token_id=bos, eos_token_ids=eos,
         chat_template=_chat_template(directory, tok_config), special_ids=special,
         token_bytes_table=build_table(tokens, _byte_scheme(spec), special, literal),
-        template_variables=variables)
+        template_variables=_template_variables(tok_config))
 
 
 def _token_text(value: Any) -> str | None:

@@ -2,6 +2,12 @@
 
 Weights are held as plain tensors and applied with ``F.linear``; Q/K/V and gate/up are
 fused into one matrix each so a layer is four matmuls.
+
+Precision: matmuls and attention run in the weights' dtype, but the residual stream and
+the RMSNorm weights stay float32. Small models carry "massive activations" (SmolLM2's
+residual reaches ~25,000 on the first token) that a bfloat16 residual rounds by ~100,
+which visibly flattens next-token distributions; a float32 residual costs two casts per
+sub-layer and keeps bfloat16 logits within ~1e-2 of float32.
 """
 from __future__ import annotations
 
@@ -17,14 +23,18 @@ from streamkv.models.registry import register_model
 from streamkv.models.rope import RotaryEmbedding, apply_rope
 
 
+def _optional(weights: dict[str, torch.Tensor], name: str) -> nn.Parameter | None:
+    return nn.Parameter(weights[name], requires_grad=False) if name in weights else None
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__()
         w = lambda name: weights[prefix + name]  # noqa: E731
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
-        self.attn_norm = nn.Parameter(w("attn_norm.weight"), requires_grad=False)
-        self.mlp_norm = nn.Parameter(w("mlp_norm.weight"), requires_grad=False)
+        self.attn_norm = nn.Parameter(w("attn_norm.weight").float(), requires_grad=False)
+        self.mlp_norm = nn.Parameter(w("mlp_norm.weight").float(), requires_grad=False)
         self.qkv = nn.Parameter(torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight")]),
                                 requires_grad=False)
         bias = None
@@ -34,6 +44,12 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Parameter(w("o_proj.weight"), requires_grad=False)
         self.gate_up = nn.Parameter(torch.cat([w("gate_proj.weight"), w("up_proj.weight")]), requires_grad=False)
         self.down = nn.Parameter(w("down_proj.weight"), requires_grad=False)
+        self.o_bias = _optional(weights, prefix + "o_proj.bias")
+        self.down_bias = _optional(weights, prefix + "down_proj.bias")
+        gate_up_bias = None
+        if prefix + "gate_proj.bias" in weights:
+            gate_up_bias = torch.cat([w("gate_proj.bias"), w("up_proj.bias")])
+        self.gate_up_bias = nn.Parameter(gate_up_bias, requires_grad=False) if gate_up_bias is not None else None
         self.intermediate = arch.intermediate_size
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,19 +58,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 backend: AttentionBackend, meta: Any) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        t = x.shape[0]
+        """x [T, hidden] float32 residual -> [T, hidden] float32."""
+        t, dt = x.shape[0], self.qkv.dtype
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps), self.qkv, self.qkv_bias)
+        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias)
         q = qkv[:, : h * d].view(t, h, d)
         k = qkv[:, h * d:(h + hk) * d].view(t, hk, d)
         v = qkv[:, (h + hk) * d:].view(t, hk, d)
         q, k = self.qk_transform(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = backend.forward(layer, q, k, v, meta)
-        x = x + F.linear(attn.reshape(t, h * d), self.o_proj)
-        gu = F.linear(F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps), self.gate_up)
-        return x + F.linear(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:], self.down)
+        x = x + F.linear(attn.reshape(t, h * d), self.o_proj, self.o_bias)
+        gu = F.linear(F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps).to(dt), self.gate_up, self.gate_up_bias)
+        act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
+        return x + F.linear(act, self.down, self.down_bias)
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
@@ -69,7 +86,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
             self.layer_cls(arch, weights, f"layers.{i}.") for i in range(arch.num_layers))
-        self.norm = nn.Parameter(weights["norm.weight"], requires_grad=False)
+        self.norm = nn.Parameter(weights["norm.weight"].float(), requires_grad=False)
         head = self.embed if arch.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = head if isinstance(head, nn.Parameter) else nn.Parameter(head, requires_grad=False)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, max_positions,
@@ -83,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
                 meta: Any) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (before the last norm)."""
         cos, sin = self.rope.cos_sin(positions, self.dtype)
-        x = F.embedding(input_ids, self.embed)
+        x = F.embedding(input_ids, self.embed).float()
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, backend, meta)
         return x
@@ -91,4 +108,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
         h = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.arch.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()

@@ -1,0 +1,35 @@
+"""Shared fixtures: the embedded model (loaded once per session) and fake-runner engines."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smol_fp32():
+    """The embedded SmolLM2-135M-Instruct in float32 (the exactness reference)."""
+    from streamkv import LLM
+
+    return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> str:
+    from streamkv.loading import default_model_path
+
+    return default_model_path()

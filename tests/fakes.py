@@ -1,0 +1,77 @@
+"""A fake runner and tokenizer so the scheduler and engine are testable without a model."""
+from __future__ import annotations
+
+from streamkv.config import CacheConfig, EngineConfig, SchedulerConfig
+from streamkv.engine.engine import Engine
+from streamkv.engine.factory import ModelBundle
+from streamkv.sched.plan import StepOutput, StepPlan
+
+VOCAB = 64
+EOS = 0
+
+
+class FakeTokenizer:
+    """Token t <-> the character chr(ord('a') + t % 26); token 0 is EOS."""
+
+    vocab_size = VOCAB
+    eos_token_ids = (EOS,)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1 + (ord(c) - ord("a")) % 26 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.token_bytes(t).decode() for t in ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"" if token_id == EOS else chr(ord("a") + (token_id - 1) % 26).encode()
+
+
+class FakeRunner:
+    """Next token = a hash of the full history (so any KV mix-up changes the output).
+
+    Checks the runner-side contract on every step: chunks start exactly at the KV already
+    computed for that sequence, and block tables cover every position written.
+    """
+
+    def __init__(self, block_size: int, vocab: int = VOCAB, eos_after: int | None = None) -> None:
+        self.block_size = block_size
+        self.vocab = vocab
+        self.eos_after = eos_after
+        self.computed: dict[int, list[int]] = {}
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.plans.append(plan)
+        for seq_id in plan.released + plan.preempted:
+            self.computed.pop(seq_id, None)
+        out = StepOutput()
+        for item in plan.seqs:
+            have = self.computed.setdefault(item.seq_id, [])
+            if item.start < len(have):  # prefix hit or recompute: KV came from elsewhere
+                del have[item.start:]
+            if item.start > len(have):
+                have.extend(item.history[len(have):item.start])
+            assert list(item.history[:item.start]) == have, "chunk does not continue the computed KV"
+            have.extend(item.token_ids)
+            end = item.start + item.num_tokens
+            assert len(item.block_table) * self.block_size >= end, "block table too short"
+            if item.sample:
+                hist = list(item.history[:end])
+                n_out = end - item.num_prompt
+                if self.eos_after is not None and n_out >= self.eos_after:
+                    out.tokens[item.seq_id] = EOS
+                else:
+                    out.tokens[item.seq_id] = 1 + hash(tuple(hist)) % (self.vocab - 1)
+        return out
+
+
+def fake_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16, budget: int = 64,
+                max_model_len: int = 512, prefix: bool = True, eos_after: int | None = None,
+                chunk: int | None = None) -> tuple[Engine, FakeRunner]:
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                            enable_prefix_caching=prefix),
+                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                                    max_chunk_tokens=chunk))
+    runner = FakeRunner(block_size, eos_after=eos_after)
+    bundle = ModelBundle(runner, FakeTokenizer(), max_model_len, VOCAB, num_blocks)
+    return Engine(config, bundle), runner

@@ -1,0 +1,152 @@
+"""Block pool and KV manager invariants, including randomized (hypothesis) workloads."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from streamkv.kv.block_pool import BlockPool, OutOfBlocksError
+from streamkv.kv.manager import KVManager
+
+
+def test_allocate_release_lru_order():
+    pool = BlockPool(4, 2)
+    a = pool.allocate(2)
+    pool.release(reversed(a))
+    assert pool.allocate(1) == [2]  # never-used blocks come first, then least recently freed
+    assert pool.allocate(1) == [3]
+    assert pool.allocate(1) == [a[1]]
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(2)
+
+
+def test_double_free_detected():
+    pool = BlockPool(2, 2)
+    b = pool.allocate(1)
+    pool.release(b)
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.release(b)
+
+
+def test_cached_block_evicted_on_reuse():
+    pool = BlockPool(1, 2)
+    (b,) = pool.allocate(1)
+    assert pool.cache(b, 123)
+    pool.release([b])
+    assert pool.lookup(123) == b
+    pool.allocate(1)
+    assert pool.lookup(123) is None
+    pool.check_integrity([[b]])
+
+
+def test_prefix_match_and_sharing():
+    kv = KVManager(BlockPool(16, 4))
+    toks = list(range(20))
+    kv.admit(1, kv.match_prefix(toks))
+    assert kv.grow(1, 20)
+    kv.commit(1, toks, 20)
+    hit = kv.match_prefix(toks)
+    assert len(hit.block_ids) == 4  # 19 tokens matchable -> 4 full blocks
+    kv.admit(2, hit)
+    assert kv.grow(2, 20)
+    assert kv.block_table(2)[:4] == kv.block_table(1)[:4]
+    assert kv.block_table(2)[4] != kv.block_table(1)[4]
+    kv.check_integrity()
+    kv.free(1)
+    kv.free(2)
+    kv.check_integrity()
+    assert kv.pool.num_free == 16
+
+
+class KVWorkload(RuleBasedStateMachine):
+    """Random admit / grow / commit / free sequences; integrity must hold after each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVManager(BlockPool(24, 4))
+        self.seqs: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+        self.next_id = 0
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+          tail=st.lists(st.integers(0, 5), min_size=1, max_size=20))
+    def admit(self, prefix: list[int], tail: list[int]) -> None:
+        toks = prefix + tail
+        hit = self.kv.match_prefix(toks)
+        n = hit.num_tokens(4)
+        if self.kv.admission_cost(hit, len(toks)) > self.kv.pool.num_free:
+            return
+        sid = self.next_id
+        self.next_id += 1
+        self.kv.admit(sid, hit, num_tokens=len(toks))
+        assert self.kv.grow(sid, len(toks))
+        self.seqs[sid] = toks
+        self.computed[sid] = n
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def compute(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.computed[sid] = len(self.seqs[sid])
+        self.kv.commit(sid, self.seqs[sid], self.computed[sid])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 5), min_size=1, max_size=9))
+    def extend(self, data: st.DataObject, extra: list[int]) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        before = list(self.kv.block_table(sid))
+        if self.kv.grow(sid, len(self.seqs[sid]) + len(extra)):
+            self.seqs[sid] += extra
+        else:
+            assert self.kv.block_table(sid) == before
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.kv.free(sid)
+        del self.seqs[sid], self.computed[sid]
+
+    @invariant()
+    def integrity(self) -> None:
+        self.kv.check_integrity()
+        # a block shared by two sequences holds the same tokens in both
+        owners: dict[int, tuple[int, ...]] = {}
+        for sid, toks in self.seqs.items():
+            for b, block_id in enumerate(self.kv.block_table(sid)):
+                if (b + 1) * 4 <= self.computed[sid]:
+                    chunk = tuple(toks[b * 4:(b + 1) * 4])
+                    assert owners.setdefault(block_id, chunk) == chunk
+
+
+TestKVWorkload = KVWorkload.TestCase
+TestKVWorkload.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_scheduler_workload_keeps_integrity():
+    """Random request mixes through the real scheduler with a fake runner."""
+    from hypothesis import given
+
+    from streamkv.sampling.params import SamplingParams
+    from tests.fakes import fake_engine
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.lists(st.tuples(st.lists(st.integers(1, 8), min_size=1, max_size=30), st.integers(1, 8),
+                              st.integers(-1, 1)), min_size=1, max_size=10),
+           st.integers(8, 40), st.integers(2, 32))
+    def run(reqs, num_blocks, budget):
+        engine, _ = fake_engine(num_blocks=num_blocks, block_size=4, budget=budget)
+        ids = []
+        for i, (prompt, n, prio) in enumerate(reqs):
+            try:
+                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                                   priority=prio)
+            except ValueError:
+                continue
+            ids.append(f"r{i}")
+        while engine.has_unfinished():
+            engine.step()
+            engine.check_integrity()
+        assert engine.pool.num_free == num_blocks
+
+    run()

@@ -1,0 +1,125 @@
+"""End-to-end exactness on the embedded SmolLM2-135M-Instruct (float32)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamkv import LLM, SamplingParams
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue? Answer in two sentences.",
+    "Give me a Python function that reverses a string.",
+]
+GREEDY32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def _chat_ids(llm: LLM, text: str) -> list[int]:
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+@pytest.fixture(scope="module")
+def hf_model(smol_path):
+    transformers = pytest.importorskip("transformers")
+    path = Path(smol_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def test_greedy_matches_transformers_on_gguf(smol_fp32, hf_model):
+    prompts = [_chat_ids(smol_fp32, p) for p in CHAT_PROMPTS]
+    ours = smol_fp32.generate(prompts, GREEDY32)
+    for ids, out in zip(prompts, ours):
+        assert out.token_ids == hf_greedy(hf_model, ids, 32)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy decoding with its KV cache, ignoring EOS (like ``ignore_eos``)."""
+    out: list[int] = []
+    cur, past = torch.tensor([ids]), None
+    with torch.inference_mode():
+        for _ in range(n):
+            res = model(input_ids=cur, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(res.logits[0, -1].argmax()))
+            cur = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_prefill_logits_close_to_transformers(smol_fp32, hf_model):
+    ids = _chat_ids(smol_fp32, CHAT_PROMPTS[2])
+    out = smol_fp32.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, -1].float(), -1)
+    lp = out.logprobs[0]
+    for token, value in lp.top:
+        assert abs(value - ref[token].item()) < 1e-3
+
+
+def test_lossless_prefix_cache_chunking_batching_preemption(smol_fp32):
+    base = "You are a careful assistant. Here is some context about rivers, mountains and cities. " * 3
+    texts = [base + f"Question {i}: name {i % 5 + 1} things that are {'red blue green tall small'.split()[i % 5]}."
+             for i in range(16)]
+    prompts = [smol_fp32.tokenizer.encode(t)[: 40 + 7 * i] for i, t in enumerate(texts)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = smol_fp32.engine
+    solo = []
+    for p in prompts:
+        engine.pool.reset_prefix_cache()
+        out = smol_fp32.generate([p], params)[0]
+        assert out.num_cached_tokens == 0
+        solo.append(out.token_ids)
+    # prefix-cache hits: the same prompt again reuses cached blocks
+    again = smol_fp32.generate([prompts[15]], params)[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == solo[15]
+    # batched with 15 others of different lengths (shared prefixes hit the cache too)
+    batched = smol_fp32.generate(prompts, params)
+    assert [o.token_ids for o in batched] == solo
+    engine.check_integrity()
+    # chunked prefill, no prefix cache
+    chunked = LLM(dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert [o.token_ids for o in chunked.generate(prompts, params)] == solo
+    # memory pressure: a pool too small for all 16 forces recompute preemption
+    tight = LLM(dtype="float32", num_blocks=24, block_size=16)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == solo
+    tight.engine.check_integrity()
+
+
+def test_cli_generate_answers_paris():
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    res = subprocess.run([sys.executable, "-m", "streamkv.cli", "generate", "--chat", "--temperature", "0",
+                          "What is the capital of France?"], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+
+
+def test_chat_api_and_stop_strings(smol_fp32):
+    out = smol_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    cut = smol_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(max_tokens=32, temperature=0.0, stop=["Paris"]))[0]
+    assert cut.finish_reason == "stop" and "Paris" not in cut.text
+    assert out.text.startswith(cut.text)
+
+
+def test_seed_reproducible_regardless_of_batch(smol_fp32):
+    p = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234)
+    alone = smol_fp32.generate(["Once upon a time"], p)[0].token_ids
+    others = ["Tell me a story about", "The weather today", "In a galaxy far away"]
+    mixed = smol_fp32.generate(others + ["Once upon a time"],
+                               [SamplingParams(max_tokens=25, temperature=0.8)] * 3 + [p])
+    assert mixed[-1].token_ids == alone
+    different = smol_fp32.generate(["Once upon a time"], SamplingParams(max_tokens=20, temperature=1.0, seed=99))
+    assert different[0].token_ids != alone

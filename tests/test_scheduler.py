@@ -1,0 +1,157 @@
+"""Scheduler and engine logic with a fake runner: no model, no tensors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from streamkv.errors import InvalidRequestError
+from streamkv.sampling.params import SamplingParams
+from tests.fakes import fake_engine
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _run(engine, prompts, params=GREEDY, priorities=None):
+    ids = []
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        engine.add_request(rid, p, params, priority=(priorities or [0] * len(prompts))[i])
+        ids.append(rid)
+    done = engine.run_to_completion(ids)
+    engine.check_integrity()
+    return [done[r].token_ids for r in ids], done
+
+
+def _prompts(n, seed=0, lo=3, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 64) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def test_token_budget_and_seq_cap_respected():
+    engine, runner = fake_engine(budget=16, max_num_seqs=3)
+    _run(engine, _prompts(8))
+    assert runner.plans
+    for plan in runner.plans:
+        assert plan.num_tokens <= 16
+        assert len(plan.seqs) <= 3
+
+
+def test_outputs_independent_of_batching_chunking_and_preemption():
+    prompts = _prompts(12, seed=1)
+    solo = []
+    for p in prompts:
+        engine, _ = fake_engine(num_blocks=256, budget=512, prefix=False)
+        solo.append(_run(engine, [p])[0][0])
+    for kwargs in (dict(budget=512), dict(budget=7), dict(budget=16, chunk=5),
+                   dict(num_blocks=24, budget=64), dict(num_blocks=16, budget=8, block_size=4)):
+        engine, _ = fake_engine(**kwargs)
+        got, _ = _run(engine, prompts)
+        assert got == solo, kwargs
+
+
+def test_memory_pressure_preempts_lowest_ranked_first():
+    engine, runner = fake_engine(num_blocks=14, block_size=4, budget=64)
+    prompts = _prompts(6, seed=2, lo=10, hi=14)
+    _, done = _run(engine, prompts)
+    assert engine.scheduler.num_preemptions > 0
+    first_victims = [p.preempted for p in runner.plans if p.preempted][0]
+    # the earliest-arrived request is ranked highest under FCFS and is never the first victim
+    seq_ids = {rid: i for i, rid in enumerate(sorted(done))}
+    assert seq_ids["r0"] not in first_victims
+
+
+def test_priority_runs_first():
+    engine, runner = fake_engine(budget=8, max_num_seqs=1)
+    engine.add_request("low", [5] * 6, GREEDY, priority=5)
+    engine.add_request("high", [6] * 6, GREEDY, priority=-1)
+    engine.step()
+    first = runner.plans[0].seqs[0]
+    assert list(first.token_ids[:1]) == [6]
+
+
+def test_prefix_cache_hit_reuses_blocks_and_keeps_output():
+    engine, runner = fake_engine(block_size=4, budget=512)
+    prompt = list(range(1, 30))
+    a, done_a = _run(engine, [prompt])
+    engine.add_request("again", prompt, GREEDY)
+    b = engine.run_to_completion(["again"])["again"]
+    assert b.num_cached_tokens == 28  # 7 full blocks; the last token is always recomputed
+    assert b.token_ids == a[0]
+    assert engine.pool.prefix_hits >= 7
+
+
+def test_stop_token_and_max_tokens():
+    engine, _ = fake_engine(eos_after=3)
+    _, done = _run(engine, [[1, 2, 3]], SamplingParams(max_tokens=10, temperature=0))
+    out = done["r0"]
+    assert out.finish_reason == "stop" and len(out.token_ids) == 4 and out.token_ids[-1] == 0
+    engine, _ = fake_engine(eos_after=3)
+    _, done = _run(engine, [[1, 2, 3]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert done["r0"].finish_reason == "length" and len(done["r0"].token_ids) == 10
+
+
+def test_context_limit_finishes_with_length():
+    engine, _ = fake_engine(max_model_len=20)
+    _, done = _run(engine, [[1] * 15], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert done["r0"].finish_reason == "length"
+    assert len(done["r0"].prompt_token_ids) + len(done["r0"].token_ids) == 20
+
+
+def test_abort_frees_blocks():
+    engine, _ = fake_engine()
+    engine.add_request("a", [1] * 30, GREEDY)
+    engine.add_request("b", [2] * 30, GREEDY)
+    engine.step()
+    assert engine.pool.num_used > 0
+    assert engine.abort("a")
+    outs = engine.step()
+    assert any(o.request_id == "a" and o.finish_reason == "abort" for o in outs)
+    engine.run_to_completion(["b"])
+    engine.check_integrity()
+    assert all(b.ref_count == 0 for b in engine.pool.blocks)
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ([], "empty"), ("", "empty"), ([1] * 600, "context"), ([999], "vocabulary"), ([-1], "vocabulary"),
+])
+def test_bad_prompts_rejected_without_side_effects(prompt, match):
+    engine, _ = fake_engine()
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request("x", prompt, GREEDY)
+    assert not engine.has_unfinished()
+    got, _ = _run(engine, [[1, 2, 3]])
+    assert len(got[0]) == 12
+
+
+def test_prompt_larger_than_pool_rejected():
+    engine, _ = fake_engine(num_blocks=4, block_size=4)
+    with pytest.raises(InvalidRequestError, match="KV cache"):
+        engine.add_request("x", [1] * 20, GREEDY)
+
+
+def test_duplicate_request_id_rejected():
+    engine, _ = fake_engine()
+    engine.add_request("x", [1, 2], GREEDY)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("x", [1, 2], GREEDY)
+
+
+def test_failing_step_fails_only_its_requests():
+    engine, runner = fake_engine()
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(plan)
+
+    runner.execute = flaky  # type: ignore[method-assign]
+    engine.add_request("a", [1, 2, 3], GREEDY)
+    engine.step()
+    outs = engine.step()
+    assert outs and outs[0].finish_reason == "error" and "boom" in outs[0].error
+    got, _ = _run(engine, [[4, 5, 6]])
+    assert len(got[0]) == 12
