@@ -170,6 +170,80 @@ def machine_info(threads: int | None = None) -> dict:
     return info
 
 
+def _proc_times() -> dict[int, tuple[int, float]]:
+    """{pid: (ppid, cpu seconds)} for every process (from /proc/<pid>/stat)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+                out[int(d)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+class ForeignLoad:
+    """CPU used by *other* processes (not this one, not its descendants) over a window, in
+    cores: the machine may be shared. Sampled every `period` s by a thread:
+
+        with ForeignLoad() as fl: ...        # then fl.cores
+    """
+
+    def __init__(self, period: float = 0.5):
+        self.period, self.cores, self.other_s = period, 0.0, 0.0
+        self.mine = {os.getpid()}
+
+    def _sample(self):
+        cur = _proc_times()
+        for pid, (ppid, _) in sorted(cur.items()):  # once ours (by parent chain), always ours
+            if ppid in self.mine:
+                self.mine.add(pid)
+        for pid, (_, cpu) in cur.items():
+            if pid not in self.mine:
+                self.other_s += cpu - self.prev[pid][1] if pid in self.prev else cpu
+        self.prev = cur
+
+    def _loop(self):
+        while not self.stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self):
+        import threading
+        if not os.path.isdir("/proc"):
+            return self
+        self.t, self.prev, self.stop = time.perf_counter(), _proc_times(), threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if not hasattr(self, "thread"):
+            return
+        self.stop.set()
+        self.thread.join()
+        self._sample()
+        wall = time.perf_counter() - self.t
+        self.cores = self.other_s / wall if wall > 0 else 0.0
+
+
+def wait_idle(max_s: float, threshold: float = 0.3, quiet: bool = False) -> float:
+    """Wait (at most max_s) until other processes use < threshold cores over 2 s; returns the
+    load seen last, in cores."""
+    deadline, load = time.monotonic() + max_s, 0.0
+    while True:
+        with ForeignLoad() as fl:
+            time.sleep(2.0)
+        load = fl.cores
+        if load < threshold or time.monotonic() >= deadline:
+            return load
+        if not quiet:
+            print(f"   machine busy ({load:.1f} cores used by other processes): waiting",
+                  file=sys.stderr, flush=True)
+            quiet = True
+
+
 def _bench(fn, min_time: float = 0.3, warmup: int = 2) -> float:
     """Best seconds per call of fn over at least min_time of repetitions."""
     for _ in range(warmup):

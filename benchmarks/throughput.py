@@ -109,7 +109,7 @@ def engine_configs(args) -> list[dict]:
     return out
 
 
-def run_engine(cfg: dict, wl_path: Path, log_dir: Path, timeout: float) -> dict:
+def run_engine(cfg: dict, wl_path: Path, log_dir: Path, timeout: float, wait: float) -> dict:
     if not os.path.exists(cfg["py"]):
         return {"skipped": f"{cfg['py']} missing: run `bash benchmarks/setup_peers.sh`"}
     if cfg.get("needs_hf") and not (common.HF_EXPORT / "config.json").exists():
@@ -119,9 +119,10 @@ def run_engine(cfg: dict, wl_path: Path, log_dir: Path, timeout: float) -> dict:
     cmd = [cfg["py"], str(PEERS / cfg["script"]), "--workload", str(wl_path), "--out", str(out),
            "--dtype", cfg["dtype"], *cfg["extra"]]
     env = {**os.environ, **cfg["env"]}
-    t0 = time.perf_counter()
     print(f"\n== {cfg['name']}  (log: {log})", file=sys.stderr, flush=True)
-    with open(log, "w") as lf:
+    before = common.wait_idle(wait) if wait > 0 else None
+    t0 = time.perf_counter()
+    with open(log, "w") as lf, common.ForeignLoad() as fl:
         p = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.PIPE, text=True, cwd=common.REPO)
         try:
             for line in p.stderr:  # echo the harness' progress lines, keep everything in the log
@@ -142,6 +143,8 @@ def run_engine(cfg: dict, wl_path: Path, log_dir: Path, timeout: float) -> dict:
         return {"error": f"exit code {p.returncode} (log: {log})"}
     r = json.loads(out.read_text())
     r["wall_s"] = time.perf_counter() - t0
+    r["foreign_load_cores"] = fl.cores  # CPU other processes used meanwhile (shared machine)
+    r["foreign_load_before"] = before
     return r
 
 
@@ -181,6 +184,8 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
         ("n/a" if (v := metric(r, k)) is None else fmt(v, 1 if k == "load@" else 0))
     rows = [[label] + [cell(res[n], k) for n in names] for label, k in rows_def]
     ref = next((res[n] for n in names if n == "transformers float32"), None)
+    rows.append(["other processes' CPU during the run (cores)"]
+                + [fmt(res[n].get("foreign_load_cores"), 2) for n in names])
     rows.append([f"greedy ids = transformers fp32 (first n of {wl['decode']['max_tokens']})"]
                 + [fmt(agreement(res[n], ref)) for n in names])
     out = ["## Throughput (tokens/s, median of %d trial(s); %d threads)"
@@ -192,6 +197,10 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
             v = res[n].get(ph)
             if isinstance(v, dict) and ("unsupported" in v or "error" in v):
                 notes.append(f"- {n} {ph}: {v.get('unsupported') or v.get('error')}")
+    busy = [n for n in names if (res[n].get("foreign_load_cores") or 0) > 0.3]
+    if busy:
+        notes.append(f"- WARNING: other processes used CPU during {', '.join(busy)}: "
+                     "those numbers are low; rerun on an idle machine")
     out += ([""] + notes) if notes else []
 
     report: dict = {"ratios": {}, "targets": []}
@@ -246,7 +255,8 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                    f" / {ceil['linear_32_bfloat16_gflops']}; batch-1 {ceil['linear_1_float32_gflops']} / "
                    f"{ceil['linear_1_bfloat16_gflops']}; LM head batch-1 {ceil['lm_head_1_float32_gflops']} / "
                    f"{ceil['lm_head_1_bfloat16_gflops']}; memory read {ceil['read_gbs']} GB/s, "
-                   f"copy {ceil['copy_gbs']} GB/s (read+write)")
+                   f"copy {ceil['copy_gbs']} GB/s (read+write); other processes meanwhile: "
+                   f"{ceil['foreign_load_cores']} cores")
         crow, report["ceiling_pct"] = [], {}
         dec_ctx = len(wl["decode"]["prompts"][0]) + wl["decode"]["max_tokens"] // 2
         for n in names:
@@ -304,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per engine")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the matmul/bandwidth probe")
+    ap.add_argument("--wait-idle", type=float, default=120, metavar="S",
+                    help="before each engine, wait up to S s for other processes to go idle")
     args = ap.parse_args(argv)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.peer_dtypes = [d.strip() for d in args.peer_dtypes.split(",") if d.strip()]
@@ -311,7 +323,13 @@ def main(argv=None) -> int:
     gguf = common.embedded_gguf()
     machine = common.machine_info(args.threads)
     cost = common.model_cost(gguf)
-    ceil = None if args.no_ceilings else common.measure_ceilings(args.threads)
+    ceil = None
+    if not args.no_ceilings:
+        if args.wait_idle > 0:
+            common.wait_idle(args.wait_idle)
+        with common.ForeignLoad() as fl:
+            ceil = common.measure_ceilings(args.threads)
+        ceil["foreign_load_cores"] = round(fl.cores, 2)
     wl = build_workload(args, gguf)
     stamp = common.timestamp()
     run_dir = common.RESULTS / f"throughput-{stamp}.d"
@@ -321,7 +339,7 @@ def main(argv=None) -> int:
 
     res = {}
     for cfg in engine_configs(args):  # strictly one after another
-        res[cfg["name"]] = run_engine(cfg, wl_path, run_dir, args.timeout)
+        res[cfg["name"]] = run_engine(cfg, wl_path, run_dir, args.timeout, args.wait_idle)
     text, report = build_report(res, wl, machine, ceil, cost)
     print("\n" + text)
     doc = {"benchmark": "throughput", "timestamp": stamp, "argv": sys.argv[1:], "quick": args.quick,

@@ -90,16 +90,17 @@ class TorchReferenceBackend(AttentionBackend):
         kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         out = torch.empty_like(q)
+        # SDPA takes [1, heads, len, dim] views; 3-D inputs fall back to the slow math kernel.
         for p in meta.prefills:
-            qs = q[p.q0:p.q1].transpose(0, 1)
+            qs = q[p.q0:p.q1].transpose(0, 1)[None]
             if p.ctx_slots is None:
-                ks, vs = k[p.q0:p.q1].transpose(0, 1), v[p.q0:p.q1].transpose(0, 1)
+                ks, vs = k[p.q0:p.q1].transpose(0, 1)[None], v[p.q0:p.q1].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
-                ks = kc.index_select(0, p.ctx_slots).transpose(0, 1).to(q.dtype)
-                vs = vc.index_select(0, p.ctx_slots).transpose(0, 1).to(q.dtype)
+                ks = kc.index_select(0, p.ctx_slots).transpose(0, 1)[None].to(q.dtype)
+                vs = vc.index_select(0, p.ctx_slots).transpose(0, 1)[None].to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
-            out[p.q0:p.q1] = o.transpose(0, 1)
+            out[p.q0:p.q1] = o[0].transpose(0, 1)
         if meta.dec_rows is not None:
             out.index_copy_(0, meta.dec_rows, self._decode(q, kc, vc, meta))
         return out

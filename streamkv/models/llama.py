@@ -52,9 +52,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = nn.Parameter(gate_up_bias, requires_grad=False) if gate_up_bias is not None else None
         self.intermediate = arch.intermediate_size
 
-    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hook before RoPE (identity here; Qwen3 normalises each head)."""
-        return q, k
+    def qk_transform(self, qk: torch.Tensor) -> torch.Tensor:
+        """Hook before RoPE on the joint q|k heads [T, H + Hkv, D] (identity; Qwen3 normalises)."""
+        return qk
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 backend: AttentionBackend, meta: Any) -> torch.Tensor:
@@ -62,11 +62,10 @@ class DecoderLayer(nn.Module):
         t, dt = x.shape[0], self.qkv.dtype
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias)
-        q = qkv[:, : h * d].view(t, h, d)
-        k = qkv[:, h * d:(h + hk) * d].view(t, hk, d)
+        # q and k heads are adjacent in the fused projection: one RoPE call rotates both.
+        qk = apply_rope(self.qk_transform(qkv[:, :(h + hk) * d].view(t, h + hk, d)), cos, sin)
+        q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hk) * d:].view(t, hk, d)
-        q, k = self.qk_transform(q, k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = backend.forward(layer, q, k, v, meta)
         x = x + F.linear(attn.reshape(t, h * d), self.o_proj, self.o_bias)
         gu = F.linear(F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps).to(dt), self.gate_up, self.gate_up_bias)

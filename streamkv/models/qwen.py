@@ -18,12 +18,13 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 class Qwen3DecoderLayer(DecoderLayer):
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
         super().__init__(arch, weights, prefix)
-        self.q_norm = nn.Parameter(weights[prefix + "q_norm.weight"], requires_grad=False)
-        self.k_norm = nn.Parameter(weights[prefix + "k_norm.weight"], requires_grad=False)
+        q_norm, k_norm = weights[prefix + "q_norm.weight"], weights[prefix + "k_norm.weight"]
+        # one weight row per head of the joint q|k tensor: [H + Hkv, D]
+        self.qk_norm = nn.Parameter(torch.cat([q_norm.expand(self.num_heads, -1),
+                                               k_norm.expand(self.num_kv_heads, -1)]), requires_grad=False)
 
-    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = (self.head_dim,)
-        return F.rms_norm(q, d, self.q_norm, self.eps), F.rms_norm(k, d, self.k_norm, self.eps)
+    def qk_transform(self, qk: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm
 
 
 @register_model("Qwen3ForCausalLM")

@@ -14,8 +14,8 @@ class IncrementalDetokenizer:
 
     Bytes go through an incremental UTF-8 decoder, so a character is emitted only once all
     of its bytes have arrived. ``text`` is the output so far (cut at a stop string);
-    :meth:`take_delta` returns the part that is safe to stream: it withholds the last
-    ``max(len(stop)) - 1`` characters, which could still become the start of a stop string.
+    :meth:`take_delta` returns the part that is safe to stream: it withholds the longest
+    tail of ``text`` that is a proper prefix of a stop string (it may still become one).
     """
 
     def __init__(self, tokenizer: _TokenBytes, stop: tuple[str, ...] = (), include_stop: bool = False) -> None:
@@ -55,9 +55,16 @@ class IncrementalDetokenizer:
         self._hold = 0
         return True
 
+    def _pending_stop_prefix(self) -> int:
+        if not self._hold:
+            return 0
+        tail = self.text[-self._hold:]
+        return max((k for s in self.stop for k in range(min(len(s) - 1, len(tail)), 0, -1)
+                    if tail.endswith(s[:k])), default=0)
+
     def take_delta(self) -> str:
         """New text that can no longer change."""
-        safe = len(self.text) - (0 if self.stopped else self._hold)
+        safe = len(self.text) - (0 if self.stopped else self._pending_stop_prefix())
         if safe <= self._emitted:
             return ""
         delta = self.text[self._emitted:safe]

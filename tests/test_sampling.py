@@ -1,0 +1,118 @@
+"""Sampler, sampling-parameter validation and incremental detokenization."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from streamkv.errors import InvalidRequestError
+from streamkv.sampling.detokenizer import IncrementalDetokenizer
+from streamkv.sampling.params import SamplingParams
+from streamkv.sampling.sampler import Sampler, filtered_probs
+from streamkv.sched.plan import ScheduledSeq
+
+
+def item(seq_id=0, history=(), num_prompt=0, **kw):
+    return ScheduledSeq(seq_id, 0, (1,), (0,), True, SamplingParams(**kw), tuple(history), num_prompt)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
+    dict(top_k=-2), dict(min_p=1.5), dict(max_tokens=0), dict(max_tokens=-3), dict(presence_penalty=3.0),
+    dict(frequency_penalty=-2.5), dict(repetition_penalty=0.0), dict(logprobs=21), dict(logprobs=-1),
+    dict(seed=1.5), dict(stop=[""]), dict(min_tokens=5, max_tokens=2), dict(temperature="hot"),
+])
+def test_invalid_params_raise_typed_error(kw):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kw)
+
+
+def test_greedy_and_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    tokens, lps = Sampler()(logits.clone(), [item(logprobs=2, temperature=0.0)])
+    assert tokens == [1]
+    ref = torch.log_softmax(logits[0], -1)
+    assert math.isclose(lps[0].logprob, ref[1].item(), rel_tol=1e-6)
+    assert [t for t, _ in lps[0].top] == [1, 3]
+
+
+def test_top_k_top_p_min_p_filters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert (filtered_probs(logits, [item(top_k=2, temperature=1.0)])[0, 2:] == 0).all()
+    p = filtered_probs(logits, [item(top_p=0.8, temperature=1.0)])[0]
+    assert p[0] > 0 and p[1] > 0 and p[2] == 0 and p[3] == 0  # 0.5 + 0.3 reaches 0.8
+    p = filtered_probs(logits, [item(min_p=0.5, temperature=1.0)])[0]
+    assert p[1] > 0 and p[2] == 0  # 0.15 < 0.5 * 0.5
+    torch.testing.assert_close(filtered_probs(logits, [item(temperature=1.0)])[0], torch.exp(logits[0]))
+
+
+def test_sampling_follows_distribution_and_seed():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    sampler = Sampler()
+    counts = torch.zeros(3)
+    for i in range(3000):
+        (t,), _ = sampler(torch.log(probs)[None].clone(), [item(seq_id=i, temperature=1.0, seed=i)])
+        counts[t] += 1
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.04)
+    a = [Sampler()(torch.log(probs)[None].clone(), [item(seq_id=7, temperature=1.0, seed=5)])[0][0] for _ in range(5)]
+    assert len(set(a)) == 1
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 2.0, -1.0, 0.5]])
+    s = Sampler()
+    (t,), _ = s(logits.clone(), [item(history=(9, 0, 0), num_prompt=1, temperature=0.0, frequency_penalty=1.0)])
+    assert t == 1  # token 0 appeared twice in the output: 2 - 2 < 2
+    row = logits.clone()
+    s(row, [item(history=(0, 2), num_prompt=2, temperature=0.0, repetition_penalty=2.0)])
+    assert row[0, 0] == 1.0 and row[0, 2] == -2.0  # prompt tokens count for repetition penalty
+    row = logits.clone()
+    s(row, [item(history=(5, 3), num_prompt=1, temperature=0.0, presence_penalty=0.5)])
+    assert row[0, 3] == 0.0
+
+
+class ByteTok:
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def token_bytes(self, t):
+        return self.pieces[t]
+
+
+def test_detokenizer_multibyte_split_across_tokens():
+    euro = "€".encode()  # 3 bytes
+    tok = ByteTok([b"a", euro[:1], euro[1:2], euro[2:], "😀".encode()])
+    d = IncrementalDetokenizer(tok)
+    deltas = []
+    for t in [0, 1, 2, 3, 4, 0]:
+        d.add(t)
+        deltas.append(d.take_delta())
+    assert deltas == ["a", "", "", "€", "😀", "a"]
+    assert "\ufffd" not in d.text
+
+
+def test_detokenizer_stop_string_never_leaks():
+    tok = ByteTok([b"Hel", b"lo ", b"ST", b"OP", b" tail"])
+    d = IncrementalDetokenizer(tok, stop=("STOP",))
+    streamed = ""
+    for t in [0, 1, 2, 3, 4]:
+        if d.add(t):
+            break
+        streamed += d.take_delta()
+    streamed += d.take_delta()
+    assert streamed == d.text == "Hello "
+    d2 = IncrementalDetokenizer(tok, stop=("STOP",), include_stop=True)
+    for t in [0, 1, 2, 3]:
+        d2.add(t)
+    assert d2.text == "Hello STOP"
+
+
+def test_detokenizer_releases_held_text_at_finish():
+    tok = ByteTok([b"ab", b"S"])
+    d = IncrementalDetokenizer(tok, stop=("STOP",))
+    d.add(0)
+    d.add(1)
+    assert d.take_delta() == "ab"  # the trailing "S" may still begin "STOP"
+    d.finish()
+    assert d.take_delta() == "S"
