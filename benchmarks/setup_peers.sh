@@ -16,6 +16,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 CACHE=benchmarks/.cache
 mkdir -p "$CACHE"
+# the cache holds a 538 MB safetensors file: keep git away from it even before .gitignore says so
+[ -f "$CACHE/.gitignore" ] || printf '*\n' > "$CACHE/.gitignore"
 LOG=${LOG:-$CACHE/setup_peers.log}
 STEPS=${*:-llamacpp vllm tcmalloc export}
 PIP_QUIET=(--quiet --disable-pip-version-check)

@@ -22,24 +22,32 @@ def _flag_type(field: dataclasses.Field) -> Any:  # type: ignore[type-arg]
     return str
 
 
+def _add_dataclass_flags(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _flag_type(f)
+        helptext = f.metadata.get("help", "")
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=helptext)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=helptext)
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per config field (``kv_cache_memory`` -> ``--kv-cache-memory``)."""
     for section in dataclasses.fields(EngineConfig):
-        group = parser.add_argument_group(section.name)
-        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
-            flag = "--" + f.name.replace("_", "-")
-            kind = _flag_type(f)
-            helptext = f.metadata.get("help", "")
-            if kind == "bool":
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS, help=helptext)
-            else:
-                group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=helptext)
+        _add_dataclass_flags(parser, section.name, type(section.default_factory()))  # type: ignore[misc]
+
+
+def _options(args: argparse.Namespace, classes: list[type]) -> dict[str, Any]:
+    names = {f.name for cls in classes for f in dataclasses.fields(cls)}
+    return {k: v for k, v in vars(args).items() if k in names}
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for s in dataclasses.fields(EngineConfig) for f in dataclasses.fields(s.default_factory())}  # type: ignore[misc]
-    return {k: v for k, v in vars(args).items() if k in names}
+    return _options(args, [type(s.default_factory()) for s in dataclasses.fields(EngineConfig)])  # type: ignore[misc]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     add_engine_flags(gen)
+    from streamkv.server.config import ServerConfig
+
+    serve = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible HTTP API")
+    _add_dataclass_flags(serve, "server", ServerConfig)
+    add_engine_flags(serve)
     return parser
 
 
@@ -70,11 +83,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from streamkv.server.config import ServerConfig
+    from streamkv.server.run import serve
+
+    logging.getLogger("streamkv").setLevel(logging.INFO)
+    config = ServerConfig(**_options(args, [ServerConfig]))
+    return serve(EngineConfig.from_flat(**engine_options(args)), config)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "serve": cmd_serve}[args.command](args)
     except (StreamKVError, ValueError) as exc:
         print(f"streamkv: error: {exc}", file=sys.stderr)
         return 2

@@ -5,8 +5,8 @@ A runner defines an adapter with three methods and calls `main(make_engine)`:
     prefill(ids)            -> None       one fresh prompt, exactly one generated token
     decode(ids, n)          -> (times, token_ids)   greedy, ignore EOS, n tokens; times[i] is
                                            time.perf_counter() when token i was available
-    concurrent(prompts, n)  -> list of {"first": t, "last": t, "n": tokens} per request, or
-                                           raise NotImplementedError
+    concurrent(prompts, n)  -> list of {"first": t, "last": t, "n": tokens[, "times": [t...]]}
+                                           per request, or raise NotImplementedError
     info                    -> dict (versions, settings) [attribute]
 
 The driver (benchmarks/throughput.py) writes the workload JSON (token ids, identical for all
@@ -90,6 +90,7 @@ def run_concurrent(eng, wl: dict) -> dict:
         after_first = sum(r["n"] - 1 for r in recs)
         total = sum(r["n"] for r in recs)
         out[b] = {
+            "steady_decode_tok_s": _steady(recs),
             # per spec: tokens generated after each request's first token / decode-phase time
             "agg_decode_tok_s": after_first / (last - first) if last > first else None,
             "e2e_tok_s": total / (last - t0),  # all generated tokens over the whole run
@@ -98,6 +99,22 @@ def run_concurrent(eng, wl: dict) -> dict:
             "n_requests": len(recs), "tokens_per_request": [r["n"] for r in recs],
         }
     return out
+
+
+def _steady(recs: list[dict]):
+    """Tokens/s while *all* requests decode: the window from the last request's first token
+    to the first request's last token (per-token times where the engine gives them, else
+    spread evenly between a request's first and last token)."""
+    t0, t1 = max(r["first"] for r in recs), min(r["last"] for r in recs)
+    if t1 <= t0:
+        return None
+    count = 0.0
+    for r in recs:
+        if r.get("times"):
+            count += sum(1 for t in r["times"] if t0 < t <= t1)
+        elif r["last"] > r["first"]:
+            count += (r["n"] - 1) * (t1 - t0) / (r["last"] - r["first"])
+    return count / (t1 - t0)
 
 
 def main(make_engine, extra_args=None) -> None:

@@ -96,13 +96,16 @@ class Engine:
                 last[s], first_t[s] = t, now
                 toks[s].append(t)
         # decode: one token per sequence per step
+        steps = []
         for step in range(n - 1):
             items = [(last[s], len(prompts[s]) + step, s, True) for s in range(len(prompts))]
             last = self._decode_items(ctx, items)
+            steps.append(time.perf_counter())
             for s, t in last.items():
                 toks[s].append(t)
-        end = time.perf_counter()
-        return [{"first": first_t[s], "last": end, "n": len(toks[s])} for s in range(len(prompts))]
+        end = steps[-1] if steps else max(first_t.values())
+        return [{"first": first_t[s], "last": end, "n": len(toks[s]), "times": [first_t[s]] + steps}
+                for s in range(len(prompts))]
 
 
 if __name__ == "__main__":

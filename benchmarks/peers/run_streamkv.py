@@ -18,7 +18,7 @@ import harness
 
 def _resolved_dtype(llm, asked: str) -> str:
     """Best effort: what 'auto' became (for the ceiling comparison)."""
-    for path in ("dtype", "model_config.dtype", "config.dtype", "engine.dtype",
+    for path in ("engine.bundle.dtype", "dtype", "model_config.dtype", "config.dtype", "engine.dtype",
                  "llm_engine.dtype", "engine.runner.dtype", "runner.dtype"):
         obj = llm
         try:

@@ -69,7 +69,8 @@ class Engine:
         clock = _Clock()
         out = self._generate(prompts, n, clock)
         k = out.shape[1] - len(prompts[0])
-        return [{"first": clock.times[0], "last": clock.times[-1], "n": k} for _ in prompts]
+        return [{"first": clock.times[0], "last": clock.times[-1], "n": k, "times": clock.times}
+                for _ in prompts]
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ class Engine:
         return self._run([ids], n)[0]
 
     def concurrent(self, prompts, n):
-        return [{"first": t[0], "last": t[-1], "n": len(k)} for t, k in self._run(prompts, n)]
+        return [{"first": t[0], "last": t[-1], "n": len(k), "times": t}
+                for t, k in self._run(prompts, n)]
 
     def close(self):
         del self.llm

@@ -107,8 +107,10 @@ class TorchReferenceBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: RefMeta) -> torch.Tensor:
         # CPU SDPA is ~7x slower in bfloat16 than float32 for one query row: use float32.
+        b, length = meta.dec_slots.shape
+        flat = meta.dec_slots.view(-1)
         qd = q.index_select(0, meta.dec_rows).unsqueeze(2).float()        # [B, H, 1, D]
-        ks = kc[meta.dec_slots].transpose(1, 2).float()                    # [B, Hkv, L, D]
-        vs = vc[meta.dec_slots].transpose(1, 2).float()
+        ks = kc.index_select(0, flat).view(b, length, *kc.shape[1:]).transpose(1, 2).float()  # [B, Hkv, L, D]
+        vs = vc.index_select(0, flat).view(b, length, *vc.shape[1:]).transpose(1, 2).float()
         o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=meta.dec_mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(2).to(q.dtype)                                    # [B, H, D]

@@ -192,6 +192,7 @@ class Engine:
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=seq.tokens[:seq.num_prompt_tokens],
             token_ids=list(tokens), text=req.detok.text, delta_text=req.detok.take_delta(),
             delta_token_ids=delta_ids, finished=seq.finished, finish_reason=seq.finish_reason,
+            stop_str=req.detok.matched_stop,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens, error=req.error,
             metrics={"arrival_time": req.arrival, "first_token_time": req.first_token or 0.0,

@@ -23,6 +23,7 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+    stop_str: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None

@@ -27,6 +27,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stopped = False
+        self.matched_stop: str | None = None
 
     def add(self, token_id: int) -> bool:
         """Append one token; True if a stop string completed (``text`` is then final)."""
@@ -50,6 +51,7 @@ class IncrementalDetokenizer:
         if not hits:
             return False
         i, s = min(hits)
+        self.matched_stop = s
         self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
         self.stopped = True
         self._hold = 0

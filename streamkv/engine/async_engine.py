@@ -1,0 +1,199 @@
+"""Thread-owned engine with an asyncio front end.
+
+One daemon thread owns the :class:`Engine` and runs its step loop; every other thread talks
+to it through a command queue. Outputs flow back to each request's ``asyncio.Queue`` via
+``loop.call_soon_threadsafe``. No engine state is touched outside the owner thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence as Seq
+
+from streamkv.engine.engine import Engine
+from streamkv.engine.outputs import RequestOutput
+from streamkv.errors import EngineDeadError, StreamKVError
+from streamkv.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(StreamKVError):
+    """More requests are waiting than ``max_waiting`` allows; retry later."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | Seq[int]
+    params: SamplingParams
+    priority: int
+    loop: asyncio.AbstractEventLoop
+    sink: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the owner thread and resolve ``future`` with its result."""
+
+    fn: Any
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="streamkv-engine", daemon=True)
+        self.num_waiting = 0
+        self.num_running = 0
+        self.accepting = True
+        self.last_step_time = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    # --------------------------------------------------------------- client side
+    async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request; raises the engine's validation error, if any.
+
+        Cancelling the consuming task (client disconnect) aborts the request.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        if not self.accepting:
+            raise EngineDeadError("server is shutting down")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting (limit {self.max_waiting})")
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._commands.put(_Add(request_id, prompt, params, priority, loop, sink))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def call(self, fn: Any) -> Any:
+        """Run ``fn(engine)`` on the engine thread (for stats and state queries)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._commands.put(_Call(fn, loop, fut))
+        return await fut
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish until ``timeout``, abort the rest."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self._sinks and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        for rid in list(self._sinks):
+            self.abort(rid)
+        time.sleep(0.1)
+        self._stop.set()
+        self._commands.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+
+    # --------------------------------------------------------------- owner side
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    t = time.perf_counter()
+                    outputs = self.engine.step()
+                    self.last_step_time = time.perf_counter() - t
+                    for out in outputs:
+                        self._deliver(out.request_id, out, out.finished)
+                self.num_waiting = self.engine.scheduler.num_waiting
+                self.num_running = self.engine.scheduler.num_running
+        except BaseException as exc:  # the loop itself broke: fail everything, loudly
+            log.exception("engine loop died")
+            self._dead = exc
+            for rid in list(self._sinks):
+                self._deliver(rid, EngineDeadError(f"engine stopped: {exc}"), True)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: Any) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
+            except Exception as exc:
+                cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
+                return
+            self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
+        elif isinstance(cmd, _Abort):
+            if self.engine.abort(cmd.request_id):
+                self._sinks.pop(cmd.request_id, None)
+        elif isinstance(cmd, _Call):
+            try:
+                result: Any = cmd.fn(self.engine)
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, result, None)
+            except Exception as exc:
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, exc)
+
+    def _deliver(self, request_id: str, item: Any, last: bool) -> None:
+        target = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
+        if target is not None:
+            loop, sink = target
+            try:
+                loop.call_soon_threadsafe(sink.put_nowait, item)
+            except RuntimeError:  # the client's loop is closed
+                pass
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

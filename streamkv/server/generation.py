@@ -1,0 +1,129 @@
+"""Shared plumbing of the generation routes: limits, sampling params, fan-out over n choices."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.engine.outputs import RequestOutput
+from streamkv.errors import InvalidRequestError
+from streamkv.sampling.params import SamplingParams
+from streamkv.server.errors import APIError
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(404, f"model {requested!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, limits: Limits, param: str = "max_tokens") -> int:
+    room = limits.max_model_len - prompt_len
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {limits.max_model_len} tokens; "
+                            f"the prompt has {prompt_len} tokens.", param="messages" if param != "max_tokens"
+                       else "prompt", code="context_length_exceeded")
+    if requested is None:
+        return room
+    if requested < 1:
+        raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
+    if requested > room:
+        raise APIError(400, f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+                            f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                            f"{requested} for the completion).", param=param, code="context_length_exceeded")
+    return requested
+
+
+def make_params(**kwargs: Any) -> SamplingParams:
+    """SamplingParams from request fields (None means default); bad values -> 400."""
+    clean = {k: v for k, v in kwargs.items() if v is not None}
+    if isinstance(clean.get("stop"), str):
+        clean["stop"] = (clean["stop"],)
+    try:
+        return SamplingParams(**clean)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n choices: a seeded request gives choice i the seed ``seed + i`` (distinct yet reproducible)."""
+    if params.seed is None or n == 1:
+        return [params] * n
+    from dataclasses import replace
+
+    return [replace(params, seed=(params.seed + i) % (2 ** 64)) for i in range(n)]
+
+
+async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], params: Sequence[SamplingParams],
+                  priority: int) -> list[RequestOutput]:
+    """Non-streaming: final output of every (prompt, params) pair, in order."""
+    async def one(i: int) -> RequestOutput:
+        last = None
+        async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority):
+            last = out
+        assert last is not None
+        return last
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def stream_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], params: Sequence[SamplingParams],
+                     priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Streaming: ``(choice index, output)`` as they come; cancelling aborts every choice."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority):
+                await queue.put((i, out))
+        except Exception as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
+    remaining = len(prompts)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def check_output(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise APIError(500, f"generation failed: {out.error}")
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    raw = tokenizer.token_bytes(token_id)
+    if raw:
+        return raw.decode("utf-8", errors="replace")
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    return "length" if out.finish_reason == "length" else "stop"

@@ -1,0 +1,47 @@
+"""Prometheus metrics, one registry per server (no process-global state)."""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("streamkv_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("streamkv_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("streamkv_generation_tokens", "generated tokens", registry=r)
+        self.ttft = Histogram("streamkv_time_to_first_token_seconds", "time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("streamkv_time_per_output_token_seconds", "mean time per output token after "
+                              "the first", buckets=LATENCY_BUCKETS, registry=r)
+        running = Gauge("streamkv_requests_running", "sequences holding KV", registry=r)
+        running.set_function(lambda: engine.num_running)
+        waiting = Gauge("streamkv_requests_waiting", "sequences waiting to be scheduled", registry=r)
+        waiting.set_function(lambda: engine.num_waiting)
+        pool = engine.engine.pool
+        used = Gauge("streamkv_kv_blocks_used", "KV blocks referenced by live sequences", registry=r)
+        used.set_function(lambda: pool.num_used)
+        free = Gauge("streamkv_kv_blocks_free", "KV blocks on the free list (incl. cached)", registry=r)
+        free.set_function(lambda: pool.num_free)
+        hit = Gauge("streamkv_prefix_cache_hit_rate", "prefix-cache block hits / block lookups", registry=r)
+        hit.set_function(lambda: pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0)
+        pre = Gauge("streamkv_preemptions", "sequences preempted so far", registry=r)
+        pre.set_function(lambda: engine.engine.scheduler.num_preemptions)
+
+    def observe_request(self, prompt_tokens: int, output_tokens: int, metrics: dict[str, float]) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        arrival, first, finish = (metrics.get(k, 0.0) for k in ("arrival_time", "first_token_time", "finish_time"))
+        if first and arrival:
+            self.ttft.observe(max(0.0, first - arrival))
+        if finish and first and output_tokens > 1:
+            self.tpot.observe(max(0.0, (finish - first) / (output_tokens - 1)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,97 @@
+"""Pure-ASGI middleware: body size limit (413), API key (401), access log and request metrics."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from typing import Any, Callable
+
+from streamkv.server.errors import error_body
+
+log = logging.getLogger("streamkv.access")
+OPEN_PATHS = frozenset({"/health"})
+
+
+async def _send_error(send: Callable, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, metrics: Any) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500}
+        path = scope.get("path", "")
+
+        async def send_logged(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self._log(scope, path, status["code"], start)
+
+        if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
+            await _send_error(send_logged, 401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                              [(b"www-authenticate", b"Bearer")])
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body:
+            await _send_error(send_logged, 413, f"request body of {declared} bytes exceeds the limit of "
+                                                f"{self.max_body} bytes")
+            return
+        received = {"n": 0}
+
+        async def receive_limited() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                received["n"] += len(message.get("body", b""))
+                if received["n"] > self.max_body:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, receive_limited, send_logged)
+        except _TooLarge:
+            await _send_error(send_logged, 413, f"request body exceeds the limit of {self.max_body} bytes")
+
+    def _authorized(self, scope: dict) -> bool:
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        key = headers.get(b"x-api-key", b"").decode("latin-1")
+        token = auth[7:] if auth.lower().startswith("bearer ") else key
+        return bool(token) and hmac.compare_digest(token.encode(), self.api_key.encode())  # type: ignore[union-attr]
+
+    def _log(self, scope: dict, path: str, status: int, start: float) -> None:
+        state = scope.get("state") or {}
+        tokens = state.get("tokens", "-")
+        self.metrics.requests.labels(route=path if path.startswith(("/v1/", "/health", "/tok", "/detok", "/metrics"))
+                                     else "other", status=str(status)).inc()
+        log.info("%s %s %d tokens=%s %.1fms", scope.get("method", "-"), path, status, tokens,
+                 (time.perf_counter() - start) * 1e3)
+
+
+def _content_length(scope: dict) -> int | None:
+    for name, value in scope.get("headers") or []:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

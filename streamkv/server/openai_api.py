@@ -1,0 +1,218 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from streamkv.errors import InvalidRequestError
+from streamkv.server.errors import APIError, error_body
+from streamkv.server.generation import (check_model, check_output, finish_reason, make_params, new_id,
+                                        per_choice, resolve_max_tokens, run_all, stream_all, token_text)
+from streamkv.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
+from streamkv.server.state import ServerState
+
+router = APIRouter()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sampling_fields(req: Any) -> dict[str, Any]:
+    return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
+                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.streamkv
+    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                        "owned_by": "streamkv", "max_model_len": state.limits.max_model_len}]}
+
+
+# ------------------------------------------------------------------ completions
+def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        batch: list[Any] = [p]
+    elif p and all(isinstance(t, int) for t in p):
+        batch = [p]
+    else:
+        batch = list(p)
+    if not batch:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    out = []
+    for item in batch:
+        try:
+            _, ids = state.engine.engine.tokenize_prompt(item)
+            state.engine.engine._validate_ids(ids)  # noqa: SLF001 (same checks as the engine)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+        out.append(ids)
+    return out
+
+
+def _completion_logprobs(lps_in: list[Any] | None, tokenizer: Any) -> dict[str, Any] | None:
+    if lps_in is None:
+        return None
+    tokens, lps, tops, offsets, pos = [], [], [], [], 0
+    for lp in lps_in:
+        text = token_text(tokenizer, lp.token_id)
+        tokens.append(text)
+        lps.append(lp.logprob)
+        tops.append({token_text(tokenizer, t): v for t, v in lp.top})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request) -> Any:
+    state: ServerState = request.app.state.streamkv
+    check_model(req.model, state.model_name)
+    prompts = _completion_prompts(req, state)
+    base = make_params(max_tokens=resolve_max_tokens(req.max_tokens, max(len(p) for p in prompts), state.limits),
+                       logprobs=req.logprobs, **_sampling_fields(req))
+    choice_params = per_choice(base, req.n)
+    flat_prompts = [p for p in prompts for _ in range(req.n)]
+    flat_params = choice_params * len(prompts)
+    rid, created = new_id("cmpl"), int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(state, _completion_chunks(state, head, rid, flat_prompts, flat_params, req.priority,
+                                                 include_usage, sum(len(p) for p in prompts)))
+    outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority)
+    choices = []
+    for i, out in enumerate(outs):
+        check_output(out)
+        state.observe(out)
+        choices.append({"index": i, "text": out.text, "logprobs": _completion_logprobs(out.logprobs, state.tokenizer),
+                        "finish_reason": finish_reason(out)})
+    usage = _usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs))
+    return {**head, "choices": choices, "usage": usage}
+
+
+async def _completion_chunks(state: ServerState, head: dict[str, Any], rid: str, prompts: list[Any],
+                             params: list[Any], priority: int, include_usage: bool,
+                             prompt_tokens: int) -> AsyncIterator[str]:
+    completion_tokens = 0
+    async for i, out in stream_all(state.engine, rid, prompts, params, priority):
+        check_output(out)
+        if not (out.delta_text or out.finished):
+            continue
+        lp = None
+        if out.logprobs is not None and out.delta_token_ids:
+            lp = _completion_logprobs(out.logprobs[-len(out.delta_token_ids):], state.tokenizer)
+        chunk = {**head, "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
+                                      "finish_reason": finish_reason(out)}]}
+        if include_usage:
+            chunk["usage"] = None
+        if out.finished:
+            completion_tokens += len(out.token_ids)
+            state.observe(out)
+        yield _sse(chunk)
+    if include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+
+
+# ------------------------------------------------------------- chat completions
+def _chat_prompt(req: ChatCompletionRequest, state: ServerState) -> list[int]:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
+                for m in req.messages]
+    try:
+        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        _, ids = state.engine.engine.tokenize_prompt(text)
+        state.engine.engine._validate_ids(ids)  # noqa: SLF001
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    return ids
+
+
+def _chat_logprobs(lps: list[Any], tokenizer: Any) -> dict[str, Any]:
+    def entry(token_id: int, value: float) -> dict[str, Any]:
+        return {"token": token_text(tokenizer, token_id), "logprob": value,
+                "bytes": list(tokenizer.token_bytes(token_id))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps], "refusal": None}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+    state: ServerState = request.app.state.streamkv
+    check_model(req.model, state.model_name)
+    ids = _chat_prompt(req, state)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    base = make_params(max_tokens=resolve_max_tokens(requested, len(ids), state.limits, param),
+                       logprobs=logprobs, **_sampling_fields(req))
+    params = per_choice(base, req.n)
+    rid, created = new_id("chatcmpl"), int(time.time())
+    head = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(state, _chat_chunks(state, {**head, "object": "chat.completion.chunk"}, rid, ids, params,
+                                           req.priority, include_usage))
+    outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority)
+    choices = []
+    for i, out in enumerate(outs):
+        check_output(out)
+        state.observe(out)
+        choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
+                        "logprobs": _chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
+                        "finish_reason": finish_reason(out)})
+    return {**head, "choices": choices, "usage": _usage(len(ids), sum(len(o.token_ids) for o in outs))}
+
+
+async def _chat_chunks(state: ServerState, head: dict[str, Any], rid: str, ids: list[int], params: list[Any],
+                       priority: int, include_usage: bool) -> AsyncIterator[str]:
+    extra = {"usage": None} if include_usage else {}
+    for i in range(len(params)):
+        yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}], **extra})
+    completion_tokens = 0
+    async for i, out in stream_all(state.engine, rid, [ids] * len(params), params, priority):
+        check_output(out)
+        if not (out.delta_text or out.finished):
+            continue
+        lp = None
+        if out.logprobs is not None and out.delta_token_ids:
+            lp = _chat_logprobs(out.logprobs[-len(out.delta_token_ids):], state.tokenizer)
+        delta = {"content": out.delta_text} if out.delta_text else {}
+        yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                         "finish_reason": finish_reason(out)}], **extra})
+        if out.finished:
+            completion_tokens += len(out.token_ids)
+            state.observe(out)
+    if include_usage:
+        yield _sse({**head, "choices": [], "usage": _usage(len(ids), completion_tokens)})
+
+
+def _stream(state: ServerState, chunks: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except APIError as exc:
+            yield _sse(error_body(exc.status, exc.message))
+        except Exception as exc:  # the response has started: report in-band
+            yield _sse(error_body(500, f"{type(exc).__name__}: {exc}"))
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,56 @@
+"""``streamkv serve``: load the model, start the engine thread, run uvicorn, shut down cleanly."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+from typing import Any, Iterator
+
+import uvicorn
+
+from streamkv.config import EngineConfig
+from streamkv.engine.async_engine import AsyncEngine
+from streamkv.engine.engine import Engine
+from streamkv.server.app import create_app
+from streamkv.server.config import ServerConfig
+
+log = logging.getLogger("streamkv.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown, so the process would die
+    by the signal; we take the signals ourselves and exit 0 once in-flight work is done."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        def handle(sig: int, frame: Any) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+            log.info("received %s: shutting down", signal.Signals(sig).name)
+
+        previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Blocks until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds."""
+    engine = Engine(engine_config, show_progress=sys.stderr.isatty())
+    aengine = AsyncEngine(engine, max_waiting=config.max_waiting).start()
+    app = create_app(aengine, config)
+    state = app.state.streamkv
+    log.info("serving %s on http://%s:%d (context %d, %d KV blocks)", state.model_name, config.host, config.port,
+             state.limits.max_model_len, engine.pool.num_blocks)
+    server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=config.shutdown_timeout))
+    try:
+        server.run()
+    finally:
+        aengine.shutdown(timeout=config.shutdown_timeout)
+        log.info("shut down")
+    return 0

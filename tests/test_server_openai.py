@@ -1,0 +1,150 @@
+"""The HTTP server driven by the official openai and anthropic SDKs (strict validation)."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--dtype", "float32", "--max-waiting", "64")
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", _strict_response_validation=True)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+MSG = [{"role": "user", "content": "What is the capital of France?"}]
+T0 = {"temperature": 0}  # anthropic 2.x dropped the temperature argument; the API field remains
+
+
+def test_models(client):
+    models = client.models.list()
+    assert len(models.data) == 1 and models.data[0].object == "model"
+
+
+def test_chat_plain_and_stream_agree(client, model):
+    plain = client.chat.completions.create(model=model, messages=MSG, temperature=0, max_tokens=24)
+    assert "Paris" in plain.choices[0].message.content
+    assert plain.usage.completion_tokens > 0 and plain.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(model=model, messages=MSG, temperature=0, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    text, finishes, usage = "", [], None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    assert text == plain.choices[0].message.content
+    assert finishes == [plain.choices[0].finish_reason]
+    assert usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_completions_n2_logprobs(client, model):
+    res = client.completions.create(model=model, prompt="The three primary colors are", max_tokens=8,
+                                    temperature=0, n=2, logprobs=3)
+    assert len(res.choices) == 2 and res.choices[0].text == res.choices[1].text
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 8 and all(len(t) <= 3 for t in lp.top_logprobs)
+    assert res.usage.completion_tokens == 16
+    # The SDK types CompletionChoice.finish_reason as non-optional, yet the OpenAI API (and we)
+    # send null on every streamed chunk but the last; strict validation cannot parse any real
+    # completions stream, so this one part uses a non-strict client.
+    lax = openai.OpenAI(base_url=client.base_url, api_key="unused")
+    stream = lax.completions.create(model=model, prompt="The three primary colors are", max_tokens=8,
+                                    temperature=0, n=2, stream=True)
+    texts, finishes = {0: "", 1: ""}, {0: 0, 1: 0}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] += c.finish_reason is not None
+    assert texts[0] == texts[1] == res.choices[0].text and finishes == {0: 1, 1: 1}
+
+
+def test_chat_logprobs_and_token_prompt(client, model):
+    res = client.chat.completions.create(model=model, messages=MSG, temperature=0, max_tokens=5, logprobs=True,
+                                         top_logprobs=2)
+    content = res.choices[0].logprobs.content
+    assert len(content) == res.usage.completion_tokens and len(content[0].top_logprobs) == 2
+    res = client.completions.create(model=model, prompt=[504, 3575, 282], max_tokens=4, temperature=0)
+    assert res.usage.prompt_tokens == 3
+
+
+def test_anthropic_plain_and_stream(server, model):
+    c = anthropic.Anthropic(base_url=server.url, api_key="unused", _strict_response_validation=True)
+    msg = c.messages.create(model=model, max_tokens=24, messages=MSG, extra_body=T0)
+    assert msg.content[0].text and "Paris" in msg.content[0].text and msg.stop_reason in ("end_turn", "max_tokens")
+    with c.messages.stream(model=model, max_tokens=24, messages=MSG, extra_body=T0) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == msg.content[0].text and final.stop_reason == msg.stop_reason
+    stopped = c.messages.create(model=model, max_tokens=24, messages=MSG, stop_sequences=["Paris"], extra_body=T0)
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Paris"
+
+
+def test_32_concurrent_streams_match_solo(server, model):
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    solo = [client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0).choices[0].text
+            for p in prompts[:8]]
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+        async def one(p):
+            text = ""
+            async for chunk in await ac.completions.create(model=model, prompt=p, max_tokens=12, temperature=0,
+                                                           stream=True):
+                text += chunk.choices[0].text if chunk.choices else ""
+            return text
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    outs = asyncio.run(run())
+    assert outs[:8] == solo
+    solo_rest = [client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0).choices[0].text
+                 for p in prompts[8:]]
+    assert outs[8:] == solo_rest
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def test_disconnect_aborts_and_frees_blocks(server, model):
+    import time
+
+    idle = _metric(server.url, "streamkv_kv_blocks_used")
+    body = {"model": model, "prompt": "Write a very long story about a dragon.", "max_tokens": 2000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    assert _metric(server.url, "streamkv_kv_blocks_used") >= idle
+    deadline = time.time() + 20
+    while time.time() < deadline and _metric(server.url, "streamkv_kv_blocks_used") > idle:
+        time.sleep(0.2)
+    assert _metric(server.url, "streamkv_kv_blocks_used") == idle
+    assert _metric(server.url, "streamkv_requests_running") == 0
