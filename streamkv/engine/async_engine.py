@@ -61,6 +61,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="streamkv-engine", daemon=True)
         self.num_waiting = 0
         self.num_running = 0
+        self.num_queued = 0  # submitted, no output yet (owned by the event loop that calls generate)
         self.accepting = True
         self.last_step_time = 0.0
 
@@ -87,15 +88,19 @@ class AsyncEngine:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         if not self.accepting:
             raise EngineDeadError("server is shutting down")
-        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"{self.num_waiting} requests are already waiting (limit {self.max_waiting})")
+        if self.max_waiting is not None and self.num_queued >= self.max_waiting:
+            raise QueueFullError(f"{self.num_queued} requests are already waiting (limit {self.max_waiting})")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Add(request_id, prompt, params, priority, loop, sink))
-        finished = False
+        self.num_queued += 1
+        queued, finished = True, False
         try:
             while True:
                 item = await sink.get()
+                if queued:
+                    self.num_queued -= 1
+                    queued = False
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -104,6 +109,8 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
+            if queued:
+                self.num_queued -= 1
             if not finished:
                 self.abort(request_id)
 

@@ -56,20 +56,30 @@ class GuardMiddleware:
             await _send_error(send_logged, 413, f"request body of {declared} bytes exceeds the limit of "
                                                 f"{self.max_body} bytes")
             return
-        received = {"n": 0}
+        received = {"n": 0, "over": False, "answered": False}
 
         async def receive_limited() -> dict:
             message = await receive()
             if message["type"] == "http.request":
                 received["n"] += len(message.get("body", b""))
                 if received["n"] > self.max_body:
+                    received["over"] = True
                     raise _TooLarge()
             return message
 
+        async def send_guarded(message: dict) -> None:
+            # the framework turns a failed body read into its own 400: answer 413 instead
+            if received["over"]:
+                if not received["answered"]:
+                    received["answered"] = True
+                    await _send_error(send_logged, 413, f"request body exceeds the limit of {self.max_body} bytes")
+                return
+            await send_logged(message)
+
         try:
-            await self.app(scope, receive_limited, send_logged)
+            await self.app(scope, receive_limited, send_guarded)
         except _TooLarge:
-            await _send_error(send_logged, 413, f"request body exceeds the limit of {self.max_body} bytes")
+            await send_guarded({})
 
     def _authorized(self, scope: dict) -> bool:
         headers = dict(scope.get("headers") or [])

@@ -1,0 +1,133 @@
+"""Hostile and malformed requests get the right 4xx and an OpenAI-style error body."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--dtype", "float32", "--api-key", KEY, "--max-body-bytes", "65536",
+                        "--max-waiting", "2", "--max-num-seqs", "2", "--max-num-batched-tokens", "64")
+    yield srv
+    assert srv.stop(signal.SIGINT) == 0
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def _check_error(r: httpx.Response, status: int) -> None:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert "type" in body["error"]
+
+
+def _matrix(model: str) -> list[tuple[str, str, object, int]]:
+    chat = "/v1/chat/completions"
+    comp = "/v1/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+    return [
+        (comp, "raw", b"{not json", 400),
+        (comp, "raw", b"\xff\xfe\xfa invalid utf-8", 400),
+        (comp, "raw", b'{"model": "m", "prompt": "\xc3\x28"}', 400),
+        (comp, "raw", b"[1, 2, 3]", 400),
+        (comp, "raw", b"", 400),
+        (comp, "json", {"model": model}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "max_tokens": "10"}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "max_tokens": 0}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "max_tokens": -5}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "max_tokens": 10 ** 30}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "temperature": -1}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "temperature": 1e308}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "top_p": 7}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "n": 1000}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "logprobs": 50}, 400),
+        (comp, "json", {"model": model, "prompt": [10 ** 12]}, 400),
+        (comp, "json", {"model": model, "prompt": [1] * 9000}, 400),
+        (comp, "json", {"model": model, "prompt": ""}, 400),
+        (comp, "json", {"model": model, "prompt": {"text": "hi"}}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "stop": 5}, 400),
+        (comp, "json", {"model": model, "prompt": "hi", "seed": "abc"}, 400),
+        (comp, "json", {"model": "no-such-model", "prompt": "hi"}, 404),
+        (chat, "json", {"model": model, "messages": []}, 400),
+        (chat, "json", {"model": model, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        (chat, "json", {"model": model, "messages": "hello"}, 400),
+        (chat, "json", {"model": model, "messages": msgs, "top_logprobs": 99, "logprobs": True}, 400),
+        (chat, "json", {"model": model, "messages": msgs, "max_completion_tokens": 0}, 400),
+        (chat, "json", {"model": model, "messages": [{"role": "user", "content": "x " * 9000}]}, 400),
+        ("/v1/messages", "json", {"model": model, "messages": msgs}, 400),
+        ("/detokenize", "json", {"tokens": [-1]}, 400),
+        ("/tokenize", "json", {}, 400),
+        (comp, "raw", b'{"model": "m", "prompt": "' + b"a" * 200_000 + b'"}', 413),
+    ]
+
+
+def test_bad_input_matrix_then_normal_request(server, model):
+    cases = _matrix(model)
+    assert len(cases) >= 20
+    for path, kind, body, status in cases:
+        if kind == "raw":
+            r = httpx.post(server.url + path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+        else:
+            r = httpx.post(server.url + path, json=body, headers=AUTH)
+        _check_error(r, status)
+    ok = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                    json={"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+
+
+def test_api_key_required(server, model):
+    _check_error(httpx.get(server.url + "/v1/models"), 401)
+    _check_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    _check_error(httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "x"}), 401)
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).status_code == 200
+
+
+def test_chunked_oversize_body_rejected(server):
+    def gen():
+        for _ in range(100):
+            yield b"x" * 4096
+
+    r = httpx.post(server.url + "/v1/completions", content=gen(), headers=AUTH)
+    _check_error(r, 413)
+
+
+def test_too_many_waiting_gets_429(server, model):
+    body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(12)))
+
+    responses = asyncio.run(run())
+    codes = [r.status_code for r in responses]
+    assert 429 in codes and 200 in codes
+    limited = next(r for r in responses if r.status_code == 429)
+    assert limited.headers.get("retry-after") and limited.json()["error"]["type"] == "rate_limit_error"
+    assert all(json.loads(r.text)["choices"][0]["text"] for r in responses if r.status_code == 200)
+
+
+def test_utilities(server):
+    t = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": "Hello world"}).json()
+    assert t["count"] == len(t["tokens"]) > 0
+    d = httpx.post(server.url + "/detokenize", headers=AUTH, json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == "Hello world"
+    metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
+    for name in ("streamkv_requests_total", "streamkv_time_to_first_token_seconds_bucket",
+                 "streamkv_kv_blocks_free", "streamkv_prefix_cache_hit_rate", "streamkv_preemptions",
+                 "streamkv_requests_waiting"):
+        assert name in metrics
