@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve generate test bench-peers bench clean
+.PHONY: venv serve generate test bench-peers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -17,11 +17,20 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+serve: $(STAMP)
+	$(VENV)/bin/streamkv serve $(ARGS)
+
 generate: $(STAMP)
 	$(VENV)/bin/streamkv generate --chat --temperature 0 "$(or $(PROMPT),What is the capital of France?)"
 
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+bench-peers:
+	bash benchmarks/setup_peers.sh
+
+bench: $(STAMP)
+	$(VPY) benchmarks/throughput.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

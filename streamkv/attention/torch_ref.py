@@ -33,6 +33,7 @@ class RefMeta:
     dec_rows: torch.Tensor | None = None
     dec_slots: torch.Tensor | None = None
     dec_mask: torch.Tensor | None = None
+    all_decode: bool = False  # every row is a decode, rows 0..B-1 in order
 
 
 def span_slots(block_table: tuple[int, ...], length: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -67,6 +68,7 @@ class TorchReferenceBackend(AttentionBackend):
         meta.slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
         if decodes:
             self._prepare_decodes(meta, decodes, device)
+            meta.all_decode = not meta.prefills
         return meta
 
     @staticmethod
@@ -87,8 +89,10 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: RefMeta) -> torch.Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        kc.index_copy_(0, meta.slot_mapping, k)
+        vc.index_copy_(0, meta.slot_mapping, v)
+        if meta.all_decode:
+            return self._decode(q, kc, vc, meta)
         out = torch.empty_like(q)
         # SDPA takes [1, heads, len, dim] views; 3-D inputs fall back to the slow math kernel.
         for p in meta.prefills:
@@ -109,7 +113,7 @@ class TorchReferenceBackend(AttentionBackend):
         # CPU SDPA is ~7x slower in bfloat16 than float32 for one query row: use float32.
         b, length = meta.dec_slots.shape
         flat = meta.dec_slots.view(-1)
-        qd = q.index_select(0, meta.dec_rows).unsqueeze(2).float()        # [B, H, 1, D]
+        qd = (q if meta.all_decode else q.index_select(0, meta.dec_rows)).unsqueeze(2).float()  # [B, H, 1, D]
         ks = kc.index_select(0, flat).view(b, length, *kc.shape[1:]).transpose(1, 2).float()  # [B, Hkv, L, D]
         vs = vc.index_select(0, flat).view(b, length, *vc.shape[1:]).transpose(1, 2).float()
         o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=meta.dec_mask, scale=self.scale, enable_gqa=True)

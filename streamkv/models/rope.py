@@ -48,11 +48,13 @@ class RotaryEmbedding:
         self.max_positions = max_positions
         pos = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(pos, self.inv_freq)
-        self.cos_table = freqs.cos() * self.scale
-        self.sin_table = freqs.sin() * self.scale
+        cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale
+        # full-width tables with the rotate-half sign folded into sin: [max_positions, D]
+        self.cos_table = torch.cat([cos, cos], dim=-1)
+        self.sin_table = torch.cat([-sin, sin], dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token tables: positions [T] -> cos, sin [T, 1, head_dim // 2] in ``dtype``."""
+        """Per-token tables: positions [T] -> cos, signed sin [T, 1, head_dim] in ``dtype``."""
         cos = self.cos_table.index_select(0, positions).unsqueeze(1)
         sin = self.sin_table.index_select(0, positions).unsqueeze(1)
         return cos.to(dtype), sin.to(dtype)
@@ -61,11 +63,14 @@ class RotaryEmbedding:
         """Rotate already-embedded keys x [N, n_heads, D] by ``delta`` positions ([N] or scalar, may be < 0)."""
         d = torch.as_tensor(delta, dtype=torch.float32, device=x.device).reshape(-1, 1)
         freqs = (d * self.inv_freq).unsqueeze(1)
-        return apply_rope(x, freqs.cos().to(x.dtype), freqs.sin().to(x.dtype))
+        cos, sin = freqs.cos(), freqs.sin()
+        return apply_rope(x, torch.cat([cos, cos], -1).to(x.dtype), torch.cat([-sin, sin], -1).to(x.dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, n_heads, D] with cos/sin broadcastable to [T, n_heads, D // 2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x [T, n_heads, D]; cos, signed sin broadcastable to [T, n_heads, D].
+
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` equals
+    ``x * cos + roll(x, D/2) * cat(-sin, sin)``: three kernels instead of nine, same bits.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
