@@ -176,11 +176,18 @@ def agreement(r: dict, ref: dict | None):
     return f"{n}/{min(len(a), len(b))}"
 
 
+def shape_of(wl: dict) -> dict:
+    return {"prefill_sizes": [int(s) for s in wl["prefill"]], "trials": len(wl["decode"]["prompts"]),
+            "decode_prompt": len(wl["decode"]["prompts"][0]), "max_tokens": wl["decode"]["max_tokens"],
+            "concurrent_prompt": 128, "threads": wl["threads"], "tokenizer": wl["tokenizer"]}
+
+
 def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: dict) -> tuple[str, dict]:
+    """wl: the workload's shape (shape_of)."""
     names = list(res)
-    sizes = list(wl["prefill"])
+    sizes = [str(s) for s in wl["prefill_sizes"]]
     rows_def = ([(f"prefill tok/s @{s}", f"prefill@{s}") for s in sizes]
-                + [(f"decode tok/s, batch 1 (after {len(wl['decode']['prompts'][0])})", "decode@"),
+                + [(f"decode tok/s, batch 1 (after {wl['decode_prompt']})", "decode@"),
                    ("aggregate decode tok/s @8", "agg@8"), ("aggregate decode tok/s @32", "agg@32"),
                    ("  @32 while all 32 decode (steady)", "steady@32"),
                    ("  @32 end to end (all tokens / wall, incl. prefill)", "e2e@32"), ("load s", "load@")])
@@ -190,10 +197,10 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
     ref = next((res[n] for n in names if n == "transformers float32"), None)
     rows.append(["other processes' CPU during the run (cores)"]
                 + [fmt(res[n].get("foreign_load_cores"), 2) for n in names])
-    rows.append([f"greedy ids = transformers fp32 (first n of {wl['decode']['max_tokens']})"]
+    rows.append([f"greedy ids = transformers fp32 (first n of {wl['max_tokens']})"]
                 + [fmt(agreement(res[n], ref)) for n in names])
     out = ["## Throughput (tokens/s, median of %d trial(s); %d threads)"
-           % (len(wl["decode"]["prompts"]), wl["threads"]), "", md_table(["metric"] + names, rows), "",
+           % (wl["trials"], wl["threads"]), "", md_table(["metric"] + names, rows), "",
            "prefill = prompt tokens / time to first token; decode = (n-1)/(t_last - t_first); "
            "aggregate@B = tokens after each request's first / (last token - earliest first token)"]
     notes = [f"- {n}: {res[n].get('skipped') or res[n].get('error')}" for n in names
@@ -264,7 +271,7 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                    f"copy {ceil['copy_gbs']} GB/s (read+write); other processes meanwhile: "
                    f"{ceil['foreign_load_cores']} cores")
         crow, report["ceiling_pct"] = [], {}
-        dec_ctx = len(wl["decode"]["prompts"][0]) + wl["decode"]["max_tokens"] // 2
+        dec_ctx = wl["decode_prompt"] + wl["max_tokens"] // 2
         for n in names:
             info = res[n].get("info") or {}
             dt = info.get("dtype") if info.get("dtype") in ("float32", "bfloat16") else None
@@ -324,9 +331,18 @@ def main(argv=None) -> int:
                     help="before each engine, wait up to S s for other processes to go idle")
     ap.add_argument("--retry-busy", type=int, default=1, metavar="N",
                     help="rerun an engine up to N times when other processes used > 0.3 cores")
+    ap.add_argument("--report", metavar="JSON", help="only re-print the tables of a saved run "
+                    "(restricted to --engines)")
     args = ap.parse_args(argv)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.peer_dtypes = [d.strip() for d in args.peer_dtypes.split(",") if d.strip()]
+    if args.report:
+        doc = json.loads(Path(args.report).read_text())
+        key = lambda name: name.split()[0].lower().replace(".", "")  # "llama.cpp Q4_1" -> llamacpp
+        res = {n: r for n, r in doc["engines"].items() if key(n) in args.engines}
+        wl = dict(doc["workload"], threads=doc["ceilings"]["threads"] if doc.get("ceilings") else 2)
+        print(build_report(res, wl, doc["machine"], doc["ceilings"], doc["model"])[0])
+        return 0
 
     gguf = common.embedded_gguf()
     machine = common.machine_info(args.threads)
@@ -359,15 +375,11 @@ def main(argv=None) -> int:
                                       t.get("foreign_load_cores") or 0))
         r["attempts"] = len(tries)
         res[cfg["name"]] = r
-    text, report = build_report(res, wl, machine, ceil, cost)
+    shape = shape_of(wl)
+    text, report = build_report(res, shape, machine, ceil, cost)
     print("\n" + text)
     doc = {"benchmark": "throughput", "timestamp": stamp, "argv": sys.argv[1:], "quick": args.quick,
-           "machine": machine, "ceilings": ceil, "model": cost,
-           "workload": {"prefill_sizes": [int(s) for s in wl["prefill"]],
-                        "trials": len(wl["decode"]["prompts"]),
-                        "decode_prompt": len(wl["decode"]["prompts"][0]),
-                        "max_tokens": wl["decode"]["max_tokens"],
-                        "concurrent_prompt": 128, "tokenizer": wl["tokenizer"]},
+           "machine": machine, "ceilings": ceil, "model": cost, "workload": shape,
            "engines": res, **report}
     path = common.RESULTS / f"throughput-{stamp}.json"
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16")
+DECODE_WEIGHTS = ("auto", "dense", "q4")
 
 
 @dataclass(frozen=True)
@@ -16,10 +17,15 @@ class ModelConfig:
                                                                "(default: embedded SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: the model's)"})
+    decode_weights: str = field(default="auto", metadata={
+        "help": "auto | dense | q4: small batches (decode) read the GGUF's own Q4_0/Q4_1 blocks through "
+                "torch's int4 kernel; auto = q4 for such GGUFs in bfloat16 on CPU"})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +45,23 @@ class ModelBundle:
     model_name: str = "model"
 
 
+def _decode_q4(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype,
+               device: torch.device) -> dict[str, Any] | None:
+    """Packed 4-bit decode weights, when asked for (or ``auto``) and available."""
+    mode = config.model.decode_weights
+    usable = source.endswith(".gguf") and dtype == torch.bfloat16 and device.type == "cpu"
+    if mode == "dense" or (mode == "auto" and not usable):
+        return None
+    if not usable:
+        raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, dtype bfloat16, on CPU")
+    from streamkv.loading.q4_blocks import read_q4_matrices
+
+    q4 = read_q4_matrices(source, arch, permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM"))
+    if not q4 and mode == "q4":
+        raise ValueError(f"{source} has no Q4_0/Q4_1 linear weights for decode_weights=q4")
+    return q4 or None
+
+
 def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBundle:
     from streamkv.loading import load_checkpoint
 
@@ -60,7 +77,8 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
                              f"trained context ({max_len})")
         max_len = config.model.max_model_len
     weights = {k: v.to(device) for k, v in ckpt.weights.items()}
-    model = model_class(arch)(arch, weights, max_positions=max_len).eval()
+    q4 = _decode_q4(config, ckpt.source, arch, dtype, device)
+    model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4).eval()
     cc = config.cache
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
     num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory // per_block)

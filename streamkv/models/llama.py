@@ -23,12 +23,50 @@ from streamkv.models.registry import register_model
 from streamkv.models.rope import RotaryEmbedding, apply_rope
 
 
+#: Batches of at most this many rows use the packed 4-bit weights (when present): the int4
+#: CPU kernel reads a quarter of bf16's bytes, which is what batch-1 decode is bound by, but
+#: loses to the dense bf16 GEMM on larger batches.
+Q4_MAX_ROWS = 8
+
+
 def _optional(weights: dict[str, torch.Tensor], name: str) -> nn.Parameter | None:
     return nn.Parameter(weights[name], requires_grad=False) if name in weights else None
 
 
+class PackedQ4(nn.Module):
+    """One linear layer's weight in torch's int4 CPU layout: w = (q - 8) * scale + zero,
+    32-column groups. Built from GGUF Q4_0/Q4_1 blocks without requantizing."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+        self.register_buffer("scales_zeros", sz, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, 32, self.scales_zeros)
+
+
+def _pack(q4: dict[str, Any] | None, names: list[str]) -> PackedQ4 | None:
+    """Row-concatenate the Q4 matrices ``names`` (all must be present) into one PackedQ4."""
+    if not q4 or not all(n in q4 for n in names):
+        return None
+    parts = [q4[n] for n in names]
+    return PackedQ4(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                    torch.cat([p.zero for p in parts]))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None,
+            small: bool) -> torch.Tensor:
+    if q4 is None or not small:
+        return F.linear(x, weight, bias)
+    out = q4(x)
+    return out if bias is None else out + bias
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 q4: dict[str, Any] | None = None) -> None:
         super().__init__()
         w = lambda name: weights[prefix + name]  # noqa: E731
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -51,6 +89,10 @@ class DecoderLayer(nn.Module):
             gate_up_bias = torch.cat([w("gate_proj.bias"), w("up_proj.bias")])
         self.gate_up_bias = nn.Parameter(gate_up_bias, requires_grad=False) if gate_up_bias is not None else None
         self.intermediate = arch.intermediate_size
+        self.q4_qkv = _pack(q4, [prefix + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")])
+        self.q4_o = _pack(q4, [prefix + "o_proj.weight"])
+        self.q4_gate_up = _pack(q4, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
+        self.q4_down = _pack(q4, [prefix + "down_proj.weight"])
 
     def qk_transform(self, qk: torch.Tensor) -> torch.Tensor:
         """Hook before RoPE on the joint q|k heads [T, H + Hkv, D] (identity; Qwen3 normalises)."""
@@ -61,16 +103,19 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] float32 residual -> [T, hidden] float32."""
         t, dt = x.shape[0], self.qkv.dtype
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias)
+        small = t <= Q4_MAX_ROWS
+        qkv = _linear(F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias,
+                      self.q4_qkv, small)
         # q and k heads are adjacent in the fused projection: one RoPE call rotates both.
         qk = apply_rope(self.qk_transform(qkv[:, :(h + hk) * d].view(t, h + hk, d)), cos, sin)
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hk) * d:].view(t, hk, d)
         attn = backend.forward(layer, q, k, v, meta)
-        x = x + F.linear(attn.reshape(t, h * d), self.o_proj, self.o_bias)
-        gu = F.linear(F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps).to(dt), self.gate_up, self.gate_up_bias)
+        x = x + _linear(attn.reshape(t, h * d), self.o_proj, self.o_bias, self.q4_o, small)
+        gu = _linear(F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps).to(dt), self.gate_up,
+                     self.gate_up_bias, self.q4_gate_up, small)
         act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
-        return x + F.linear(act, self.down, self.down_bias)
+        return x + _linear(act, self.down, self.down_bias, self.q4_down, small)
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
@@ -79,12 +124,14 @@ class LlamaForCausalLM(nn.Module):
 
     layer_cls: type[DecoderLayer] = DecoderLayer
 
-    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int) -> None:
+    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int,
+                 q4: dict[str, Any] | None = None) -> None:
+        """``q4``: optional canonical name -> Q4Matrix (``loading/q4_blocks.py``) for small batches."""
         super().__init__()
         self.arch = arch
         self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            self.layer_cls(arch, weights, f"layers.{i}.") for i in range(arch.num_layers))
+            self.layer_cls(arch, weights, f"layers.{i}.", q4) for i in range(arch.num_layers))
         self.norm = nn.Parameter(weights["norm.weight"].float(), requires_grad=False)
         head = self.embed if arch.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = head if isinstance(head, nn.Parameter) else nn.Parameter(head, requires_grad=False)

@@ -1,6 +1,8 @@
 """Qwen2 / Qwen2.5 (q/k/v bias) and Qwen3 (per-head RMSNorm on q and k before RoPE)."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,8 +18,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3DecoderLayer(DecoderLayer):
-    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
-        super().__init__(arch, weights, prefix)
+    def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str,
+                 q4: dict[str, Any] | None = None) -> None:
+        super().__init__(arch, weights, prefix, q4)
         q_norm, k_norm = weights[prefix + "q_norm.weight"], weights[prefix + "k_norm.weight"]
         # one weight row per head of the joint q|k tensor: [H + Hkv, D]
         self.qk_norm = nn.Parameter(torch.cat([q_norm.expand(self.num_heads, -1),

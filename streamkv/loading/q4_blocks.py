@@ -1,0 +1,72 @@
+"""The 4-bit blocks of a GGUF's Q4_0 / Q4_1 matrices, kept packed for decode kernels.
+
+GGML blocks cover 32 consecutive input columns of one row::
+
+    Q4_1: d (f16) | m (f16) | 16 bytes: element j in the low nibble of byte j, j+16 in the high
+          w = d * q + m
+    Q4_0: d (f16) | 16 bytes (same nibble order),  w = d * (q - 8)
+
+Both are returned as ``w = (q - 8) * scale + zero`` (the layout of torch's int4 CPU kernel):
+Q4_1 -> scale d, zero m + 8d; Q4_0 -> scale d, zero 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from streamkv.loading.gguf_file import GGUFFile
+from streamkv.loading.gguf_loader import unpermute_qk
+from streamkv.loading.names import canonical_from_gguf
+from streamkv.models.config import ArchConfig
+
+GROUP = 32
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass(frozen=True)
+class Q4Matrix:
+    """q [N, K] int32 in 0..15; scale, zero [N, K // 32] float32."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = (self.q.float() - 8).view(n, k // GROUP, GROUP) * self.scale[..., None] + self.zero[..., None]
+        return w.view(n, k)
+
+
+def read_q4_matrices(path: str, arch: ArchConfig, permuted_qk: bool) -> dict[str, Q4Matrix]:
+    """Canonical name -> Q4Matrix for every Q4_0 / Q4_1 linear weight of a GGUF file."""
+    gguf = GGUFFile(path)
+    out: dict[str, Q4Matrix] = {}
+    for tensor in gguf.tensors():
+        name = canonical_from_gguf(tensor.name)
+        if name is None or tensor.type_name not in _BLOCK_BYTES or not name.endswith("proj.weight"):
+            continue
+        q, scale, zero = _unpack(np.asarray(tensor.raw), tensor.type_name, tensor.shape)
+        if permuted_qk and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
+            q, scale, zero = (unpermute_qk(a, heads, path, tensor.name) for a in (q, scale, zero))
+        out[name] = Q4Matrix(torch.from_numpy(np.ascontiguousarray(q)).to(torch.int32),
+                             torch.from_numpy(np.ascontiguousarray(scale)),
+                             torch.from_numpy(np.ascontiguousarray(zero)))
+    return out
+
+
+def _unpack(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n, k = shape
+    blocks = raw.reshape(n, k // GROUP, _BLOCK_BYTES[kind])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+        zero = m + 8 * d
+    else:
+        qs = blocks[..., 2:]
+        zero = np.zeros_like(d)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    return q, d, zero
