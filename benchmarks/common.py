@@ -101,6 +101,7 @@ def model_cost(gguf_path: Path) -> dict:
     n_head = field("attention.head_count")
     n_kv = field("attention.head_count_kv") or n_head
     counts = {t.name: int(t.n_elements) for t in r.tensors}
+    nbytes = {t.name: int(t.n_bytes) for t in r.tensors}
     total = sum(counts.values())
     emb = counts.get("token_embd.weight", 0)
     head = counts.get("output.weight", emb)  # tied embeddings: the LM head is token_embd
@@ -110,6 +111,9 @@ def model_cost(gguf_path: Path) -> dict:
         "arch": arch, "n_layer": n_layer, "d_model": d, "n_head": n_head, "n_kv_head": n_kv,
         "params_total": total, "params_non_embedding": non_emb, "params_lm_head": head,
         "tied_embeddings": tied, "gguf_bytes": gguf_path.stat().st_size,
+        # as stored: what llama.cpp reads per decode step (LM head = the Q8_0 embedding when tied)
+        "gguf_tensor_bytes": sum(nbytes.values()),
+        "gguf_linear_bytes": sum(v for k, v in nbytes.items() if k not in ("token_embd.weight", "output.weight")),
         # weights read per decode step (the embedding row lookup is negligible; tied -> once)
         "params_read_per_decode": non_emb + head,
     }
@@ -228,7 +232,7 @@ class ForeignLoad:
         self.cores = self.other_s / wall if wall > 0 else 0.0
 
 
-def wait_idle(max_s: float, threshold: float = 0.3, quiet: bool = False) -> float:
+def wait_idle(max_s: float, threshold: float = 0.1, quiet: bool = False) -> float:
     """Wait (at most max_s) until other processes use < threshold cores over 2 s; returns the
     load seen last, in cores."""
     deadline, load = time.monotonic() + max_s, 0.0
@@ -285,13 +289,24 @@ def measure_ceilings(threads: int = 2, d_in: int = 576, d_out: int = 1536, vocab
     return out
 
 
-def ceilings_for(cost: dict, ceil: dict, dtype: str, prompt_len: int, decode_ctx: int) -> dict:
+def decode_bytes(cost: dict, dtype: str, weights: str = "dense") -> float:
+    """Weight bytes read per decode step: dense (every weight in dtype), q4 (the GGUF's packed
+    linear layers + a dense LM head in dtype) or gguf (every tensor as stored, as llama.cpp)."""
+    if weights == "gguf":
+        return cost["gguf_tensor_bytes"]
+    bpe = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    if weights == "q4":
+        return cost["gguf_linear_bytes"] + cost["params_lm_head"] * bpe
+    return cost["params_read_per_decode"] * bpe
+
+
+def ceilings_for(cost: dict, ceil: dict, dtype: str, prompt_len: int, decode_ctx: int,
+                 weights: str = "dense") -> dict:
     """Model-level upper bounds (tokens/s) in one dtype from the measured machine peaks."""
-    bpe = {"float32": 4, "bfloat16": 2}[dtype]
     peak = ceil[f"linear_2048_{dtype}_gflops"] * 1e9
     return {
         "prefill_tok_s": peak / prefill_flops_per_token(cost, prompt_len),
-        "decode_bw_tok_s": ceil["read_gbs"] * 1e9 / (cost["params_read_per_decode"] * bpe),
+        "decode_bw_tok_s": ceil["read_gbs"] * 1e9 / decode_bytes(cost, dtype, weights),
         "decode_flop_tok_s": peak / decode_flops_per_token(cost, decode_ctx),
     }
 

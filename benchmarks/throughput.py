@@ -32,6 +32,7 @@ import common  # noqa: E402
 from common import fmt, md_table  # noqa: E402
 
 PEERS = common.BENCH / "peers"
+BUSY = 0.1  # cores used by other processes above which a run counts as disturbed
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
@@ -210,7 +211,7 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
             v = res[n].get(ph)
             if isinstance(v, dict) and ("unsupported" in v or "error" in v):
                 notes.append(f"- {n} {ph}: {v.get('unsupported') or v.get('error')}")
-    busy = [n for n in names if (res[n].get("foreign_load_cores") or 0) > 0.3]
+    busy = [n for n in names if (res[n].get("foreign_load_cores") or 0) > BUSY]
     if busy:
         notes.append(f"- WARNING: other processes used CPU during {', '.join(busy)}: "
                      "those numbers are low; rerun on an idle machine")
@@ -282,12 +283,13 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                     continue
                 kind, _, arg = k.partition("@")
                 if n.startswith("llama.cpp"):
-                    if kind == "decode":  # Q4_1 weights: bandwidth bound from the file size
-                        pct[k] = v / (ceil["read_gbs"] * 1e9 / cost["gguf_bytes"])
+                    if kind == "decode":  # Q4_1 weights: bandwidth bound from the stored tensors
+                        pct[k] = v / (ceil["read_gbs"] * 1e9 / common.decode_bytes(cost, "", "gguf"))
                     continue
                 if not dt:
                     continue
-                c = common.ceilings_for(cost, ceil, dt, int(arg or 0) if kind == "prefill" else 0, dec_ctx)
+                c = common.ceilings_for(cost, ceil, dt, int(arg or 0) if kind == "prefill" else 0, dec_ctx,
+                                        info.get("decode_weights", "dense"))
                 if kind == "prefill":
                     pct[k] = v / c["prefill_tok_s"]
                 elif kind == "decode":
@@ -310,7 +312,8 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                 "ceilings (tok/s): " + "; ".join(
                     f"{dt}: prefill@2048 {c['prefill_tok_s']:.0f}, decode bandwidth {c['decode_bw_tok_s']:.0f}, "
                     f"decode FLOP {c['decode_flop_tok_s']:.0f}" for dt, c in cs.items())
-                + f"; Q4_1 decode bandwidth {ceil['read_gbs'] * 1e9 / cost['gguf_bytes']:.0f}"]
+                + f"; as stored in the GGUF (llama.cpp) {ceil['read_gbs'] * 1e9 / cost['gguf_tensor_bytes']:.0f}"
+                + f"; Q4 linear + bf16 LM head {ceil['read_gbs'] * 1e9 / common.decode_bytes(cost, 'bfloat16', 'q4'):.0f}"]
     return "\n".join(out), report
 
 
@@ -330,7 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-idle", type=float, default=120, metavar="S",
                     help="before each engine, wait up to S s for other processes to go idle")
     ap.add_argument("--retry-busy", type=int, default=1, metavar="N",
-                    help="rerun an engine up to N times when other processes used > 0.3 cores")
+                    help="rerun an engine up to N times when other processes used > 0.1 cores")
     ap.add_argument("--report", metavar="JSON", help="only re-print the tables of a saved run "
                     "(restricted to --engines)")
     args = ap.parse_args(argv)
@@ -341,7 +344,8 @@ def main(argv=None) -> int:
         key = lambda name: name.split()[0].lower().replace(".", "")  # "llama.cpp Q4_1" -> llamacpp
         res = {n: r for n, r in doc["engines"].items() if key(n) in args.engines}
         wl = dict(doc["workload"], threads=doc["ceilings"]["threads"] if doc.get("ceilings") else 2)
-        print(build_report(res, wl, doc["machine"], doc["ceilings"], doc["model"])[0])
+        cost = {**common.model_cost(common.embedded_gguf()), **doc["model"]}  # older files lack keys
+        print(build_report(res, wl, doc["machine"], doc["ceilings"], cost)[0])
         return 0
 
     gguf = common.embedded_gguf()
@@ -367,13 +371,17 @@ def main(argv=None) -> int:
         for attempt in range(1 + args.retry_busy):
             tries.append(run_engine(cfg, wl_path, run_dir, args.timeout, args.wait_idle, attempt))
             load = tries[-1].get("foreign_load_cores") or 0
-            if load <= 0.3 or attempt == args.retry_busy:
+            if load <= BUSY or attempt == args.retry_busy:
                 break
             print(f"   other processes used {load:.1f} cores: running it again", file=sys.stderr)
         # the quietest successful attempt
         r = min(tries, key=lambda t: (bool(t.get("error") or t.get("skipped")),
                                       t.get("foreign_load_cores") or 0))
         r["attempts"] = len(tries)
+        info = r.get("info") or {}
+        if cfg["key"] == "streamkv" and info.get("dtype"):  # e.g. "streamkv bfloat16 (auto, q4 decode)"
+            extra = ["auto"] * (args.dtype == "auto") + ["q4 decode"] * (info.get("decode_weights") == "q4")
+            cfg["name"] = f"streamkv {info['dtype']}" + (f" ({', '.join(extra)})" if extra else "")
         res[cfg["name"]] = r
     shape = shape_of(wl)
     text, report = build_report(res, shape, machine, ceil, cost)

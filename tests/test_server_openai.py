@@ -84,6 +84,10 @@ def test_chat_logprobs_and_token_prompt(client, model):
                                          top_logprobs=2)
     content = res.choices[0].logprobs.content
     assert len(content) == res.usage.completion_tokens and len(content[0].top_logprobs) == 2
+    stream = client.chat.completions.create(model=model, messages=MSG, temperature=0, max_tokens=5, logprobs=True,
+                                            top_logprobs=2, stream=True)
+    streamed = [e for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
     res = client.completions.create(model=model, prompt=[504, 3575, 282], max_tokens=4, temperature=0)
     assert res.usage.prompt_tokens == 3
 

@@ -16,20 +16,40 @@ import time
 import harness
 
 
+def _attr(obj, path: str):
+    try:
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        return obj
+    except AttributeError:
+        return None
+
+
 def _resolved_dtype(llm, asked: str) -> str:
     """Best effort: what 'auto' became (for the ceiling comparison)."""
-    for path in ("engine.bundle.dtype", "dtype", "model_config.dtype", "config.dtype", "engine.dtype",
-                 "llm_engine.dtype", "engine.runner.dtype", "runner.dtype"):
-        obj = llm
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            continue
-        s = str(obj).replace("torch.", "")
+    for path in ("engine.bundle.dtype", "dtype", "config.model.dtype", "engine.dtype"):
+        s = str(_attr(llm, path)).replace("torch.", "")
         if s in ("float32", "bfloat16", "float16"):
             return s
     return asked
+
+
+def _decode_weights(llm, dtype: str) -> str:
+    """Which weights a decode step reads: 'q4' (the GGUF's packed blocks) or 'dense'.
+    Prefers an engine attribute; else mirrors the engine's documented 'auto' rule (packed
+    blocks for a GGUF model in bfloat16 on CPU)."""
+    for path in ("engine.bundle.decode_weights", "decode_weights"):
+        v = _attr(llm, path)
+        if v in ("q4", "dense"):
+            return v
+    mode = _attr(llm, "config.model.decode_weights")
+    if mode in ("q4", "dense"):
+        return mode
+    if mode == "auto":
+        model = _attr(llm, "config.model.model")
+        gguf = model is None or str(model).endswith(".gguf")
+        return "q4" if gguf and dtype == "bfloat16" else "dense"
+    return "dense"
 
 
 class Engine:
@@ -42,10 +62,11 @@ class Engine:
         kw = {"model": args.model or None, "dtype": args.dtype}
         kw.update(json.loads(args.kwargs))
         self.llm = LLM(**kw)
+        dtype = _resolved_dtype(self.llm, args.dtype)
         self.info = {"streamkv": getattr(streamkv, "__version__", "dev"),
                      "torch": torch.__version__, "threads": torch.get_num_threads(),
-                     "dtype_asked": args.dtype,
-                     "dtype": _resolved_dtype(self.llm, args.dtype),
+                     "dtype_asked": args.dtype, "dtype": dtype,
+                     "decode_weights": _decode_weights(self.llm, dtype),
                      **{k: v for k, v in kw.items() if k not in ("model", "dtype")}}
 
     def _gen(self, prompts, n):

@@ -108,13 +108,15 @@ async def _completion_chunks(state: ServerState, head: dict[str, Any], rid: str,
                              params: list[Any], priority: int, include_usage: bool,
                              prompt_tokens: int) -> AsyncIterator[str]:
     completion_tokens = 0
+    sent: dict[int, int] = {}
     async for i, out in stream_all(state.engine, rid, prompts, params, priority):
         check_output(out)
         if not (out.delta_text or out.finished):
             continue
         lp = None
-        if out.logprobs is not None and out.delta_token_ids:
-            lp = _completion_logprobs(out.logprobs[-len(out.delta_token_ids):], state.tokenizer)
+        if out.logprobs is not None:
+            lp = _completion_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer)
+            sent[i] = len(out.logprobs)
         chunk = {**head, "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
                                       "finish_reason": finish_reason(out)}]}
         if include_usage:
@@ -186,13 +188,15 @@ async def _chat_chunks(state: ServerState, head: dict[str, Any], rid: str, ids: 
         yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra})
     completion_tokens = 0
+    sent: dict[int, int] = {}
     async for i, out in stream_all(state.engine, rid, [ids] * len(params), params, priority):
         check_output(out)
         if not (out.delta_text or out.finished):
             continue
         lp = None
-        if out.logprobs is not None and out.delta_token_ids:
-            lp = _chat_logprobs(out.logprobs[-len(out.delta_token_ids):], state.tokenizer)
+        if out.logprobs is not None:
+            lp = _chat_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer)
+            sent[i] = len(out.logprobs)
         delta = {"content": out.delta_text} if out.delta_text else {}
         yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                          "finish_reason": finish_reason(out)}], **extra})
