@@ -43,6 +43,7 @@ class ModelBundle:
     num_blocks: int
     dtype: torch.dtype = torch.float32
     model_name: str = "model"
+    decode_weights: str = "dense"  # resolved: "dense" or "q4"
 
 
 def _decode_q4(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype,
@@ -88,4 +89,5 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
              dtype, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)
     runner = ModelRunner(model, backend, Sampler(device), device)
     name = os.path.basename(ckpt.source.rstrip("/")) or "model"
-    return ModelBundle(runner, ckpt.tokenizer, max_len, arch.vocab_size, num_blocks, dtype, name)
+    return ModelBundle(runner, ckpt.tokenizer, max_len, arch.vocab_size, num_blocks, dtype, name,
+                       "q4" if q4 else "dense")

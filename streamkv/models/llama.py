@@ -26,7 +26,14 @@ from streamkv.models.rope import RotaryEmbedding, apply_rope
 #: Batches of at most this many rows use the packed 4-bit weights (when present): the int4
 #: CPU kernel reads a quarter of bf16's bytes, which is what batch-1 decode is bound by, but
 #: loses to the dense bf16 GEMM on larger batches.
-Q4_MAX_ROWS = 8
+Q4_MAX_ROWS = 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim. Same values as ``F.rms_norm``, which on CPU (torch 2.13)
+    is ~13x slower at prefill sizes (3.2 ms vs 0.25 ms for 2048 x 576 float32)."""
+    out = x * torch.rsqrt((x * x).mean(-1, keepdim=True).add_(eps))
+    return out if weight is None else out.mul_(weight)
 
 
 def _optional(weights: dict[str, torch.Tensor], name: str) -> nn.Parameter | None:
@@ -104,7 +111,7 @@ class DecoderLayer(nn.Module):
         t, dt = x.shape[0], self.qkv.dtype
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         small = t <= Q4_MAX_ROWS
-        qkv = _linear(F.rms_norm(x, (x.shape[-1],), self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias,
+        qkv = _linear(rms_norm(x, self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias,
                       self.q4_qkv, small)
         # q and k heads are adjacent in the fused projection: one RoPE call rotates both.
         qk = apply_rope(self.qk_transform(qkv[:, :(h + hk) * d].view(t, h + hk, d)), cos, sin)
@@ -112,7 +119,7 @@ class DecoderLayer(nn.Module):
         v = qkv[:, (h + hk) * d:].view(t, hk, d)
         attn = backend.forward(layer, q, k, v, meta)
         x = x + _linear(attn.reshape(t, h * d), self.o_proj, self.o_bias, self.q4_o, small)
-        gu = _linear(F.rms_norm(x, (x.shape[-1],), self.mlp_norm, self.eps).to(dt), self.gate_up,
+        gu = _linear(rms_norm(x, self.mlp_norm, self.eps).to(dt), self.gate_up,
                      self.gate_up_bias, self.q4_gate_up, small)
         act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
         return x + _linear(act, self.down, self.down_bias, self.q4_down, small)
@@ -153,5 +160,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
-        h = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.arch.rms_norm_eps)
+        h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
         return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()

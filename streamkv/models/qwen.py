@@ -5,10 +5,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from streamkv.models.config import ArchConfig
-from streamkv.models.llama import DecoderLayer, LlamaForCausalLM
+from streamkv.models.llama import DecoderLayer, LlamaForCausalLM, rms_norm
 from streamkv.models.registry import register_model
 
 
@@ -27,7 +26,7 @@ class Qwen3DecoderLayer(DecoderLayer):
                                                k_norm.expand(self.num_kv_heads, -1)]), requires_grad=False)
 
     def qk_transform(self, qk: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(qk, (self.head_dim,), None, self.eps) * self.qk_norm
+        return rms_norm(qk, None, self.eps) * self.qk_norm
 
 
 @register_model("Qwen3ForCausalLM")
