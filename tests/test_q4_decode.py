@@ -49,3 +49,14 @@ def test_q4_decode_agrees_with_dense_bf16():
 def test_q4_rejected_where_it_cannot_apply():
     with pytest.raises(ValueError, match="q4"):
         LLM(dtype="float32", decode_weights="q4")
+
+
+def test_q8_lm_head_splits_exactly_into_two_int4_halves(ckpt):
+    from streamkv.loading.q4_blocks import read_q8_lm_head
+
+    hi, lo = read_q8_lm_head(default_model_path(), tied=True)
+    torch.testing.assert_close(hi.dequantize() + lo.dequantize(), ckpt.weights["embed.weight"], atol=0, rtol=0)
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ref = x.float() @ ckpt.weights["embed.weight"].t()
+    out = PackedQ4(hi.q, hi.scale, hi.zero)(x).float() + PackedQ4(lo.q, lo.scale, lo.zero)(x).float()
+    assert (out - ref).abs().max() <= 0.01 * ref.abs().max()

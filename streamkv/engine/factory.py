@@ -55,12 +55,18 @@ def _decode_q4(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype,
         return None
     if not usable:
         raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, dtype bfloat16, on CPU")
-    from streamkv.loading.q4_blocks import read_q4_matrices
+    from streamkv.loading.q4_blocks import read_q4_matrices, read_q8_lm_head
 
-    q4 = read_q4_matrices(source, arch, permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM"))
-    if not q4 and mode == "q4":
-        raise ValueError(f"{source} has no Q4_0/Q4_1 linear weights for decode_weights=q4")
-    return q4 or None
+    q4: dict[str, Any] = dict(read_q4_matrices(
+        source, arch, permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM")))
+    if not q4:
+        if mode == "q4":
+            raise ValueError(f"{source} has no Q4_0/Q4_1 linear weights for decode_weights=q4")
+        return None
+    halves = read_q8_lm_head(source, arch.tie_word_embeddings)
+    if halves is not None:
+        q4["lm_head.q8_halves"] = halves
+    return q4
 
 
 def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBundle:
@@ -81,9 +87,10 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     q4 = _decode_q4(config, ckpt.source, arch, dtype, device)
     model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4).eval()
     cc = config.cache
-    per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cc.kv_cache_dtype, dtype)
+    per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype)
     num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory // per_block)
-    cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+    cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, device)
     backend = make_backend("torch", cache, arch.head_dim ** -0.5)
     log.info("model %s (%s, %s): %d KV blocks x %d tokens = %.0f MiB", arch.architecture, ckpt.source,
              dtype, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)

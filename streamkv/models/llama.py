@@ -142,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(weights["norm.weight"].float(), requires_grad=False)
         head = self.embed if arch.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = head if isinstance(head, nn.Parameter) else nn.Parameter(head, requires_grad=False)
+        halves = (q4 or {}).get("lm_head.q8_halves")
+        self.q4_lm_head = nn.ModuleList(PackedQ4(h.q, h.scale, h.zero) for h in halves) if halves else None
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, max_positions,
                                     device=self.embed.device)
 
@@ -160,5 +162,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
-        h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
-        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps).to(self.lm_head.dtype)
+        if self.q4_lm_head is not None and h.shape[0] <= Q4_MAX_ROWS:
+            hi, lo = self.q4_lm_head
+            return hi(h).float().add_(lo(h).float())
+        return F.linear(h, self.lm_head).float()
