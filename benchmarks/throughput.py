@@ -313,7 +313,7 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                     f"{dt}: prefill@2048 {c['prefill_tok_s']:.0f}, decode bandwidth {c['decode_bw_tok_s']:.0f}, "
                     f"decode FLOP {c['decode_flop_tok_s']:.0f}" for dt, c in cs.items())
                 + f"; as stored in the GGUF (llama.cpp) {ceil['read_gbs'] * 1e9 / cost['gguf_tensor_bytes']:.0f}"
-                + f"; Q4 linear + bf16 LM head {ceil['read_gbs'] * 1e9 / common.decode_bytes(cost, 'bfloat16', 'q4'):.0f}"]
+                + f"; streamkv q4 decode (Q4 layers + int4x2 LM head) {ceil['read_gbs'] * 1e9 / common.decode_bytes(cost, 'bfloat16', 'q4'):.0f}"]
     return "\n".join(out), report
 
 
