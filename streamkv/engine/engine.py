@@ -109,6 +109,13 @@ class Engine:
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)
 
+    def check_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        """Tokenize and validate a prompt exactly as :meth:`add_request` will (thread-safe:
+        reads only immutable engine facts); raises InvalidRequestError."""
+        _, ids = self.tokenize_prompt(prompt)
+        self._validate_ids(ids)
+        return ids
+
     def _validate_ids(self, ids: list[int]) -> None:
         if not ids:
             raise InvalidRequestError("prompt is empty")

@@ -35,8 +35,7 @@ def _prompt(req: MessagesRequest, state: ServerState) -> list[int]:
         messages.insert(0, {"role": "system", "content": message_text(req.system)})
     try:
         text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        _, ids = state.engine.engine.tokenize_prompt(text)
-        state.engine.engine._validate_ids(ids)  # noqa: SLF001
+        ids = state.engine.engine.check_prompt(text)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="messages") from None
     return ids

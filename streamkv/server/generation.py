@@ -73,7 +73,8 @@ async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], par
         last = None
         async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority):
             last = out
-        assert last is not None
+        if last is None:
+            raise APIError(500, "the engine returned no output")
         return last
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]

@@ -55,8 +55,7 @@ def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list
     out = []
     for item in batch:
         try:
-            _, ids = state.engine.engine.tokenize_prompt(item)
-            state.engine.engine._validate_ids(ids)  # noqa: SLF001 (same checks as the engine)
+            ids = state.engine.engine.check_prompt(item)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param="prompt") from None
         out.append(ids)
@@ -135,8 +134,7 @@ def _chat_prompt(req: ChatCompletionRequest, state: ServerState) -> list[int]:
                 for m in req.messages]
     try:
         text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        _, ids = state.engine.engine.tokenize_prompt(text)
-        state.engine.engine._validate_ids(ids)  # noqa: SLF001
+        ids = state.engine.engine.check_prompt(text)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="messages") from None
     return ids
