@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "streamkv.cli", "serve", "--port", str(self.port), *args]
-        self.log = open(os.devnull if os.environ.get("CI") else "/tmp/streamkv-test-server.log", "w")
+        fd, self.log_path = tempfile.mkstemp(prefix="streamkv-test-server-", suffix=".log")
+        self.log = os.fdopen(fd, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
@@ -41,6 +43,10 @@ class ServerProcess:
                 pass
             time.sleep(0.3)
         raise RuntimeError("server did not become ready")
+
+    def log_text(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
 
     def stop(self, sig: int = 15, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:

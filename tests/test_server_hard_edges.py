@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 
 import httpx
 import pytest
@@ -131,3 +132,16 @@ def test_utilities(server):
                  "streamkv_kv_blocks_free", "streamkv_prefix_cache_hit_rate", "streamkv_preemptions",
                  "streamkv_requests_waiting"):
         assert name in metrics
+
+
+def test_access_log_line_per_request(server, model):
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": model, "prompt": "Hello there", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    expected = f"POST /v1/completions 200 tokens={usage['prompt_tokens']}+{usage['completion_tokens']} "
+    deadline = time.time() + 5
+    while expected not in server.log_text() and time.time() < deadline:
+        time.sleep(0.1)
+    assert expected in server.log_text()
+    assert "GET /health 200 tokens=-" in server.log_text()

@@ -52,17 +52,17 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
     mid = new_id("msg").replace("-", "_")
     message = {"id": mid, "type": "message", "role": "assistant", "model": state.model_name}
     if req.stream:
-        return StreamingResponse(_events(state, message, mid, ids, params), media_type="text/event-stream",
+        return StreamingResponse(_events(state, request, message, mid, ids, params), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     (out,) = await run_all(state.engine, mid, [ids], [params], 0)
     check_output(out)
-    state.observe(out)
+    state.observe(out, request)
     reason, seq = _stop_reason(out)
     return {**message, "content": [{"type": "text", "text": out.text}], "stop_reason": reason,
             "stop_sequence": seq, "usage": {"input_tokens": len(ids), "output_tokens": len(out.token_ids)}}
 
 
-async def _events(state: ServerState, message: dict[str, Any], mid: str, ids: list[int],
+async def _events(state: ServerState, request: Request, message: dict[str, Any], mid: str, ids: list[int],
                   params: Any) -> AsyncIterator[str]:
     yield _event("message_start", {"message": {**message, "content": [], "stop_reason": None,
                                                "stop_sequence": None,
@@ -75,7 +75,7 @@ async def _events(state: ServerState, message: dict[str, Any], mid: str, ids: li
                 yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
                                                                            "text": out.delta_text}})
             if out.finished:
-                state.observe(out)
+                state.observe(out, request)
                 reason, seq = _stop_reason(out)
                 yield _event("content_block_stop", {"index": 0})
                 yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},

@@ -90,7 +90,7 @@ class GuardMiddleware:
 
     def _log(self, scope: dict, path: str, status: int, start: float) -> None:
         state = scope.get("state") or {}
-        tokens = state.get("tokens", "-")
+        tokens = f"{state['tokens_in']}+{state['tokens_out']}" if "tokens_in" in state else "-"
         self.metrics.requests.labels(route=path if path.startswith(("/v1/", "/health", "/tok", "/detok", "/metrics"))
                                      else "other", status=str(status)).inc()
         log.info("%s %s %d tokens=%s %.1fms", scope.get("method", "-"), path, status, tokens,

@@ -90,20 +90,20 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(state, _completion_chunks(state, head, rid, flat_prompts, flat_params, req.priority,
+        return _stream(state, _completion_chunks(state, request, head, rid, flat_prompts, flat_params, req.priority,
                                                  include_usage, sum(len(p) for p in prompts)))
     outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
-        state.observe(out)
+        state.observe(out, request)
         choices.append({"index": i, "text": out.text, "logprobs": _completion_logprobs(out.logprobs, state.tokenizer),
                         "finish_reason": finish_reason(out)})
     usage = _usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs))
     return {**head, "choices": choices, "usage": usage}
 
 
-async def _completion_chunks(state: ServerState, head: dict[str, Any], rid: str, prompts: list[Any],
+async def _completion_chunks(state: ServerState, request: Request, head: dict[str, Any], rid: str, prompts: list[Any],
                              params: list[Any], priority: int, include_usage: bool,
                              prompt_tokens: int) -> AsyncIterator[str]:
     completion_tokens = 0
@@ -122,7 +122,7 @@ async def _completion_chunks(state: ServerState, head: dict[str, Any], rid: str,
             chunk["usage"] = None
         if out.finished:
             completion_tokens += len(out.token_ids)
-            state.observe(out)
+            state.observe(out, request)
         yield _sse(chunk)
     if include_usage:
         yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
@@ -166,20 +166,21 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     head = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(state, _chat_chunks(state, {**head, "object": "chat.completion.chunk"}, rid, ids, params,
+        return _stream(state, _chat_chunks(state, request, {**head, "object": "chat.completion.chunk"}, rid, ids, params,
                                            req.priority, include_usage))
     outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
-        state.observe(out)
+        state.observe(out, request)
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
                         "logprobs": _chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
                         "finish_reason": finish_reason(out)})
     return {**head, "choices": choices, "usage": _usage(len(ids), sum(len(o.token_ids) for o in outs))}
 
 
-async def _chat_chunks(state: ServerState, head: dict[str, Any], rid: str, ids: list[int], params: list[Any],
+async def _chat_chunks(state: ServerState, request: Request, head: dict[str, Any], rid: str, ids: list[int],
+                       params: list[Any],
                        priority: int, include_usage: bool) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
     for i in range(len(params)):
@@ -200,7 +201,7 @@ async def _chat_chunks(state: ServerState, head: dict[str, Any], rid: str, ids: 
                                          "finish_reason": finish_reason(out)}], **extra})
         if out.finished:
             completion_tokens += len(out.token_ids)
-            state.observe(out)
+            state.observe(out, request)
     if include_usage:
         yield _sse({**head, "choices": [], "usage": _usage(len(ids), completion_tokens)})
 

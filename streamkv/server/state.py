@@ -25,5 +25,10 @@ class ServerState:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, out: RequestOutput, request: Any = None) -> None:
+        """Record a finished output in the metrics and in the request's access-log counts."""
         self.metrics.observe_request(len(out.prompt_token_ids), len(out.token_ids), out.metrics)
+        if request is not None:
+            st = request.state
+            st.tokens_in = getattr(st, "tokens_in", 0) + len(out.prompt_token_ids)
+            st.tokens_out = getattr(st, "tokens_out", 0) + len(out.token_ids)
