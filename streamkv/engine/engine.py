@@ -21,7 +21,7 @@ from streamkv.kv.block_pool import BlockPool
 from streamkv.kv.manager import KVManager
 from streamkv.sampling.detokenizer import IncrementalDetokenizer
 from streamkv.sampling.params import SamplingParams
-from streamkv.sched.plan import StepOutput, TokenLogprobs
+from streamkv.sched.plan import StepOutput, StepPlan, TokenLogprobs
 from streamkv.sched.scheduler import Scheduler
 from streamkv.sched.sequence import PriorityClass, Sequence
 
@@ -179,7 +179,7 @@ class Engine:
         if req.detok.add(token) and not seq.finished:
             self.scheduler.finish(seq.seq_id, "stop")
 
-    def _fail(self, plan, message: str) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
+    def _fail(self, plan: StepPlan, message: str) -> list[RequestOutput]:
         out = []
         for item in plan.seqs:
             req = self._by_seq.get(item.seq_id)

@@ -95,19 +95,21 @@ class Scheduler:
         victims = [s for s in reversed(ranked) if s.status is SeqStatus.RUNNING]
         preempted: list[int] = []
         done: list[_Proposal] = []
+        done_ids: set[int] = set()
         for prop in proposals:
             seq = prop.seq
             if seq.status is SeqStatus.WAITING and seq.seq_id in preempted:
                 continue
             while not self._try_take(prop):
                 victim = next((v for v in victims if v is not seq and v.seq_id not in preempted
-                               and all(d.seq is not v for d in done)), None)
+                               and v.seq_id not in done_ids), None)
                 if victim is None:
                     break
                 self._preempt(victim)
                 preempted.append(victim.seq_id)
             else:
                 done.append(prop)
+                done_ids.add(seq.seq_id)
                 continue
             if seq.status is SeqStatus.RUNNING:
                 self._cannot_grow(seq, done, preempted)

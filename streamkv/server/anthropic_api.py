@@ -8,9 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from streamkv.engine.outputs import RequestOutput
-from streamkv.errors import InvalidRequestError
 from streamkv.server.errors import APIError
-from streamkv.server.generation import check_model, check_output, make_params, new_id, resolve_max_tokens, run_all, stream_all
+from streamkv.server.generation import chat_prompt_ids, check_model, check_output, make_params, new_id, resolve_max_tokens, run_all, stream_all
 from streamkv.server.protocol import MessagesRequest, message_text
 from streamkv.server.state import ServerState
 
@@ -33,12 +32,7 @@ def _prompt(req: MessagesRequest, state: ServerState) -> list[int]:
     messages = [{"role": m.role, "content": message_text(m.content)} for m in req.messages]
     if req.system:
         messages.insert(0, {"role": "system", "content": message_text(req.system)})
-    try:
-        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = state.engine.engine.check_prompt(text)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    return ids
+    return chat_prompt_ids(state.engine, messages)
 
 
 @router.post("/v1/messages")

@@ -49,12 +49,18 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, limits: Limits, p
 def make_params(**kwargs: Any) -> SamplingParams:
     """SamplingParams from request fields (None means default); bad values -> 400."""
     clean = {k: v for k, v in kwargs.items() if v is not None}
-    if isinstance(clean.get("stop"), str):
-        clean["stop"] = (clean["stop"],)
     try:
         return SamplingParams(**clean)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc)) from None
+
+
+def chat_prompt_ids(engine: AsyncEngine, messages: list[dict[str, str]]) -> list[int]:
+    """Render the chat template and tokenize + validate like the engine will; bad input -> 400."""
+    try:
+        return engine.engine.check_prompt(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="messages") from None
 
 
 def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:

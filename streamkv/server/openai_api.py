@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from streamkv.errors import InvalidRequestError
 from streamkv.server.errors import APIError, error_body
-from streamkv.server.generation import (check_model, check_output, finish_reason, make_params, new_id,
+from streamkv.server.generation import (chat_prompt_ids, check_model, check_output, finish_reason, make_params, new_id,
                                         per_choice, resolve_max_tokens, run_all, stream_all, token_text)
 from streamkv.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
 from streamkv.server.state import ServerState
@@ -132,12 +132,7 @@ async def _completion_chunks(state: ServerState, request: Request, head: dict[st
 def _chat_prompt(req: ChatCompletionRequest, state: ServerState) -> list[int]:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
                 for m in req.messages]
-    try:
-        text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = state.engine.engine.check_prompt(text)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    return ids
+    return chat_prompt_ids(state.engine, messages)
 
 
 def _chat_logprobs(lps: list[Any], tokenizer: Any) -> dict[str, Any]:
