@@ -86,11 +86,32 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class SessionConfig:
+    session_dir: str | None = field(default=None, metadata={
+        "help": "directory where sessions persist (push log + KV snapshots); with it, sessions "
+                "survive a restart and idle sessions can be offloaded to disk"})
+    max_sessions: int = field(default=256, metadata={"help": "live sessions at most"})
+    host_offload_bytes: int = field(default=2 << 30, metadata={
+        "help": "bytes of host memory for offloaded session KV before older ones go to disk"})
+    checkpoint_idle_s: float = field(default=1.0, metadata={
+        "help": "with --session-dir: snapshot a session's KV to disk once it has been idle this long"})
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.host_offload_bytes < 0:
+            raise ValueError(f"host_offload_bytes must be >= 0, got {self.host_offload_bytes}")
+        if self.checkpoint_idle_s < 0:
+            raise ValueError(f"checkpoint_idle_s must be >= 0, got {self.checkpoint_idle_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
 
     @classmethod
     def from_flat(cls, **kwargs: object) -> "EngineConfig":

@@ -20,3 +20,19 @@ class InvalidRequestError(StreamKVError, ValueError):
 
 class EngineDeadError(StreamKVError, RuntimeError):
     """The engine loop stopped and cannot serve requests any more."""
+
+
+class SessionNotFoundError(StreamKVError, KeyError):
+    """No session has this id (never created, deleted, or not restored)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "session not found"
+
+
+class QueueFullError(StreamKVError):
+    """A session's ingestion queue is full and its overflow policy is ``reject`` (or ``block``
+    timed out); nothing from the push was accepted."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

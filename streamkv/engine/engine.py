@@ -16,14 +16,17 @@ from typing import Sequence as Seq
 from streamkv.config import EngineConfig
 from streamkv.engine.factory import ModelBundle, build_bundle
 from streamkv.engine.outputs import RequestOutput
+from streamkv.engine.streams import Streams
 from streamkv.errors import InvalidRequestError
-from streamkv.kv.block_pool import BlockPool
+from streamkv.kv.block_pool import BlockPool, OutOfBlocksError
 from streamkv.kv.manager import KVManager
+from streamkv.runner.kv_ops import slots_of
 from streamkv.sampling.detokenizer import IncrementalDetokenizer
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.plan import StepOutput, StepPlan, TokenLogprobs
 from streamkv.sched.scheduler import Scheduler
 from streamkv.sched.sequence import PriorityClass, Sequence
+from streamkv.sessions.manager import SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +66,14 @@ class Engine:
         self.pool = BlockPool(self.bundle.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv = KVManager(self.pool)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.kv_ops = getattr(self.bundle.runner, "kv_ops", None)
+        self.streams = Streams(self)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
+        self.sessions = SessionManager(self)
 
     # ----------------------------------------------------------------- intake
     def tokenize_prompt(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -86,6 +92,31 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     priority: int = 0, klass: PriorityClass = PriorityClass.POOL) -> None:
         """Validate and queue a request; raises InvalidRequestError and queues nothing on bad input."""
+        params = self._check_request(request_id, params, priority)
+        text, ids = self.tokenize_prompt(prompt)
+        self._validate_ids(ids)
+        self.scheduler.add(self._register(request_id, text, self._new_seq(ids, params, priority, klass)))
+
+    def add_fork_request(self, request_id: str, parent: Sequence, num_tokens: int, suffix: Seq[int],
+                         params: SamplingParams | None = None, priority: int = 0,
+                         klass: PriorityClass = PriorityClass.SESSION) -> Sequence:
+        """Generate from ``parent.tokens[:num_tokens] + suffix``, sharing the parent's KV.
+
+        The first ``num_tokens`` tokens must already have KV: they are forked copy-on-write
+        (DESIGN.md section 3), so only ``suffix`` is computed and the parent keeps running.
+        Raises InvalidRequestError (nothing queued) on bad input or when the KV pool has no
+        block for the copy.
+        """
+        params = self._check_request(request_id, params, priority)
+        ids = list(parent.tokens[:num_tokens]) + [int(t) for t in suffix]
+        self._validate_ids(ids)
+        seq = self._new_seq(ids, params, priority, klass)
+        seq.cacheable = parent.cacheable
+        self._fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
+        self.scheduler.add_running(self._register(request_id, None, seq))
+        return seq
+
+    def _check_request(self, request_id: str, params: SamplingParams | None, priority: int) -> SamplingParams:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -93,21 +124,38 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
-        text, ids = self.tokenize_prompt(prompt)
-        self._validate_ids(ids)
+        return params
+
+    def _new_seq(self, ids: list[int], params: SamplingParams, priority: int, klass: PriorityClass) -> Sequence:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.eos_token_ids)
-        seq = Sequence(seq_id=next(self._seq_ids), tokens=list(ids), num_prompt_tokens=len(ids),
-                       params=params, max_len=self.max_model_len, stop_ids=frozenset(stop_ids),
-                       priority=priority, klass=klass)
+        return Sequence(seq_id=next(self._seq_ids), tokens=list(ids), num_prompt_tokens=len(ids),
+                        params=params, max_len=self.max_model_len, stop_ids=frozenset(stop_ids),
+                        priority=priority, klass=klass)
+
+    def _register(self, request_id: str, text: str | None, seq: Sequence) -> Sequence:
+        params = seq.params
         req = _Request(request_id, text, seq, IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output),
             [] if params.logprobs is not None else None, time.perf_counter())
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
-        self.scheduler.add(seq)
-        self.stats.prompt_tokens += len(ids)
+        self.stats.prompt_tokens += len(seq.tokens)
+        return seq
+
+    def _fork_kv(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        if not self.kv.has(parent.seq_id) or parent.num_computed < num_tokens:
+            raise InvalidRequestError(f"cannot fork {num_tokens} tokens: only {parent.num_computed} have KV")
+        try:
+            copy = self.kv.fork(parent.seq_id, child.seq_id, num_tokens)
+        except OutOfBlocksError:
+            raise InvalidRequestError("the KV cache is full; retry later") from None
+        if copy is not None:
+            bs = self.kv.block_size
+            n = num_tokens % bs
+            self.kv_ops.copy(slots_of([copy[0]], 0, n, bs), slots_of([copy[1]], 0, n, bs))
+        child.num_computed = child.num_cached_tokens = num_tokens
 
     def check_prompt(self, prompt: str | Seq[int]) -> list[int]:
         """Tokenize and validate a prompt exactly as :meth:`add_request` will (thread-safe:
@@ -142,11 +190,19 @@ class Engine:
 
     # ------------------------------------------------------------------- loop
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._pending) or self.sessions.has_work()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed or ended."""
         outputs, self._pending = self._pending, []
+        self.sessions.before_step()
+        try:
+            return outputs + self._step()
+        finally:
+            self.sessions.after_step()
+
+    def _step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         plan = self.scheduler.schedule()
         if plan.empty and not plan.released:
             return outputs

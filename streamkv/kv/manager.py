@@ -120,6 +120,65 @@ class KVManager:
             kv.hashes.append(parent)
             self.pool.cache(kv.block_ids[b], parent)
 
+    def fork(self, src_id: int, dst_id: int, num_tokens: int) -> tuple[int, int] | None:
+        """Start ``dst_id`` as a copy-on-write view of the first ``num_tokens`` tokens of ``src_id``.
+
+        Full blocks are shared (one more reference each); a partial last block is copied
+        into a fresh block, because both sequences will write past its last token::
+
+            src  [b3 | b8 | b5:.....xx]       (2 tokens of b5 belong to the fork)
+            dst  [b3 | b8 | b11:xx     ]      returns (b5, b11): the caller copies the slots
+
+        Raises :class:`OutOfBlocksError` (nothing changed) when no block is free for the copy.
+        """
+        if dst_id in self._seqs:
+            raise RuntimeError(f"sequence {dst_id} already has KV")
+        src = self._seqs[src_id]
+        full, part = divmod(num_tokens, self.block_size)
+        if self.blocks_for(num_tokens) > len(src.block_ids):
+            raise ValueError(f"cannot fork {num_tokens} tokens of a sequence holding {len(src.block_ids)} blocks")
+        shared = src.block_ids[:full]
+        copy: tuple[int, int] | None = None
+        new_blocks: list[int] = []
+        if part:
+            new_blocks = self.pool.allocate(1)
+            copy = (src.block_ids[full], new_blocks[0])
+        self.pool.acquire(shared)
+        self._seqs[dst_id] = SeqKV(list(shared) + new_blocks, list(src.hashes[:full]), src.cache_key)
+        return copy
+
+    def rewrite_tail(self, seq_id: int, first_block: int, num_tokens: int) -> tuple[list[int], list[int]]:
+        """Prepare to rewrite blocks ``first_block..`` of ``seq_id`` so it holds ``num_tokens`` tokens.
+
+        Returns ``(old, new)`` tails of the block table; the table now ends in ``new``. When
+        no other sequence shares the old tail, ``new`` reuses its leading blocks in place;
+        otherwise (forks still read it) ``new`` is freshly allocated (copy-on-write). The
+        caller moves the KV from old to new slots, then calls :meth:`release_blocks` with
+        ``old`` blocks not in ``new``. Raises OutOfBlocksError (nothing changed) when short.
+        """
+        kv = self._seqs[seq_id]
+        need = max(0, self.blocks_for(num_tokens) - first_block)
+        old = kv.block_ids[first_block:]
+        if all(self.pool.blocks[b].ref_count == 1 and self.pool.blocks[b].block_hash is None for b in old):
+            new = old[:need]
+        else:
+            new = self.pool.allocate(need)
+        kv.block_ids[first_block:] = new
+        del kv.hashes[first_block:]
+        return old, new
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop references taken out of a table by :meth:`rewrite_tail`."""
+        self.pool.release(reversed(list(block_ids)))
+
+    def adopt(self, seq_id: int, num_tokens: int) -> list[int]:
+        """Track ``seq_id`` with fresh blocks for ``num_tokens`` tokens (restoring saved KV)."""
+        if seq_id in self._seqs:
+            raise RuntimeError(f"sequence {seq_id} already has KV")
+        blocks = self.pool.allocate(self.blocks_for(num_tokens))
+        self._seqs[seq_id] = SeqKV(blocks, [], 0)
+        return blocks
+
     def free(self, seq_id: int) -> None:
         """Release every block of ``seq_id`` (tail first) and forget it."""
         kv = self._seqs.pop(seq_id, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from streamkv.attention.backend import AttentionBackend, SeqSpan
+from streamkv.runner.kv_ops import KVOps
 from streamkv.sampling.sampler import Sampler
 from streamkv.sched.plan import StepOutput, StepPlan
 
@@ -24,6 +25,7 @@ class ModelRunner:
         self.backend = backend
         self.sampler = sampler
         self.device = torch.device(device)
+        self.kv_ops = KVOps(backend.cache, getattr(model, "rope", None))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -45,6 +45,15 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.seqs[seq.seq_id] = seq
 
+    def add_running(self, seq: Sequence) -> None:
+        """Track a sequence whose KV the caller already gave it (a fork): it runs next step."""
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence {seq.seq_id} already scheduled")
+        if not self.kv.has(seq.seq_id):
+            raise ValueError(f"sequence {seq.seq_id} has no KV")
+        seq.status = SeqStatus.RUNNING
+        self.seqs[seq.seq_id] = seq
+
     def finish(self, seq_id: int, reason: str) -> Sequence | None:
         """Stop a sequence (stop string, abort, error) and free its KV at once."""
         seq = self.seqs.pop(seq_id, None)
@@ -83,6 +92,8 @@ class Scheduler:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
                 break
             computed = seq.num_computed
+            if seq.status is SeqStatus.RUNNING and computed >= len(seq.tokens):
+                continue  # an idle stream: nothing to compute
             if seq.status is SeqStatus.WAITING:
                 computed = self.kv.match_prefix(seq.tokens, seq.cache_key).num_tokens(self.kv.block_size)
             n = min(len(seq.tokens) - computed, budget, self.config.chunk_cap)
@@ -92,7 +103,7 @@ class Scheduler:
 
     def _acquire(self, proposals: list[_Proposal], ranked: list[Sequence]) -> tuple[list[_Proposal], list[int]]:
         """Phase 2: take blocks in rank order, preempting from the bottom when short."""
-        victims = [s for s in reversed(ranked) if s.status is SeqStatus.RUNNING]
+        victims = [s for s in reversed(ranked) if s.status is SeqStatus.RUNNING and not s.pinned]
         preempted: list[int] = []
         done: list[_Proposal] = []
         done_ids: set[int] = set()
@@ -111,6 +122,8 @@ class Scheduler:
                 done.append(prop)
                 done_ids.add(seq.seq_id)
                 continue
+            if seq.pinned:
+                continue  # a stream waits for blocks; it is never preempted
             if seq.status is SeqStatus.RUNNING:
                 self._cannot_grow(seq, done, preempted)
             break
@@ -156,7 +169,7 @@ class Scheduler:
         start, end = seq.num_computed, prop.end
         return ScheduledSeq(
             seq_id=seq.seq_id, start=start, token_ids=tuple(seq.tokens[start:end]),
-            block_table=tuple(self.kv.block_table(seq.seq_id)), sample=end == len(seq.tokens),
+            block_table=tuple(self.kv.block_table(seq.seq_id)), sample=seq.samples and end == len(seq.tokens),
             params=seq.params, history=seq.tokens, num_prompt=seq.num_prompt_tokens,
             banned_ids=tuple(seq.stop_ids) if seq.num_output < seq.params.min_tokens else ())
 
@@ -172,7 +185,8 @@ class Scheduler:
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue
             seq.num_computed = item.start + item.num_tokens
-            self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)
+            if seq.cacheable:
+                self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)
             token = output.tokens.get(item.seq_id)
             if not item.sample or token is None:
                 continue

@@ -47,6 +47,12 @@ class Sequence:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Session streams: ``samples=False`` only computes KV (an idle stream has remaining 0 and
+    # is skipped); ``pinned`` is never preempted (it waits for blocks instead); blocks of a
+    # non-``cacheable`` sequence never enter the prefix cache (their KV may be re-positioned).
+    samples: bool = True
+    pinned: bool = False
+    cacheable: bool = True
 
     @property
     def num_output(self) -> int:

@@ -1,0 +1,215 @@
+"""Live sessions on one engine (DESIGN.md section 3, "Sessions").
+
+Runs on the engine thread. Around every engine step:
+
+* ``before_step``: feed each idle session stream its next batch of queued records
+  (evicting + re-positioning the oldest records first when the window is full), rebuild
+  the ``ready`` fork (snapshot + query prefix) after a new version, offload idle sessions
+  when waiting requests lack KV blocks;
+* ``after_step``: advance data versions from what the stream has computed and emit events.
+
+A query forks the ``ready`` sequence (or the stream at its snapshot) copy-on-write, so it
+computes only its question and answer and never waits for the ingestion backlog.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from streamkv.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
+from streamkv.kv.block_pool import OutOfBlocksError
+from streamkv.sampling.params import SamplingParams
+from streamkv.sched.sequence import PriorityClass, SeqStatus
+from streamkv.sessions.offload import Offloader
+from streamkv.sessions.session import Session, new_session_id
+from streamkv.sessions.spec import SessionLayout, SessionSpec
+from streamkv.sessions.state import Record, SessionData
+
+if TYPE_CHECKING:
+    from streamkv.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+QUERY_RESERVE = 64  # context kept free after the window for the scaffold, question and answer
+
+
+class SessionManager:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.config = engine.config.sessions
+        self.sessions: dict[str, Session] = {}
+        self.offload = Offloader(self)
+        self.offload.recover()
+
+    # ----------------------------------------------------------------- lifecycle
+    def create(self, spec: SessionSpec, session_id: str | None = None, created: float | None = None) -> Session:
+        if len(self.sessions) >= self.config.max_sessions:
+            raise QueueFullError(f"{len(self.sessions)} sessions are live (limit {self.config.max_sessions})", 5.0)
+        layout = SessionLayout.build(spec, self.engine.tokenizer)
+        fixed = len(layout.frozen) + len(layout.prefix) + len(layout.suffix) + QUERY_RESERVE
+        if fixed + spec.retention_tokens > self.engine.max_model_len:
+            raise InvalidRequestError(
+                f"retention_tokens={spec.retention_tokens} plus the session's fixed text and query reserve "
+                f"({fixed} tokens) exceed the context ({self.engine.max_model_len}); lower retention_tokens")
+        if self.engine.kv.blocks_for(len(layout.frozen) + spec.retention_tokens) > self.engine.pool.num_blocks:
+            raise InvalidRequestError("the KV cache is smaller than one session window; raise --kv-cache-memory")
+        session = Session(session_id or new_session_id(), SessionData(spec, layout))
+        if created is not None:
+            session.created = created
+        session.stream = self.engine.streams.open(layout.frozen)
+        self.sessions[session.id] = session
+        self.offload.created(session)
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None:
+            raise SessionNotFoundError(f"session {session_id!r} does not exist")
+        return session
+
+    def delete(self, session_id: str) -> None:
+        session = self.get(session_id)
+        self._drop_kv(session)
+        del self.sessions[session_id]
+        self.offload.deleted(session)
+        session.emit("deleted")
+        session.listeners.clear()
+
+    def _drop_kv(self, session: Session) -> None:
+        for seq in (session.ready, session.stream):
+            if seq is not None:
+                self.engine.streams.close(seq)
+        session.ready = session.stream = None
+        session.ready_version = -1
+
+    # -------------------------------------------------------------------- data
+    def push(self, session_id: str, records: list[str]) -> dict[str, Any]:
+        """Queue records as one new data version; returns at once (the version to come)."""
+        session = self.get(session_id)
+        data = session.data
+        ids = self._check_records(session, records)
+        total = sum(len(x) for x in ids)
+        if data.spec.overflow != "drop_oldest" and not data.fits(total):
+            raise QueueFullError(f"session queue holds {data.queued_tokens} of {data.spec.max_queue_tokens} "
+                                 f"tokens; {total} more do not fit", retry_after=1.0)
+        version = data.next_version()
+        dropped = data.accept([Record(version, x, t) for x, t in zip(ids, records)])
+        data.counters.records_pushed += len(records)
+        self.offload.logged(session, version, records, dropped)
+        if dropped:
+            session.emit("dropped", records=len(dropped), total_dropped=data.counters.records_dropped,
+                         versions=sorted({r.version for r in dropped}))
+        data.last_used = time.monotonic()
+        self.offload.ensure_resident(session)
+        return {"data_version": version, "accepted": len(records) - sum(r.version == version for r in dropped),
+                "dropped": len(dropped), "queued_records": len(data.queue), "queued_tokens": data.queued_tokens}
+
+    def _check_records(self, session: Session, records: Any) -> list[list[int]]:
+        if not isinstance(records, list) or not records:
+            raise InvalidRequestError("records must be a non-empty list of strings")
+        spec, out = session.spec, []
+        for i, rec in enumerate(records):
+            if not isinstance(rec, str) or not rec:
+                raise InvalidRequestError(f"records[{i}] must be a non-empty string")
+            if len(rec) > spec.max_record_chars:
+                raise InvalidRequestError(f"records[{i}] has {len(rec)} characters (limit {spec.max_record_chars})")
+            ids = session.layout.record_ids(spec, self.engine.tokenizer, rec)
+            if len(ids) > min(spec.retention_tokens, spec.max_queue_tokens):
+                raise InvalidRequestError(f"records[{i}] is {len(ids)} tokens, more than the session's retention "
+                                          f"({spec.retention_tokens}) or queue ({spec.max_queue_tokens})")
+            out.append(ids)
+        return out
+
+    # ------------------------------------------------------------------- query
+    def query(self, session_id: str, request_id: str, question: str, params: SamplingParams) -> dict[str, Any]:
+        """Start answering ``question`` at the newest complete version (a SESSION-class fork)."""
+        session = self.get(session_id)
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidRequestError("question must be a non-empty string")
+        self.offload.ensure_resident(session)
+        data, layout = session.data, session.layout
+        q_ids = self.engine.tokenizer.encode(question)
+        ready = session.ready
+        if ready is not None and session.ready_version == data.data_version and self.engine.streams.is_idle(ready):
+            parent, n, suffix = ready, len(ready.tokens), q_ids + list(layout.suffix)
+        else:
+            parent, n, suffix = session.stream, data.snapshot_len(), layout.query_ids(self.engine.tokenizer, question)
+        if parent is None:
+            raise RuntimeError(f"session {session_id} has no resident stream after restore")
+        seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=PriorityClass.SESSION)
+        data.counters.queries += 1
+        data.last_used = time.monotonic()
+        return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
+                "computed_prompt_tokens": len(seq.tokens) - seq.num_computed, "prompt_token_ids": list(seq.tokens)}
+
+    # ------------------------------------------------------------- step hooks
+    def has_work(self) -> bool:
+        """Records to ingest, or a stale ``ready`` fork to rebuild, in some resident session."""
+        return any(s.stream is not None and (
+            s.data.queue or s.stream.num_computed < len(s.stream.tokens)
+            or (s.layout.prefix and s.ready_version != s.data.data_version)
+            or (s.ready is not None and s.ready.num_computed < len(s.ready.tokens)))
+            for s in self.sessions.values())
+
+    def before_step(self) -> None:
+        for session in self.sessions.values():
+            if session.stream is not None:
+                self._feed(session)
+                self._refresh_ready(session)
+        self.offload.relieve_pressure()
+
+    def after_step(self) -> None:
+        for session in self.sessions.values():
+            stream = session.stream
+            if stream is None or stream.status is SeqStatus.FINISHED:
+                continue
+            if session.data.advance(stream.num_computed):
+                session.changed_at = time.monotonic()
+                session.emit("data_updated", data_version=session.data.data_version,
+                             tokens=session.data.snapshot_len(), records_in_window=len(session.data.spans),
+                             queued_records=len(session.data.queue))
+
+    def _feed(self, session: Session) -> None:
+        data, stream, streams = session.data, session.stream, self.engine.streams
+        if not data.queue or stream is None or not streams.is_idle(stream):
+            return
+        batch = data.take_batch(data.spec.ingest_batch_tokens)
+        incoming = sum(len(r.ids) for r in batch)
+        n_rec, n_tok = data.eviction_for(incoming)
+        if n_tok:
+            try:
+                streams.evict(stream, data.frozen_len, n_tok)
+            except OutOfBlocksError:
+                data.queue.extendleft(reversed(batch))
+                data.queued_tokens += incoming
+                return
+            data.evicted(n_rec, n_tok)
+            session.emit("evicted", records=n_rec, tokens=n_tok, total_evicted=data.counters.records_evicted)
+        streams.extend(stream, [t for r in batch for t in r.ids])
+        for rec in batch:
+            data.fed(rec)
+
+    def _refresh_ready(self, session: Session) -> None:
+        data, stream = session.data, session.stream
+        if session.ready_version == data.data_version or not session.layout.prefix or stream is None:
+            return
+        if session.ready is not None:
+            self.engine.streams.close(session.ready)
+            session.ready = None
+        try:
+            session.ready = self.engine.streams.fork(stream, data.snapshot_len(), session.layout.prefix)
+        except InvalidRequestError:  # no block for the copy right now: queries fork the stream instead
+            return
+        session.ready_version = data.data_version
+
+    # ------------------------------------------------------------------- stats
+    def stats(self, session_id: str) -> dict[str, Any]:
+        session = self.get(session_id)
+        stream = session.stream
+        out = session.stats(self.engine.kv.block_size, self.offload.kv_bytes_per_token,
+                            stream.num_computed if stream is not None else None)
+        out["ready_version"] = session.ready_version
+        return out
+
+    def layout(self, session_id: str) -> dict[str, Any]:
+        return self.get(session_id).layout_info(self.engine.tokenizer)

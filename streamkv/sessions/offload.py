@@ -1,0 +1,235 @@
+"""Where a session's KV lives (pool -> host -> disk) and how it survives a restart.
+
+Offloading a quiescent session (stream idle, queue empty) exports its stream's K/V to
+host tensors and frees its blocks; beyond ``host_offload_bytes`` the least recently used
+host copies spill to ``--session-dir``. The next push or query restores it. With a
+session dir, every acknowledged push is logged (fsync) before it is acknowledged, and idle
+sessions snapshot their KV; recovery loads the snapshot and re-queues newer pushes.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from streamkv.errors import QueueFullError
+from streamkv.kv.block_pool import OutOfBlocksError
+from streamkv.sched.sequence import SeqStatus
+from streamkv.sessions.session import Session
+from streamkv.sessions.spec import SessionLayout, SessionSpec
+from streamkv.sessions.state import Counters, Record, SessionData, Span
+from streamkv.sessions.store import SessionStore
+
+if TYPE_CHECKING:
+    from streamkv.sessions.manager import SessionManager
+
+log = logging.getLogger(__name__)
+
+
+class Offloader:
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+        self.engine = manager.engine
+        cfg = manager.config
+        self.store = SessionStore(cfg.session_dir) if cfg.session_dir else None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamkv-session-io")
+        self._writes: list[Future] = []
+        ops = self.engine.kv_ops
+        self.kv_bytes_per_token = (ops.cache.nbytes // (ops.cache.num_blocks * ops.cache.block_size)) if ops else 0
+
+    # ----------------------------------------------------------- durability hooks
+    def created(self, session: Session) -> None:
+        if self.store is not None:
+            self.store.create(session.id, session.spec.to_dict(), session.created)
+
+    def deleted(self, session: Session) -> None:
+        if self.store is not None:
+            self.store.delete(session.id)
+
+    def logged(self, session: Session, version: int, records: list[str], dropped: list[Record]) -> None:
+        if self.store is None:
+            return
+        own_dropped = sum(1 for r in dropped if r.version == version)
+        self.store.log_push(session.id, version, records[own_dropped:],
+                            _drop_counts([r for r in dropped if r.version != version]))
+
+    # ------------------------------------------------------------------ offload
+    def quiescent(self, session: Session) -> bool:
+        stream = session.stream
+        return (stream is not None and not session.data.queue and self.engine.streams.is_idle(stream))
+
+    def offload(self, session: Session) -> int:
+        """Move a quiescent session's KV to host memory; returns the blocks it held."""
+        stream = session.stream
+        if stream is None or not self.quiescent(session):
+            return 0
+        held = self.engine.kv.num_blocks_held(stream.seq_id)
+        session.host_kv = self.engine.streams.export(stream, len(stream.tokens))
+        session.offloaded_tokens = list(stream.tokens)
+        self.manager._drop_kv(session)
+        session.where = "host"
+        session.emit("offloaded", where="host", tokens=len(session.offloaded_tokens))
+        self._spill_host()
+        return held
+
+    def _spill_host(self) -> None:
+        hosted = sorted((s for s in self.manager.sessions.values() if s.host_kv is not None),
+                        key=lambda s: s.data.last_used)
+        total = sum(s.host_kv[0].nbytes * 2 for s in hosted)  # type: ignore[index]
+        for session in hosted:
+            if total <= self.manager.config.host_offload_bytes or self.store is None:
+                break
+            k, v = session.host_kv  # type: ignore[misc]
+            total -= k.nbytes * 2
+            self.store.save_kv(session.id, k, v, self._meta(session, session.offloaded_tokens or []))
+            session.saved_version = session.data.data_version
+            session.host_kv = None
+            session.where = "disk"
+            session.emit("offloaded", where="disk", tokens=len(session.offloaded_tokens or []))
+
+    def ensure_resident(self, session: Session) -> None:
+        if session.where == "pool":
+            return
+        tokens = session.offloaded_tokens or []
+        if session.host_kv is not None:
+            k, v = session.host_kv
+        elif self.store is not None:
+            self.flush()
+            k, v = self.store.load_kv(session.id)
+        else:
+            raise RuntimeError(f"session {session.id} has no KV anywhere")
+        while True:
+            try:
+                session.stream = self.engine.streams.restore(tokens, k, v)
+                break
+            except OutOfBlocksError:
+                if not self._offload_one(exclude=session):
+                    raise QueueFullError("the KV cache is full; retry later", retry_after=1.0) from None
+        session.host_kv, session.offloaded_tokens, session.where = None, None, "pool"
+        session.emit("restored", tokens=len(tokens))
+
+    def _offload_one(self, exclude: Session | None = None) -> int:
+        for s in sorted(self.manager.sessions.values(), key=lambda s: s.data.last_used):
+            if s is not exclude and s.where == "pool" and self.quiescent(s):
+                return self.offload(s)
+        return 0
+
+    def relieve_pressure(self) -> None:
+        """Offload idle sessions while a waiting request cannot get its blocks."""
+        waiting = [s for s in self.engine.scheduler.seqs.values() if s.status is SeqStatus.WAITING and not s.pinned]
+        if not waiting:
+            return
+        need = self.engine.kv.blocks_for(min(len(s.tokens) for s in waiting) + 1) - self.engine.pool.num_free
+        while need > 0:
+            freed = self._offload_one()
+            if not freed:
+                return
+            need -= freed
+
+    # ------------------------------------------------------------- persistence
+    def maintain(self) -> None:
+        """Snapshot sessions that have been idle for ``checkpoint_idle_s`` (engine thread)."""
+        if self.store is None:
+            return
+        now = time.monotonic()
+        for session in self.manager.sessions.values():
+            if (session.where == "pool" and session.saved_version < session.data.data_version
+                    and self.quiescent(session) and now - session.changed_at >= self.manager.config.checkpoint_idle_s):
+                self.checkpoint(session)
+
+    def checkpoint(self, session: Session) -> None:
+        stream = session.stream
+        if self.store is None or stream is None:
+            return
+        n = session.data.snapshot_len()
+        k, v = self.engine.streams.export(stream, n)
+        session.saved_version = session.data.data_version
+        self._writes.append(self._writer.submit(self.store.save_kv, session.id, k, v,
+                                                self._meta(session, list(stream.tokens[:n]))))
+
+    def save_all(self) -> None:
+        """Snapshot every resident session at its newest complete version (shutdown)."""
+        for session in list(self.manager.sessions.values()):
+            if session.where == "pool" and session.saved_version < session.data.data_version:
+                self.checkpoint(session)
+            elif session.host_kv is not None and self.store is not None:
+                k, v = session.host_kv
+                self.store.save_kv(session.id, k, v, self._meta(session, session.offloaded_tokens or []))
+        self.flush()
+
+    def flush(self) -> None:
+        for fut in self._writes:
+            fut.result()
+        self._writes.clear()
+
+    def _meta(self, session: Session, tokens: list[int]) -> dict[str, Any]:
+        d = session.data
+        spans = [[s.start, s.end, s.version] for s in d.spans if s.end <= len(tokens)]
+        return {"tokens": tokens, "spans": spans, "data_version": d.data_version,
+                "counters": vars(d.counters).copy()}
+
+    def recover(self) -> None:
+        if self.store is None:
+            return
+        for stored in self.store.load_all():
+            try:
+                self._recover_one(stored)
+            except Exception:
+                log.exception("could not recover session %s; leaving its files in place", stored.session_id)
+
+    def _recover_one(self, stored: Any) -> None:
+        spec = SessionSpec(**stored.spec)
+        snap = stored.snapshot
+        if snap is None:
+            session = self.manager.create(spec, stored.session_id, stored.created)
+        else:
+            layout = SessionLayout.build(spec, self.engine.tokenizer)
+            data = SessionData(spec, layout, spans=_spans(snap["spans"]), data_version=snap["data_version"],
+                               last_version=snap["data_version"], counters=Counters(**snap["counters"]))
+            session = Session(stored.session_id, data, where="disk", created=stored.created,
+                              offloaded_tokens=list(snap["tokens"]), saved_version=snap["data_version"])
+            self.manager.sessions[session.id] = session
+        data = session.data
+        tokenizer = self.engine.tokenizer
+        for version, records, drops in stored.pushes:
+            data.last_version = max(data.last_version, version)
+            if version > data.data_version:
+                data.accept([Record(version, session.layout.record_ids(spec, tokenizer, r), r) for r in records],
+                            unbounded=True)
+            _apply_drops(data, drops)
+        if data.queue:
+            self.ensure_resident(session)
+        log.info("recovered session %s at data version %d (%d records to re-ingest)",
+                 session.id, data.data_version, len(data.queue))
+
+    def close(self) -> None:
+        self.flush()
+        self._writer.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
+
+
+def _spans(raw: list[list[int]]) -> Any:
+    from collections import deque
+
+    return deque(Span(a, b, v) for a, b, v in raw)
+
+
+def _drop_counts(dropped: list[Record]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for r in dropped:
+        out[r.version] = out.get(r.version, 0) + 1
+    return out
+
+
+def _apply_drops(data: SessionData, drops: dict[int, int]) -> None:
+    """Replay drop_oldest decisions logged after a push: the oldest queued records of a version."""
+    for version, count in drops.items():
+        for _ in range(count):
+            idx = next((i for i, r in enumerate(data.queue) if r.version == int(version)), None)
+            if idx is None:
+                break
+            rec = data.queue[idx]
+            del data.queue[idx]
+            data.queued_tokens -= len(rec.ids)

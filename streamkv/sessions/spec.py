@@ -1,0 +1,105 @@
+"""What a session is made of: its spec (user-facing settings) and its token layout.
+
+::
+
+    stream  [ frozen ............ | r0 | r1 | r2 ...  (sliding, FIFO-evicted) ]
+    query   [ stream snapshot      | prefix | question | suffix | answer ... ]  (a fork)
+
+``frozen`` = chat-template opening with the system prompt, then ``data_header``;
+``prefix`` / ``suffix`` = the query scaffold around each question (e.g. the end of the
+user turn and the assistant marker). Every piece is tokenized on its own, so a session's
+token ids are exactly the concatenation shown above (see :meth:`SessionLayout.query_ids`).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+OVERFLOW_POLICIES = ("drop_oldest", "reject", "block")
+_SENTINEL = "\u2063STREAMKV-DATA\u2063"
+
+
+class _Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """Settings of one session; validated on construction (ValueError with the reason)."""
+
+    system: str = ""
+    retention_tokens: int = 2048
+    evict_tokens: int | None = None
+    chat: bool = True
+    data_header: str = "Data:\n"
+    record_format: str = "{record}\n"
+    query_prefix: str = "\nQuestion: "
+    query_suffix: str = ""
+    max_queue_tokens: int = 16384
+    overflow: str = "drop_oldest"
+    ingest_batch_tokens: int = 512
+    max_record_chars: int = 65536
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.system, str):
+            raise ValueError("system must be a string")
+        for name in ("retention_tokens", "max_queue_tokens", "ingest_batch_tokens", "max_record_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.evict_tokens is not None and (not isinstance(self.evict_tokens, int) or isinstance(self.evict_tokens, bool)
+                                              or not 0 < self.evict_tokens <= self.retention_tokens):
+            raise ValueError(f"evict_tokens must be in [1, retention_tokens], got {self.evict_tokens!r}")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {self.overflow!r}")
+        if "{record}" not in self.record_format:
+            raise ValueError("record_format must contain '{record}'")
+        try:
+            self.record_format.format(record="x")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"record_format is not a valid format string: {exc}") from None
+
+    @property
+    def evict_chunk(self) -> int:
+        """Tokens evicted at once (at least): amortizes the re-positioning copy."""
+        return self.evict_tokens or max(1, self.retention_tokens // 4)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SessionLayout:
+    """Token ids of the fixed pieces of a session."""
+
+    frozen: tuple[int, ...]
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @classmethod
+    def build(cls, spec: SessionSpec, tokenizer: Any) -> SessionLayout:
+        opening, closing = _chat_pieces(spec, tokenizer) if spec.chat else (spec.system, "")
+        frozen = tokenizer.encode(opening + spec.data_header, add_special_tokens=True)
+        if not frozen:
+            raise ValueError("the session's frozen prefix is empty: give a system prompt or a data header")
+        prefix = tokenizer.encode(spec.query_prefix) if spec.query_prefix else []
+        suffix = tokenizer.encode(spec.query_suffix + closing) if spec.query_suffix + closing else []
+        return cls(tuple(frozen), tuple(prefix), tuple(suffix))
+
+    def record_ids(self, spec: SessionSpec, tokenizer: _Tokenizer, record: str) -> list[int]:
+        return tokenizer.encode(spec.record_format.format(record=record))
+
+    def query_ids(self, tokenizer: _Tokenizer, question: str) -> list[int]:
+        """Scaffold + question: what a query appends to the stream snapshot."""
+        return list(self.prefix) + tokenizer.encode(question) + list(self.suffix)
+
+
+def _chat_pieces(spec: SessionSpec, tokenizer: Any) -> tuple[str, str]:
+    """Chat-template text before and after the user turn's content."""
+    messages = ([{"role": "system", "content": spec.system}] if spec.system else []) + \
+        [{"role": "user", "content": _SENTINEL}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if text.count(_SENTINEL) != 1:
+        raise ValueError("the chat template does not render the user turn verbatim; use chat=false")
+    before, after = text.split(_SENTINEL)
+    return before, after

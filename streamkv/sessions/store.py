@@ -1,0 +1,114 @@
+"""Durable session state under ``--session-dir``::
+
+    <session_dir>/<session id>/
+        spec.json          SessionSpec + creation time (written once)
+        log.jsonl          one line per acknowledged push: {"version": v, "records": [...], "drops": {...}}
+                           (flushed and fsync'ed before the push is acknowledged)
+        kv.safetensors     K/V of the stream at some version (written atomically)
+        kv.json            that snapshot's tokens, record spans, versions and counters
+
+Recovery = load the newest KV snapshot, then re-queue every logged push newer than it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@dataclass
+class StoredSession:
+    session_id: str
+    spec: dict[str, Any]
+    created: float
+    pushes: list[tuple[int, list[str], dict[int, int]]]
+    snapshot: dict[str, Any] | None
+
+
+class SessionStore:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._logs: dict[str, Any] = {}
+
+    def _dir(self, session_id: str) -> Path:
+        return self.root / session_id
+
+    def create(self, session_id: str, spec: dict[str, Any], created: float) -> None:
+        d = self._dir(session_id)
+        d.mkdir(parents=True, exist_ok=True)
+        _atomic_write(d / "spec.json", json.dumps({"id": session_id, "spec": spec, "created": created}))
+
+    def log_push(self, session_id: str, version: int, records: list[str], drops: dict[int, int]) -> None:
+        """Append one acknowledged push (its surviving records) and the queued records of
+        older versions it displaced (``drops``: version -> count, oldest first)."""
+        f = self._logs.get(session_id)
+        if f is None:
+            f = self._logs[session_id] = open(self._dir(session_id) / "log.jsonl", "a", encoding="utf-8")
+        line = {"version": version, "records": records, "drops": {str(k): n for k, n in drops.items()}}
+        f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+    def save_kv(self, session_id: str, k: torch.Tensor, v: torch.Tensor, meta: dict[str, Any]) -> None:
+        d = self._dir(session_id)
+        if not d.exists():
+            return  # deleted meanwhile
+        tmp = d / "kv.safetensors.tmp"
+        save_file({"k": k.contiguous(), "v": v.contiguous()}, str(tmp))
+        os.replace(tmp, d / "kv.safetensors")
+        _atomic_write(d / "kv.json", json.dumps(meta))
+
+    def load_kv(self, session_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        tensors = load_file(str(self._dir(session_id) / "kv.safetensors"))
+        return tensors["k"], tensors["v"]
+
+    def delete(self, session_id: str) -> None:
+        f = self._logs.pop(session_id, None)
+        if f is not None:
+            f.close()
+        shutil.rmtree(self._dir(session_id), ignore_errors=True)
+
+    def close(self) -> None:
+        for f in self._logs.values():
+            f.close()
+        self._logs.clear()
+
+    def load_all(self) -> list[StoredSession]:
+        out = []
+        for d in sorted(p for p in self.root.iterdir() if (p / "spec.json").is_file()):
+            head = json.loads((d / "spec.json").read_text())
+            snapshot = None
+            if (d / "kv.json").is_file() and (d / "kv.safetensors").is_file():
+                snapshot = json.loads((d / "kv.json").read_text())
+            out.append(StoredSession(head["id"], head["spec"], head["created"], _read_log(d / "log.jsonl"), snapshot))
+        return out
+
+
+def _read_log(path: Path) -> list[tuple[int, list[str], dict[int, int]]]:
+    if not path.is_file():
+        return []
+    pushes = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a torn last line (crash mid-write): that push was never acknowledged
+        drops = {int(k): int(n) for k, n in item.get("drops", {}).items()}
+        pushes.append((int(item["version"]), list(item["records"]), drops))
+    return pushes
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
