@@ -7,6 +7,7 @@ to it through a command queue. Outputs flow back to each request's ``asyncio.Que
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -16,14 +17,13 @@ from typing import Any, AsyncIterator, Sequence as Seq
 
 from streamkv.engine.engine import Engine
 from streamkv.engine.outputs import RequestOutput
-from streamkv.errors import EngineDeadError, StreamKVError
+from streamkv.errors import EngineDeadError, QueueFullError
 from streamkv.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class QueueFullError(StreamKVError):
-    """More requests are waiting than ``max_waiting`` allows; retry later."""
+__all__ = ["AsyncEngine", "QueueFullError"]
 
 
 @dataclass
@@ -34,6 +34,7 @@ class _Add:
     priority: int
     loop: asyncio.AbstractEventLoop
     sink: asyncio.Queue
+    submit: Any = None  # optional fn(engine) that adds ``request_id`` itself (session queries)
 
 
 @dataclass
@@ -46,8 +47,8 @@ class _Call:
     """Run ``fn(engine)`` on the owner thread and resolve ``future`` with its result."""
 
     fn: Any
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop | None
+    future: Any  # asyncio.Future, or concurrent.futures.Future when ``loop`` is None
 
 
 class AsyncEngine:
@@ -79,9 +80,11 @@ class AsyncEngine:
 
     # --------------------------------------------------------------- client side
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, submit: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; raises the engine's validation error, if any.
 
+        ``submit(engine)``, when given, adds ``request_id`` itself on the engine thread
+        instead of ``add_request`` (e.g. a session query forking a session's KV).
         Cancelling the consuming task (client disconnect) aborts the request.
         """
         if self._dead is not None:
@@ -92,7 +95,7 @@ class AsyncEngine:
             raise QueueFullError(f"{self.num_queued} requests are already waiting (limit {self.max_waiting})")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt, params, priority, loop, sink))
+        self._commands.put(_Add(request_id, prompt, params, priority, loop, sink, submit))
         self.num_queued += 1
         queued, finished = True, False
         try:
@@ -124,8 +127,15 @@ class AsyncEngine:
         self._commands.put(_Call(fn, loop, fut))
         return await fut
 
+    def call_blocking(self, fn: Any, timeout: float | None = None) -> Any:
+        """Run ``fn(engine)`` on the engine thread from a non-async thread and wait."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, None, fut))
+        return fut.result(timeout)
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop accepting, let in-flight requests finish until ``timeout``, abort the rest."""
+        """Stop accepting, let in-flight requests finish until ``timeout``, abort the rest,
+        then persist sessions (with ``--session-dir``)."""
         self.accepting = False
         deadline = time.monotonic() + timeout
         while self._sinks and time.monotonic() < deadline and self._thread.is_alive():
@@ -133,6 +143,11 @@ class AsyncEngine:
         for rid in list(self._sinks):
             self.abort(rid)
         time.sleep(0.1)
+        if self._thread.is_alive() and self._dead is None:
+            try:
+                self.call_blocking(lambda e: e.sessions.close(), timeout=60.0)
+            except Exception:
+                log.exception("could not persist sessions at shutdown")
         self._stop.set()
         self._commands.put(None)
         if self._thread.is_alive():
@@ -143,6 +158,7 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
+                self.engine.sessions.maintain()
                 if self.engine.has_unfinished():
                     t = time.perf_counter()
                     outputs = self.engine.step()
@@ -172,7 +188,10 @@ class AsyncEngine:
     def _handle(self, cmd: Any) -> None:
         if isinstance(cmd, _Add):
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
+                if cmd.submit is not None:
+                    cmd.submit(self.engine)
+                else:
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
             except Exception as exc:
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
                 return
@@ -181,11 +200,22 @@ class AsyncEngine:
             if self.engine.abort(cmd.request_id):
                 self._sinks.pop(cmd.request_id, None)
         elif isinstance(cmd, _Call):
+            result: Any = None
+            error: Exception | None = None
             try:
-                result: Any = cmd.fn(self.engine)
-                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, result, None)
+                result = cmd.fn(self.engine)
             except Exception as exc:
-                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, None, exc)
+                error = exc
+            if cmd.loop is None:
+                if error is not None:
+                    cmd.future.set_exception(error)
+                else:
+                    cmd.future.set_result(result)
+                return
+            try:
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, result, error)
+            except RuntimeError:  # the caller's loop is closed
+                pass
 
     def _deliver(self, request_id: str, item: Any, last: bool) -> None:
         target = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)

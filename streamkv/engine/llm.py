@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 from streamkv.config import EngineConfig
 from streamkv.engine.engine import Engine
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import InvalidRequestError
 from streamkv.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from streamkv.sessions.local import LocalSession
 
 Prompt = str | Seq[int]
 
@@ -49,6 +52,17 @@ class LLM:
             raise
         done = self.engine.run_to_completion(ids)
         return [done[rid] for rid in ids]
+
+    def session(self, system: str = "", **spec: Any) -> "LocalSession":
+        """A live session (see :class:`streamkv.sessions.spec.SessionSpec` for the options)."""
+        from streamkv.sessions.local import LocalSession
+        from streamkv.sessions.spec import SessionSpec
+
+        return LocalSession(self.engine, SessionSpec(system=system, **spec))
+
+    def step(self) -> list[RequestOutput]:
+        """Advance the engine one step (background ingestion of in-process sessions)."""
+        return self.engine.step()
 
     def chat(self, messages: Seq[dict[str, str]] | Seq[Seq[dict[str, str]]],
              params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -8,8 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from streamkv.engine.async_engine import QueueFullError
-from streamkv.errors import EngineDeadError, InvalidRequestError
+from streamkv.errors import EngineDeadError, InvalidRequestError, QueueFullError, SessionNotFoundError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -61,7 +60,12 @@ def install_error_handlers(app: Any) -> None:
 
     @app.exception_handler(QueueFullError)
     async def _full(_: Request, exc: QueueFullError) -> JSONResponse:
-        return error_response(429, str(exc), headers={"Retry-After": "1"})
+        retry = max(1, int(round(getattr(exc, "retry_after", 1.0))))
+        return error_response(429, str(exc), headers={"Retry-After": str(retry)})
+
+    @app.exception_handler(SessionNotFoundError)
+    async def _no_session(_: Request, exc: SessionNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc), param="session_id")
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -33,6 +33,10 @@ class GuardMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "websocket" and self.api_key and not self._authorized(scope):
+            await receive()  # the websocket.connect message
+            await send({"type": "websocket.close", "code": 1008, "reason": "missing or invalid API key"})
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

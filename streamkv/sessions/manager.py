@@ -202,6 +202,15 @@ class SessionManager:
             return
         session.ready_version = data.data_version
 
+    def maintain(self) -> None:
+        """Periodic work while the engine idles: KV snapshots of idle sessions (session dir)."""
+        self.offload.maintain()
+
+    def close(self) -> None:
+        """Persist every session (with a session dir) and stop the writer (shutdown)."""
+        self.offload.save_all()
+        self.offload.close()
+
     # ------------------------------------------------------------------- stats
     def stats(self, session_id: str) -> dict[str, Any]:
         session = self.get(session_id)

@@ -1,0 +1,84 @@
+"""In-process sessions on the synchronous ``LLM``: ``llm.session(system=...)``.
+
+The engine only advances while some call steps it, so ``push`` returns at once and
+ingestion progresses during later ``query`` / ``ingest`` calls (or ``llm.step()``).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+from streamkv.sampling.params import SamplingParams
+from streamkv.sessions.spec import SessionSpec
+
+if TYPE_CHECKING:
+    from streamkv.engine.engine import Engine
+
+_ids = itertools.count()
+
+
+@dataclass
+class SessionAnswer:
+    answer: str
+    data_version: int
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict[str, int]
+    latency_s: float
+    source: str = "session"
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+class LocalSession:
+    """A live session driven in-process (same semantics as the HTTP routes)."""
+
+    def __init__(self, engine: Engine, spec: SessionSpec) -> None:
+        self._engine = engine
+        self.id = engine.sessions.create(spec).id
+        self._events: deque[dict[str, Any]] = deque()
+        engine.sessions.get(self.id).listeners.append(self._events.append)
+
+    def push(self, records: list[str]) -> dict[str, Any]:
+        """Queue records as one data version; returns ``{"data_version": v, ...}`` at once."""
+        return self._engine.sessions.push(self.id, records)
+
+    def ingest(self) -> int:
+        """Step the engine until every queued record has KV; returns the data version."""
+        while self._engine.sessions.get(self.id).data.queue or self._engine.sessions.has_work():
+            self._engine.step()
+        return self.data_version
+
+    def query(self, question: str, max_tokens: int = 64, temperature: float = 0.0, **sampling: Any) -> SessionAnswer:
+        """Answer at the newest fully ingested version (ingestion keeps running meanwhile)."""
+        t0 = time.perf_counter()
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling)
+        rid = f"session-query-{next(_ids)}"
+        info = self._engine.sessions.query(self.id, rid, question, params)
+        out = self._engine.run_to_completion([rid])[rid]
+        if out.error:
+            raise RuntimeError(out.error)
+        return SessionAnswer(out.text, info["data_version"], list(out.token_ids), out.finish_reason,
+                             {"prompt_tokens": info["prompt_tokens"], "completion_tokens": len(out.token_ids),
+                              "computed_prompt_tokens": info["computed_prompt_tokens"]},
+                             time.perf_counter() - t0, prompt_token_ids=info["prompt_token_ids"])
+
+    @property
+    def data_version(self) -> int:
+        return self._engine.sessions.get(self.id).data.data_version
+
+    def stats(self) -> dict[str, Any]:
+        return self._engine.sessions.stats(self.id)
+
+    def layout(self) -> dict[str, Any]:
+        return self._engine.sessions.layout(self.id)
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """Events emitted so far and not yet read (``data_updated``, ``evicted``, ...)."""
+        while self._events:
+            yield self._events.popleft()
+
+    def close(self) -> None:
+        self._engine.sessions.delete(self.id)
