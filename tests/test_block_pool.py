@@ -100,6 +100,45 @@ class KVWorkload(RuleBasedStateMachine):
         else:
             assert self.kv.block_table(sid) == before
 
+    @precondition(lambda self: any(self.computed.values()))
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        """Copy-on-write fork of a computed prefix (session query / ready fork)."""
+        sid = data.draw(st.sampled_from(sorted(s for s, c in self.computed.items() if c)))
+        n = data.draw(st.integers(1, self.computed[sid]))
+        new = self.next_id
+        try:
+            copy = self.kv.fork(sid, new, n)
+        except OutOfBlocksError:
+            return
+        self.next_id += 1
+        if n % 4:
+            assert copy is not None and copy[0] == self.kv.block_table(sid)[n // 4]
+            assert copy[1] == self.kv.block_table(new)[-1] and copy[1] not in self.kv.block_table(sid)
+        assert self.kv.block_table(new)[:n // 4] == self.kv.block_table(sid)[:n // 4]
+        self.seqs[new] = self.seqs[sid][:n]
+        self.computed[new] = n
+
+    @precondition(lambda self: any(c == len(self.seqs[s]) and c > 1 for s, c in self.computed.items()))
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        """Drop a token range of an idle sequence (in place, or copy-on-write when shared)."""
+        sid = data.draw(st.sampled_from(sorted(s for s, c in self.computed.items()
+                                               if c == len(self.seqs[s]) and c > 1)))
+        toks = self.seqs[sid]
+        start = data.draw(st.integers(0, len(toks) - 1))
+        count = data.draw(st.integers(1, len(toks) - start))
+        try:
+            old, new = self.kv.rewrite_tail(sid, start // 4, len(toks) - count)
+        except OutOfBlocksError:
+            return
+        keep = set(new)
+        self.kv.release_blocks([b for b in old if b not in keep])
+        shared_before = [b for b in old if self.kv.pool.blocks[b].ref_count > 0 and b not in keep]
+        assert not (set(shared_before) & set(new))
+        del toks[start:start + count]
+        self.computed[sid] = len(toks)
+
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
