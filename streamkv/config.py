@@ -40,6 +40,9 @@ class CacheConfig:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto | float32 | bfloat16; auto = the model dtype (a float32 cache for a bfloat16 model "
                 "measured no faster on CPU and holds half the tokens)"})
+    response_cache_entries: int = field(default=0, metadata={
+        "help": "LRU cache of full responses to deterministic stateless requests (temperature 0 or a "
+                "seed), keyed by prompt ids and sampling parameters; 0 = off"})
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
@@ -48,6 +51,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.response_cache_entries < 0:
+            raise ValueError(f"response_cache_entries must be >= 0, got {self.response_cache_entries}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 

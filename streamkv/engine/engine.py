@@ -16,6 +16,7 @@ from typing import Sequence as Seq
 from streamkv.config import EngineConfig
 from streamkv.engine.factory import ModelBundle, build_bundle
 from streamkv.engine.outputs import RequestOutput
+from streamkv.engine.response_cache import ResponseCache
 from streamkv.engine.streams import Streams
 from streamkv.errors import InvalidRequestError
 from streamkv.kv.block_pool import BlockPool, OutOfBlocksError
@@ -43,6 +44,7 @@ class _Request:
     reported_tokens: int = 0
     error: str | None = None
     extra: dict = field(default_factory=dict)
+    cache_key: object = None
 
 
 @dataclass
@@ -51,6 +53,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     step_errors: int = 0
+    busy_s: float = 0.0  # wall time inside model steps (schedule + execute + update)
 
 
 class Engine:
@@ -73,6 +76,7 @@ class Engine:
         self._by_seq: dict[int, _Request] = {}
         self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
+        self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
 
     # ----------------------------------------------------------------- intake
@@ -95,7 +99,15 @@ class Engine:
         params = self._check_request(request_id, params, priority)
         text, ids = self.tokenize_prompt(prompt)
         self._validate_ids(ids)
-        self.scheduler.add(self._register(request_id, text, self._new_seq(ids, params, priority, klass)))
+        key = self.responses.key(ids, params)
+        hit = self.responses.get(key, request_id, time.perf_counter())
+        if hit is not None:
+            hit.prompt = text
+            self._pending.append(hit)
+            return
+        seq = self._register(request_id, text, self._new_seq(ids, params, priority, klass))
+        self._requests[request_id].cache_key = key
+        self.scheduler.add(seq)
 
     def add_fork_request(self, request_id: str, parent: Sequence, num_tokens: int, suffix: Seq[int],
                          params: SamplingParams | None = None, priority: int = 0,
@@ -196,16 +208,20 @@ class Engine:
         """Run one scheduling step; returns outputs of requests that progressed or ended."""
         outputs, self._pending = self._pending, []
         self.sessions.before_step()
-        try:
-            return outputs + self._step()
-        finally:
-            self.sessions.after_step()
+        return self.sessions.after_step(outputs + self._step())
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.empty and not plan.released:
             return outputs
+        try:
+            return self._run_plan(plan, outputs)
+        finally:
+            self.stats.busy_s += time.perf_counter() - t0
+
+    def _run_plan(self, plan: StepPlan, outputs: list[RequestOutput]) -> list[RequestOutput]:
         try:
             result = self.bundle.runner.execute(plan)
         except Exception as exc:  # a broken step fails its own requests, not the engine
@@ -268,6 +284,7 @@ class Engine:
         out = self._snapshot(req)
         out.finished = True
         out.metrics["finish_time"] = time.perf_counter()
+        self.responses.put(req.cache_key, out)
         return out
 
     # ---------------------------------------------------------------- helpers

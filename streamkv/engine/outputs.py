@@ -28,3 +28,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    cached: bool = False  # answered from the response cache, without model work

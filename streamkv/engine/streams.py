@@ -46,9 +46,12 @@ class Streams:
         return seq
 
     def fork(self, parent: Sequence, num_tokens: int, suffix: Seq[int],
-             klass: PriorityClass = PriorityClass.SESSION) -> Sequence:
-        """A stream over ``parent.tokens[:num_tokens] + suffix`` sharing the parent's KV."""
+             klass: PriorityClass = PriorityClass.SESSION, peek: SamplingParams | None = None) -> Sequence:
+        """A stream over ``parent.tokens[:num_tokens] + suffix`` sharing the parent's KV;
+        with ``peek``, its end's next-token logprobs land in ``seq.peeked`` once computed."""
         seq = self._new(list(parent.tokens[:num_tokens]) + list(suffix), klass)
+        if peek is not None:
+            seq.peek, seq.params = True, peek
         self._engine._fork_kv(parent, seq, num_tokens)
         self._engine.scheduler.add_running(seq)
         return seq

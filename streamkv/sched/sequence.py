@@ -53,6 +53,10 @@ class Sequence:
     samples: bool = True
     pinned: bool = False
     cacheable: bool = True
+    # ``peek``: a non-sampling stream that still wants the next-token distribution at its
+    # end (``peeked``: top logprobs, with ``params.logprobs`` alternatives) without appending.
+    peek: bool = False
+    peeked: object = None
 
     @property
     def num_output(self) -> int:

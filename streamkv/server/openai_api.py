@@ -27,6 +27,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _cache_mark(outs: list[Any]) -> dict[str, Any]:
+    """``"cached": true`` when every choice came from the response cache."""
+    return {"cached": True} if outs and all(o.cached for o in outs) else {}
+
+
 def _sampling_fields(req: Any) -> dict[str, Any]:
     return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -100,7 +105,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         choices.append({"index": i, "text": out.text, "logprobs": _completion_logprobs(out.logprobs, state.tokenizer),
                         "finish_reason": finish_reason(out)})
     usage = _usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs))
-    return {**head, "choices": choices, "usage": usage}
+    return {**head, "choices": choices, "usage": usage, **_cache_mark(outs)}
 
 
 async def _completion_chunks(state: ServerState, request: Request, head: dict[str, Any], rid: str, prompts: list[Any],
@@ -171,7 +176,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
                         "logprobs": _chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
                         "finish_reason": finish_reason(out)})
-    return {**head, "choices": choices, "usage": _usage(len(ids), sum(len(o.token_ids) for o in outs))}
+    return {**head, "choices": choices, "usage": _usage(len(ids), sum(len(o.token_ids) for o in outs)),
+            **_cache_mark(outs)}
 
 
 async def _chat_chunks(state: ServerState, request: Request, head: dict[str, Any], rid: str, ids: list[int],

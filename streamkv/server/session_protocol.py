@@ -12,6 +12,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class FlashSpec(_Body):
+    question: StrictStr
+    max_tokens: StrictInt = 16
+    temperature: Number = 0.0
+
+
 class CreateSession(_Body):
     """Fields map 1:1 onto :class:`streamkv.sessions.spec.SessionSpec`."""
 
@@ -27,6 +33,9 @@ class CreateSession(_Body):
     overflow: Literal["drop_oldest", "reject", "block"] = "drop_oldest"
     ingest_batch_tokens: StrictInt = 512
     max_record_chars: StrictInt = 65536
+    ready_exit_vocab: list[StrictStr] = []
+    ready_exit_min_gap: Number = 3.0
+    flash: Annotated[list[FlashSpec], Field(max_length=64)] = []
 
 
 class PushData(_Body):

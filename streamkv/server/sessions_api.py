@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.errors import QueueFullError, StreamKVError
 from streamkv.server.errors import APIError, error_body
+from streamkv.server.flash_api import instant_answer, wait_for_flash
 from streamkv.server.generation import make_params, new_id
 from streamkv.server.session_protocol import CreateSession, PushData, SessionQuery
 from streamkv.server.state import ServerState
@@ -34,12 +35,26 @@ def _engine(request: Request | WebSocket) -> AsyncEngine:
 
 @router.post("", status_code=201)
 async def create_session(body: CreateSession, request: Request) -> dict[str, Any]:
+    fields = body.model_dump()
+    flash = fields.pop("flash")
     try:
-        spec = SessionSpec(**body.model_dump())
+        spec = SessionSpec(**fields)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
-    engine = _engine(request)
-    return await engine.call(lambda e: e.sessions.stats(e.sessions.create(spec).id))
+
+    def create(e: Any) -> dict[str, Any]:
+        session = e.sessions.create(spec)
+        try:
+            for q in flash:
+                e.sessions.flash.register(session, q["question"], q["max_tokens"], float(q["temperature"]))
+        except Exception:
+            e.sessions.delete(session.id)
+            raise
+        out = e.sessions.stats(session.id)
+        out["flash_questions"] = [q.to_dict() for q in session.flash.questions.values()]
+        return out
+
+    return await _engine(request).call(create)
 
 
 @router.get("")
@@ -88,9 +103,14 @@ async def push_records(engine: AsyncEngine, session_id: str, records: list[str])
 @router.post("/{session_id}/query")
 async def query_session(session_id: str, body: SessionQuery, request: Request) -> Any:
     engine = _engine(request)
+    t0 = time.perf_counter()
     params = make_params(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                          top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop)
-    t0 = time.perf_counter()
+    instant = instant_answer(engine, session_id, body.question, t0)
+    if instant is None:
+        instant = await wait_for_flash(engine, session_id, body.question, t0)
+    if instant is not None:
+        return _instant_stream(instant) if body.stream else instant
     rid = new_id("squery")
     info: dict[str, Any] = {}
 
@@ -107,6 +127,16 @@ async def query_session(session_id: str, body: SessionQuery, request: Request) -
     if last is None or last.error:
         raise APIError(500, f"query failed: {last.error if last else 'no output'}")
     return _answer(last, info, session_id, t0)
+
+
+def _instant_stream(result: dict[str, Any]) -> StreamingResponse:
+    async def frames() -> AsyncIterator[str]:
+        delta = {"delta": result["answer"], "data_version": result["data_version"]}
+        yield f"data: {json.dumps(delta, ensure_ascii=False)}\n\n"
+        yield f"data: {json.dumps(result, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(frames(), media_type="text/event-stream")
 
 
 async def _first(outputs: AsyncIterator[Any]) -> Any:

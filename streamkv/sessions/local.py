@@ -30,6 +30,7 @@ class SessionAnswer:
     latency_s: float
     source: str = "session"
     prompt_token_ids: list[int] = field(default_factory=list)
+    confidence: dict[str, Any] | None = None
 
 
 class LocalSession:
@@ -51,10 +52,27 @@ class LocalSession:
             self._engine.step()
         return self.data_version
 
+    def register_flash(self, question: str, max_tokens: int = 16, temperature: float = 0.0) -> str:
+        """Register a flash question (answered after every update); returns its id."""
+        manager = self._engine.sessions
+        return manager.flash.register(manager.get(self.id), question, max_tokens, temperature).id
+
+    def unregister_flash(self, question_id: str) -> None:
+        manager = self._engine.sessions
+        manager.flash.unregister(manager.get(self.id), question_id)
+
     def query(self, question: str, max_tokens: int = 64, temperature: float = 0.0, **sampling: Any) -> SessionAnswer:
-        """Answer at the newest fully ingested version (ingestion keeps running meanwhile)."""
+        """Answer at the newest fully ingested version (ingestion keeps running meanwhile).
+
+        A registered flash question is served from the flash cache (``source="flash"``; an
+        in-flight evaluation of the current version is awaited, not duplicated); with the
+        session's ready-position exit on, a qualifying ready token answers (``"ready"``).
+        """
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **sampling)
+        instant = self._instant(question, t0)
+        if instant is not None:
+            return instant
         rid = f"session-query-{next(_ids)}"
         info = self._engine.sessions.query(self.id, rid, question, params)
         out = self._engine.run_to_completion([rid])[rid]
@@ -64,6 +82,32 @@ class LocalSession:
                              {"prompt_tokens": info["prompt_tokens"], "completion_tokens": len(out.token_ids),
                               "computed_prompt_tokens": info["computed_prompt_tokens"]},
                              time.perf_counter() - t0, prompt_token_ids=info["prompt_token_ids"])
+
+    def _instant(self, question: str, t0: float) -> SessionAnswer | None:
+        manager = self._engine.sessions
+        session = manager.get(self.id)
+        landed: list[Any] = []
+        kind, ans = manager.flash.lookup(session, question, landed.append)
+        while kind == "wait" and not landed:
+            self._engine.step()
+        ans = landed[0] if landed else ans
+        if ans is not None:
+            usage = {"prompt_tokens": ans.prompt_tokens, "completion_tokens": len(ans.token_ids),
+                     "computed_prompt_tokens": 0}
+            return SessionAnswer(ans.answer, ans.data_version, list(ans.token_ids), ans.finish_reason, usage,
+                                 time.perf_counter() - t0, source="flash", confidence=ans.confidence)
+        ready = manager.ready_exit(session)
+        if ready is None:
+            return None
+        return SessionAnswer(ready["answer"], ready["data_version"], [ready["token_id"]], "stop",
+                             {"prompt_tokens": 0, "completion_tokens": 1, "computed_prompt_tokens": 0},
+                             time.perf_counter() - t0, source="ready",
+                             confidence={"first": ready["gap"], "min": ready["gap"]})
+
+    def flash_answers(self) -> dict[str, Any]:
+        """Newest cached answer of every registered question."""
+        flash = self._engine.sessions.get(self.id).flash
+        return {qid: next(reversed(per.values())) for qid, per in flash.cache.items() if per}
 
     @property
     def data_version(self) -> int:

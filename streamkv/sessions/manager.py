@@ -21,6 +21,7 @@ from streamkv.errors import InvalidRequestError, QueueFullError, SessionNotFound
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.sequence import PriorityClass, SeqStatus
+from streamkv.sessions.flash import FlashEvaluator
 from streamkv.sessions.offload import Offloader
 from streamkv.sessions.session import Session, new_session_id
 from streamkv.sessions.spec import SessionLayout, SessionSpec
@@ -39,6 +40,7 @@ class SessionManager:
         self.config = engine.config.sessions
         self.sessions: dict[str, Session] = {}
         self.offload = Offloader(self)
+        self.flash = FlashEvaluator(self)
         self.offload.recover()
 
     # ----------------------------------------------------------------- lifecycle
@@ -69,6 +71,7 @@ class SessionManager:
 
     def delete(self, session_id: str) -> None:
         session = self.get(session_id)
+        self.flash.abort_all(session)
         self._drop_kv(session)
         del self.sessions[session_id]
         self.offload.deleted(session)
@@ -124,6 +127,12 @@ class SessionManager:
     def query(self, session_id: str, request_id: str, question: str, params: SamplingParams) -> dict[str, Any]:
         """Start answering ``question`` at the newest complete version (a SESSION-class fork)."""
         session = self.get(session_id)
+        info = self.start_query(session, request_id, question, params, PriorityClass.SESSION)
+        session.data.counters.queries += 1
+        return info
+
+    def start_query(self, session: Session, request_id: str, question: str, params: SamplingParams,
+                    klass: PriorityClass) -> dict[str, Any]:
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequestError("question must be a non-empty string")
         self.offload.ensure_resident(session)
@@ -135,20 +144,30 @@ class SessionManager:
         else:
             parent, n, suffix = session.stream, data.snapshot_len(), layout.query_ids(self.engine.tokenizer, question)
         if parent is None:
-            raise RuntimeError(f"session {session_id} has no resident stream after restore")
-        seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=PriorityClass.SESSION)
-        data.counters.queries += 1
+            raise RuntimeError(f"session {session.id} has no resident stream after restore")
+        seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass)
         data.last_used = time.monotonic()
         return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
                 "computed_prompt_tokens": len(seq.tokens) - seq.num_computed, "prompt_token_ids": list(seq.tokens)}
 
+    def ready_exit(self, session: Session) -> dict[str, Any] | None:
+        """The ready-position answer for the current version, if the session enables it and
+        the top token qualifies (no forward pass); else None."""
+        ans = session.ready_answer
+        if ans is None or not session.spec.ready_exit or ans["data_version"] != session.data.data_version:
+            return None
+        return ans
+
     # ------------------------------------------------------------- step hooks
     def has_work(self) -> bool:
-        """Records to ingest, or a stale ``ready`` fork to rebuild, in some resident session."""
+        """Records to ingest, a stale ``ready`` fork to rebuild or a flash batch due, in some
+        resident session."""
         return any(s.stream is not None and (
             s.data.queue or s.stream.num_computed < len(s.stream.tokens)
             or (s.layout.prefix and s.ready_version != s.data.data_version)
-            or (s.ready is not None and s.ready.num_computed < len(s.ready.tokens)))
+            or (s.ready is not None and s.ready.num_computed < len(s.ready.tokens))
+            or (s.flash.questions and s.flash.batch_version is None
+                and s.flash.evaluated_version < s.data.data_version))
             for s in self.sessions.values())
 
     def before_step(self) -> None:
@@ -156,18 +175,37 @@ class SessionManager:
             if session.stream is not None:
                 self._feed(session)
                 self._refresh_ready(session)
+                self.flash.schedule(session)
         self.offload.relieve_pressure()
 
-    def after_step(self) -> None:
+    def after_step(self, outputs: list[Any]) -> list[Any]:
+        """Advance versions, emit events, absorb finished flash evaluations (returns the
+        outputs that belong to ordinary requests)."""
         for session in self.sessions.values():
             stream = session.stream
             if stream is None or stream.status is SeqStatus.FINISHED:
                 continue
+            self._take_ready_answer(session)
             if session.data.advance(stream.num_computed):
                 session.changed_at = time.monotonic()
                 session.emit("data_updated", data_version=session.data.data_version,
                              tokens=session.data.snapshot_len(), records_in_window=len(session.data.spans),
                              queued_records=len(session.data.queue))
+        return self.flash.collect(outputs)
+
+    def _take_ready_answer(self, session: Session) -> None:
+        ready = session.ready
+        if ready is None or ready.peeked is None or not session.spec.ready_exit:
+            return
+        lp, ready.peeked = ready.peeked, None
+        top = getattr(lp, "top", ())
+        if len(top) < 2:
+            return
+        token, gap = top[0][0], top[0][1] - top[1][1]
+        text = self.engine.tokenizer.decode([token]).strip()
+        ok = text in session.spec.ready_exit_vocab and gap >= session.spec.ready_exit_min_gap
+        session.ready_answer = {"answer": text, "token_id": token, "gap": gap,
+                                "data_version": session.ready_version} if ok else None
 
     def _feed(self, session: Session) -> None:
         data, stream, streams = session.data, session.stream, self.engine.streams
@@ -196,8 +234,10 @@ class SessionManager:
         if session.ready is not None:
             self.engine.streams.close(session.ready)
             session.ready = None
+        session.ready_answer = None
+        peek = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2) if session.spec.ready_exit else None
         try:
-            session.ready = self.engine.streams.fork(stream, data.snapshot_len(), session.layout.prefix)
+            session.ready = self.engine.streams.fork(stream, data.snapshot_len(), session.layout.prefix, peek=peek)
         except InvalidRequestError:  # no block for the copy right now: queries fork the stream instead
             return
         session.ready_version = data.data_version
@@ -218,6 +258,7 @@ class SessionManager:
         out = session.stats(self.engine.kv.block_size, self.offload.kv_bytes_per_token,
                             stream.num_computed if stream is not None else None)
         out["ready_version"] = session.ready_version
+        out["flash"] = self.flash.stats(session)
         return out
 
     def layout(self, session_id: str) -> dict[str, Any]:

@@ -47,6 +47,10 @@ class Offloader:
         if self.store is not None:
             self.store.delete(session.id)
 
+    def flash_changed(self, session: Session) -> None:
+        if self.store is not None:
+            self.store.save_flash(session.id, [q.to_dict() for q in session.flash.questions.values()])
+
     def logged(self, session: Session, version: int, records: list[str], dropped: list[Record]) -> None:
         if self.store is None:
             return
@@ -190,6 +194,8 @@ class Offloader:
             session = Session(stored.session_id, data, where="disk", created=stored.created,
                               offloaded_tokens=list(snap["tokens"]), saved_version=snap["data_version"])
             self.manager.sessions[session.id] = session
+        for q in stored.flash:
+            self.manager.flash.register(session, q["question"], q["max_tokens"], q["temperature"], q["id"])
         data = session.data
         tokenizer = self.engine.tokenizer
         for version, records, drops in stored.pushes:

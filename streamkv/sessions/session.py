@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from streamkv.sched.sequence import Sequence
+from streamkv.sessions.flash import FlashState
 from streamkv.sessions.spec import SessionLayout, SessionSpec
 from streamkv.sessions.state import SessionData
 
@@ -43,6 +44,8 @@ class Session:
     saved_version: int = -1
     changed_at: float = field(default_factory=time.monotonic)
     offloaded_tokens: list[int] | None = None
+    flash: FlashState = field(default_factory=FlashState)
+    ready_answer: dict[str, Any] | None = None  # ready-position early exit at ``ready_version``
 
     @property
     def spec(self) -> SessionSpec:

@@ -39,8 +39,17 @@ class SessionSpec:
     overflow: str = "drop_oldest"
     ingest_batch_tokens: int = 512
     max_record_chars: int = 65536
+    ready_exit_vocab: tuple[str, ...] = ()
+    ready_exit_min_gap: float = 3.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.ready_exit_vocab, (list, tuple)):
+            object.__setattr__(self, "ready_exit_vocab", tuple(self.ready_exit_vocab))
+        if not all(isinstance(w, str) and w.strip() for w in self.ready_exit_vocab):
+            raise ValueError("ready_exit_vocab must be a list of non-empty strings")
+        if not isinstance(self.ready_exit_min_gap, (int, float)) or isinstance(self.ready_exit_min_gap, bool) \
+                or self.ready_exit_min_gap < 0:
+            raise ValueError(f"ready_exit_min_gap must be a number >= 0, got {self.ready_exit_min_gap!r}")
         if not isinstance(self.system, str):
             raise ValueError("system must be a string")
         for name in ("retention_tokens", "max_queue_tokens", "ingest_batch_tokens", "max_record_chars"):
@@ -64,8 +73,15 @@ class SessionSpec:
         """Tokens evicted at once (at least): amortizes the re-positioning copy."""
         return self.evict_tokens or max(1, self.retention_tokens // 4)
 
+    @property
+    def ready_exit(self) -> bool:
+        """Ready-position early exit is on (opt-in: a non-empty fast-answer vocabulary)."""
+        return bool(self.ready_exit_vocab)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["ready_exit_vocab"] = list(self.ready_exit_vocab)
+        return out
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@
                            (flushed and fsync'ed before the push is acknowledged)
         kv.safetensors     K/V of the stream at some version (written atomically)
         kv.json            that snapshot's tokens, record spans, versions and counters
+        flash.json         registered flash questions
 
 Recovery = load the newest KV snapshot, then re-queue every logged push newer than it.
 """
@@ -29,6 +30,7 @@ class StoredSession:
     created: float
     pushes: list[tuple[int, list[str], dict[int, int]]]
     snapshot: dict[str, Any] | None
+    flash: list[dict[str, Any]]
 
 
 class SessionStore:
@@ -65,6 +67,10 @@ class SessionStore:
         os.replace(tmp, d / "kv.safetensors")
         _atomic_write(d / "kv.json", json.dumps(meta))
 
+    def save_flash(self, session_id: str, questions: list[dict[str, Any]]) -> None:
+        if self._dir(session_id).exists():
+            _atomic_write(self._dir(session_id) / "flash.json", json.dumps(questions))
+
     def load_kv(self, session_id: str) -> tuple[torch.Tensor, torch.Tensor]:
         tensors = load_file(str(self._dir(session_id) / "kv.safetensors"))
         return tensors["k"], tensors["v"]
@@ -87,7 +93,9 @@ class SessionStore:
             snapshot = None
             if (d / "kv.json").is_file() and (d / "kv.safetensors").is_file():
                 snapshot = json.loads((d / "kv.json").read_text())
-            out.append(StoredSession(head["id"], head["spec"], head["created"], _read_log(d / "log.jsonl"), snapshot))
+            flash = json.loads((d / "flash.json").read_text()) if (d / "flash.json").is_file() else []
+            out.append(StoredSession(head["id"], head["spec"], head["created"], _read_log(d / "log.jsonl"),
+                                     snapshot, flash))
         return out
 
 
