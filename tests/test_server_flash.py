@@ -111,4 +111,4 @@ def test_response_cache_marks_hits(server):
     assert "cached" not in first and again["cached"] is True
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     metrics = httpx.get(server.url + "/metrics").text
-    assert "streamkv_response_cache_hits 1.0" in metrics
+    assert "streamkv_response_cache_hits_total 1.0" in metrics

@@ -89,7 +89,7 @@ def instant_answer(engine: AsyncEngine, session_id: str, question: str, t0: floa
     fq = session.flash.find(question)
     ans = session.flash.cached(fq.id, session.data.data_version) if fq is not None else None
     if ans is not None:
-        session.flash.counters["hits"] += 1
+        session.flash.count_hit(manager.flash.hits)
         return flash_result(ans, session_id, t0)
     ready = manager.ready_exit(session)
     return ready_result(ready, session_id, t0) if ready is not None else None

@@ -33,16 +33,10 @@ class ServerMetrics:
         hit.set_function(lambda: pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0)
         pre = Gauge("streamkv_preemptions", "sequences preempted so far", registry=r)
         pre.set_function(lambda: engine.engine.scheduler.num_preemptions)
-        busy = Gauge("streamkv_engine_busy_seconds", "wall time the engine spent in model steps", registry=r)
-        busy.set_function(lambda: engine.engine.stats.busy_s)
-        responses = engine.engine.responses
-        rc = Gauge("streamkv_response_cache_hits", "stateless requests answered from the response cache", registry=r)
-        rc.set_function(lambda: responses.hits)
         sessions = engine.engine.sessions.sessions
         live = Gauge("streamkv_sessions", "live sessions", registry=r)
         live.set_function(lambda: len(sessions))
-        fh = Gauge("streamkv_flash_hits", "session queries answered from the flash cache", registry=r)
-        fh.set_function(lambda: sum(s.flash.counters["hits"] for s in list(sessions.values())))
+        r.register(_EngineCounters(engine.engine))
 
     def observe_request(self, prompt_tokens: int, output_tokens: int, metrics: dict[str, float]) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -55,3 +49,21 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCounters:
+    """Monotonic engine totals exported as Prometheus counters (read at scrape time)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        e = self.engine
+        yield CounterMetricFamily("streamkv_engine_busy_seconds", "wall time the engine spent in model steps",
+                                  value=e.stats.busy_s)
+        yield CounterMetricFamily("streamkv_response_cache_hits", "stateless requests answered from the "
+                                  "response cache", value=e.responses.hits)
+        yield CounterMetricFamily("streamkv_flash_hits", "session queries answered from the flash cache",
+                                  value=e.sessions.flash.hits.value)

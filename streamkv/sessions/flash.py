@@ -13,6 +13,7 @@ stale version is evaluated after a newer one exists. Answers are cached by (ques
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,6 +30,18 @@ if TYPE_CHECKING:
 
 CACHE_VERSIONS = 4  # answers kept per question (newest versions)
 MAX_QUESTIONS = 64
+
+
+class HitTotal:
+    """A monotonic, thread-safe counter (flash hits over all sessions, deleted ones included)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.value += 1
 
 
 def normalize(question: str) -> str:
@@ -82,7 +95,13 @@ class FlashState:
     waiters: list[tuple[str, int, Callable[[FlashAnswer], None]]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=lambda: {"batches": 0, "evaluations": 0,
                                                               "versions_skipped": 0, "hits": 0})
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def count_hit(self, total: HitTotal) -> None:
+        """Hits are counted from the engine thread and the HTTP event loop: under a lock."""
+        with self.lock:
+            self.counters["hits"] += 1
+        total.add()
     def find(self, question: str) -> FlashQuestion | None:
         """Thread-safe read: the index dict is swapped whole on every change."""
         qid = self.index.get(normalize(question))
@@ -116,6 +135,7 @@ class FlashEvaluator:
         self.manager = manager
         self.engine = manager.engine
         self._owner: dict[str, Session] = {}  # flash request id -> session
+        self.hits = HitTotal()
 
     # ------------------------------------------------------------- registration
     def register(self, session: Session, question: str, max_tokens: int = 16, temperature: float = 0.0,
@@ -149,6 +169,10 @@ class FlashEvaluator:
         if (not flash.questions or flash.batch_version is not None or session.stream is None
                 or flash.evaluated_version >= data.data_version):
             return
+        ready = session.ready
+        if session.layout.prefix and (ready is None or session.ready_version != data.data_version
+                                      or not self.engine.streams.is_idle(ready)):
+            return  # fork from the computed ready sequence, exactly as a standard query does
         version = data.data_version
         if flash.evaluated_version >= 0:
             flash.counters["versions_skipped"] += max(0, version - flash.evaluated_version - 1)
@@ -227,7 +251,7 @@ class FlashEvaluator:
         version = session.data.data_version
         ans = flash.cached(fq.id, version)
         if ans is not None:
-            flash.counters["hits"] += 1
+            flash.count_hit(self.hits)
             return "hit", ans
         if flash.batch_version == version and fq.id in flash.inflight.values() and on_ready is not None:
             flash.waiters.append((fq.id, version, on_ready))

@@ -186,6 +186,7 @@ class SessionManager:
             if stream is None or stream.status is SeqStatus.FINISHED:
                 continue
             self._take_ready_answer(session)
+            self.flash.schedule(session)  # the ready fork built before this step is computed now
             if session.data.advance(stream.num_computed):
                 session.changed_at = time.monotonic()
                 session.emit("data_updated", data_version=session.data.data_version,
@@ -204,8 +205,10 @@ class SessionManager:
         token, gap = top[0][0], top[0][1] - top[1][1]
         text = self.engine.tokenizer.decode([token]).strip()
         ok = text in session.spec.ready_exit_vocab and gap >= session.spec.ready_exit_min_gap
-        session.ready_answer = {"answer": text, "token_id": token, "gap": gap,
-                                "data_version": session.ready_version} if ok else None
+        probe = {"answer": text, "token_id": token, "gap": gap, "data_version": session.ready_version,
+                 "qualifies": ok}
+        session.ready_probe = probe  # shown in stats, so the vocabulary and min gap can be tuned
+        session.ready_answer = probe if ok else None
 
     def _feed(self, session: Session) -> None:
         data, stream, streams = session.data, session.stream, self.engine.streams
@@ -259,6 +262,7 @@ class SessionManager:
                             stream.num_computed if stream is not None else None)
         out["ready_version"] = session.ready_version
         out["flash"] = self.flash.stats(session)
+        out["ready_exit"] = {"enabled": session.spec.ready_exit, "last": session.ready_probe}
         return out
 
     def layout(self, session_id: str) -> dict[str, Any]:

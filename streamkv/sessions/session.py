@@ -46,6 +46,7 @@ class Session:
     offloaded_tokens: list[int] | None = None
     flash: FlashState = field(default_factory=FlashState)
     ready_answer: dict[str, Any] | None = None  # ready-position early exit at ``ready_version``
+    ready_probe: dict[str, Any] | None = None  # the last ready-position top token, qualifying or not
 
     @property
     def spec(self) -> SessionSpec:
