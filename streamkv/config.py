@@ -82,8 +82,13 @@ class SchedulerConfig:
 class RuntimeConfig:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: all cores)"})
     device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
+    attention_backend: str = field(default="auto", metadata={
+        "help": "auto | torch | cpu: cpu = decode rows by a small native C kernel (built with gcc on "
+                "first use); auto = cpu when it builds on a CPU device, else torch (pure PyTorch)"})
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "cpu"):
+            raise ValueError(f"attention_backend must be auto, torch or cpu, got {self.attention_backend!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

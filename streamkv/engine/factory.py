@@ -69,6 +69,19 @@ def _decode_q4(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype,
     return q4
 
 
+def _backend_name(config: EngineConfig, device: torch.device) -> str:
+    name = config.runtime.attention_backend
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError("attention_backend=cpu needs device=cpu")
+    if name != "auto":
+        return name
+    if device.type != "cpu":
+        return "torch"
+    from streamkv.attention.native import decode_attention
+
+    return "cpu" if decode_attention() is not None else "torch"
+
+
 def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBundle:
     from streamkv.loading import load_checkpoint
 
@@ -91,7 +104,7 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype)
     num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory // per_block)
     cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, device)
-    backend = make_backend("torch", cache, arch.head_dim ** -0.5)
+    backend = make_backend(_backend_name(config, device), cache, arch.head_dim ** -0.5)
     log.info("model %s (%s, %s): %d KV blocks x %d tokens = %.0f MiB", arch.architecture, ckpt.source,
              dtype, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)
     runner = ModelRunner(model, backend, Sampler(device), device)

@@ -1,0 +1,99 @@
+"""Small C kernels for CPU hot spots, compiled on first use (gcc, OpenMP) and loaded with ctypes.
+
+Only a C compiler is needed (no torch headers, so a build takes about a second). The
+library links the process' ``libgomp.so.1`` (the one torch already loaded), so its threads
+are torch's threads. Anything missing or failing -> :func:`decode_attention` is None and
+callers use the pure-PyTorch path. ``STREAMKV_NATIVE=0`` disables the kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+_SRC = Path(__file__).with_name("decode_attn.c")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STREAMKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "streamkv")
+    return Path(root) / "native"
+
+
+def _build() -> Path | None:
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if cc is None:
+        log.info("no C compiler found: native CPU kernels disabled")
+        return None
+    source = _SRC.read_bytes()
+    tag = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"decode_attn-{tag}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            log.warning("building the native decode-attention kernel failed; using PyTorch:\n%s", proc.stderr[-2000:])
+            return None
+        os.replace(out, target)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("STREAMKV_NATIVE", "1") == "0":
+        return None
+    try:
+        path = _build()
+        if path is None:
+            return None
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("native kernels unavailable (%s); using PyTorch", exc)
+        return None
+    fn = lib.streamkv_decode_attn
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                          ctypes.c_float, ctypes.c_int64, ctypes.c_void_p]
+    return lib
+
+
+def decode_attention() -> Callable[..., torch.Tensor] | None:
+    """The native kernel wrapped for tensors, or None when it is unavailable."""
+    lib = _library()
+    return None if lib is None else functools.partial(_decode, lib.streamkv_decode_attn)
+
+
+def _decode(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots: torch.Tensor,
+            offsets: torch.Tensor, scale: float, chunk_len: int = 512) -> torch.Tensor:
+    """q [B, H, D] -> out [B, H, D] float32 over the cache slots of each row.
+
+    kc, vc [S, Hk, D] (bfloat16 or float32, contiguous, CPU); slots [N] int64 and offsets
+    [B + 1] int64 (row b attends to slots[offsets[b]:offsets[b+1]]).
+    """
+    if kc.dtype not in (torch.bfloat16, torch.float32) or kc.dtype != vc.dtype:
+        raise TypeError(f"native decode attention supports bfloat16/float32 caches, got {kc.dtype}")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    q = q.float().contiguous()
+    slots = slots.contiguous()
+    offsets = offsets.contiguous()
+    b, h, d = q.shape
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    rc = fn(int(kc.dtype == torch.bfloat16), q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
+            offsets.data_ptr(), b, h, kc.shape[1], d, float(scale), int(chunk_len), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"native decode attention rejected shapes q={tuple(q.shape)} kv={tuple(kc.shape)}")
+    return out

@@ -1,0 +1,118 @@
+/* Decode attention over a paged KV cache (one query row per sequence), for CPUs.
+ *
+ * q     [B, H, D] float32          one decode row per sequence
+ * k, v  [S, Hk, D] bf16 or f32     the paged cache of one layer (slot-major)
+ * slots [sum_b L_b] int64          context slots of sequence b at offsets[b] .. offsets[b+1]
+ * out   [B, H, D] float32
+ *
+ * Work items = (sequence, kv head, chunk of the context): each computes a partial softmax
+ * (max, sum, weighted V) for its G = H / Hk query heads; partials are merged per head
+ * (split-K / flash-decoding). Parallel with OpenMP (the process' libgomp, shared with torch).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf2f(uint16_t h) { uint32_t u = ((uint32_t)h) << 16; float f; memcpy(&f, &u, 4); return f; }
+
+#define DEFINE_CHUNK(NAME, T, LOAD)                                                            \
+static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots, int64_t n,    \
+                 int Hk, int hk, int G, int D, float scale, float* m, float* s, float* acc,    \
+                 float* sc) {                                                                  \
+    float row[512];                                                                           \
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;                                              \
+    for (int64_t i = 0; i < n; i++) {                                                         \
+        const T* k = kc + (slots[i] * Hk + hk) * D;                                           \
+        for (int d = 0; d < D; d++) row[d] = LOAD(k[d]);                                      \
+        for (int g = 0; g < G; g++) {                                                          \
+            const float* qg = q + g * D;                                                       \
+            float x = 0.f;                                                                     \
+            for (int d = 0; d < D; d++) x += qg[d] * row[d];                                   \
+            x *= scale;                                                                        \
+            sc[g * n + i] = x;                                                                 \
+            if (x > m[g]) m[g] = x;                                                            \
+        }                                                                                      \
+    }                                                                                          \
+    for (int g = 0; g < G; g++) {                                                              \
+        float tot = 0.f;                                                                       \
+        for (int64_t i = 0; i < n; i++) { float e = expf(sc[g * n + i] - m[g]); sc[g * n + i] = e; tot += e; } \
+        s[g] = tot;                                                                            \
+    }                                                                                          \
+    memset(acc, 0, sizeof(float) * G * D);                                                     \
+    for (int64_t i = 0; i < n; i++) {                                                         \
+        const T* v = vc + (slots[i] * Hk + hk) * D;                                           \
+        for (int d = 0; d < D; d++) row[d] = LOAD(v[d]);                                      \
+        for (int g = 0; g < G; g++) {                                                          \
+            float p = sc[g * n + i];                                                           \
+            float* a = acc + g * D;                                                            \
+            for (int d = 0; d < D; d++) a[d] += p * row[d];                                    \
+        }                                                                                      \
+    }                                                                                          \
+}
+
+#define LOAD_BF16(x) bf2f(x)
+#define LOAD_F32(x) (x)
+DEFINE_CHUNK(chunk_bf16, uint16_t, LOAD_BF16)
+DEFINE_CHUNK(chunk_f32, float, LOAD_F32)
+
+static int run(int bf16, const float* q, const void* kc, const void* vc, const int64_t* slots,
+               const int64_t* offsets, int64_t B, int H, int Hk, int D, float scale, int64_t chunk_len,
+               float* out) {
+    if (D > 512 || H % Hk != 0 || chunk_len <= 0) return 1;
+    int G = H / Hk;
+    int64_t* first = malloc(sizeof(int64_t) * (B + 1));  /* first item of each sequence */
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t L = offsets[b + 1] - offsets[b];
+        int64_t nc = L > 0 ? (L + chunk_len - 1) / chunk_len : 1;
+        first[b + 1] = first[b] + Hk * nc;
+    }
+    int64_t items = first[B];
+    float* M = malloc(sizeof(float) * items * G);
+    float* S = malloc(sizeof(float) * items * G);
+    float* A = malloc(sizeof(float) * items * G * D);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t b = 0;
+        while (first[b + 1] <= it) b++;
+        int64_t L = offsets[b + 1] - offsets[b];
+        int64_t nc = (first[b + 1] - first[b]) / Hk, local = it - first[b];
+        int hk = (int)(local / nc);
+        int64_t c = local % nc, l0 = c * chunk_len, l1 = l0 + chunk_len < L ? l0 + chunk_len : L;
+        float* sc = malloc(sizeof(float) * G * (l1 > l0 ? l1 - l0 : 1));
+        const float* qb = q + (b * H + hk * G) * D;
+        if (bf16)
+            chunk_bf16(qb, (const uint16_t*)kc, (const uint16_t*)vc, slots + offsets[b] + l0, l1 - l0, Hk, hk, G, D,
+                       scale, M + it * G, S + it * G, A + it * G * D, sc);
+        else
+            chunk_f32(qb, (const float*)kc, (const float*)vc, slots + offsets[b] + l0, l1 - l0, Hk, hk, G, D,
+                      scale, M + it * G, S + it * G, A + it * G * D, sc);
+        free(sc);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        int64_t nc = (first[b + 1] - first[b]) / Hk;
+        for (int hk = 0; hk < Hk; hk++) for (int g = 0; g < G; g++) {
+            float mx = -INFINITY, tot = 0.f;
+            float* o = out + (b * H + hk * G + g) * D;
+            for (int64_t c = 0; c < nc; c++) { float x = M[(first[b] + hk * nc + c) * G + g]; if (x > mx) mx = x; }
+            memset(o, 0, sizeof(float) * D);
+            for (int64_t c = 0; c < nc; c++) {
+                int64_t it = first[b] + hk * nc + c;
+                if (M[it * G + g] == -INFINITY) continue;
+                float w = expf(M[it * G + g] - mx);
+                tot += S[it * G + g] * w;
+                for (int d = 0; d < D; d++) o[d] += A[(it * G + g) * D + d] * w;
+            }
+            if (tot > 0.f) for (int d = 0; d < D; d++) o[d] /= tot;
+        }
+    }
+    free(first); free(M); free(S); free(A);
+    return 0;
+}
+
+int streamkv_decode_attn(int bf16, const float* q, const void* kc, const void* vc, const int64_t* slots,
+                         const int64_t* offsets, int64_t B, int H, int Hk, int D, float scale,
+                         int64_t chunk_len, float* out) {
+    return run(bf16, q, kc, vc, slots, offsets, B, H, Hk, D, scale, chunk_len, out);
+}
