@@ -212,3 +212,45 @@ def test_bad_session_input_is_rejected(tiny):
     engine.sessions.delete(sess.id)
     with pytest.raises(SessionNotFoundError):
         engine.sessions.get(sess.id)
+
+
+def test_concurrent_queries_on_one_session_during_ingestion_equal_their_solo_answers(tiny):
+    _, llm = tiny
+    engine = llm.engine
+    sess = engine.sessions.create(SessionSpec(system="s", chat=False, retention_tokens=300, ingest_batch_tokens=16))
+    engine.sessions.push(sess.id, [f"row {i} value {i * 3}" for i in range(6)])
+    _drain(engine)
+    questions = ["first?", "last value?", "how many rows?", "sum?"]
+    solo = {}
+    for i, q in enumerate(questions):
+        solo[q] = _ask(engine, sess.id, f"solo{i}", q)[1].token_ids
+    engine.sessions.push(sess.id, [f"late row {i}" for i in range(20)])  # ingestion runs meanwhile
+    engine.step()
+    infos = {q: engine.sessions.query(sess.id, f"c{i}", q, GREEDY) for i, q in enumerate(questions)}
+    outs = engine.run_to_completion([f"c{i}" for i in range(len(questions))])
+    for i, q in enumerate(questions):
+        assert infos[q]["data_version"] == 1
+        assert outs[f"c{i}"].token_ids == solo[q]
+    _drain(engine)
+    assert sess.data.data_version == 2
+    engine.sessions.delete(sess.id)
+    engine.check_integrity()
+
+
+def test_idle_sessions_are_offloaded_when_requests_need_blocks(tmp_path):
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine = llm.engine
+    sessions = [llm.session("s", chat=False, retention_tokens=60) for _ in range(2)]
+    for s in sessions:
+        s.push([f"record {i} of some data" for i in range(6)])
+        s.ingest()
+    before = [s.query("what?", max_tokens=4).token_ids for s in sessions]
+    out = llm.generate([list(range(3, 110))], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert out.finish_reason == "length"  # needed more blocks than were free
+    where = [s.stats()["kv"]["where"] for s in sessions]
+    assert "host" in where
+    assert any(e["event"] == "offloaded" for s in sessions for e in s.events())
+    after = [s.query("what?", max_tokens=4).token_ids for s in sessions]
+    assert after == before
+    engine.check_integrity()

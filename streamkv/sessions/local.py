@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
+from streamkv.errors import QueueFullError
 from streamkv.sampling.params import SamplingParams
 from streamkv.sessions.spec import SessionSpec
 
@@ -43,14 +44,33 @@ class LocalSession:
         engine.sessions.get(self.id).listeners.append(self._events.append)
 
     def push(self, records: list[str]) -> dict[str, Any]:
-        """Queue records as one data version; returns ``{"data_version": v, ...}`` at once."""
-        return self._engine.sessions.push(self.id, records)
+        """Queue records as one data version; returns ``{"data_version": v, ...}`` at once.
+
+        With ``overflow="block"`` a full queue makes this step the engine until there is room.
+        """
+        manager = self._engine.sessions
+        while True:
+            try:
+                return manager.push(self.id, records)
+            except QueueFullError:
+                if manager.get(self.id).spec.overflow != "block" or not manager.has_work():
+                    raise
+                self._engine.step()
 
     def ingest(self) -> int:
         """Step the engine until every queued record has KV; returns the data version."""
-        while self._engine.sessions.get(self.id).data.queue or self._engine.sessions.has_work():
+        manager, stalled = self._engine.sessions, 0
+        while manager.get(self.id).data.queue or manager.has_work():
+            before = self._progress()
             self._engine.step()
+            stalled = stalled + 1 if self._progress() == before else 0
+            if stalled > 100:
+                raise RuntimeError("ingestion cannot progress: the KV cache is full of other live work")
         return self.data_version
+
+    def _progress(self) -> tuple[int, ...]:
+        return tuple(s.stream.num_computed if s.stream is not None else -1
+                     for s in self._engine.sessions.sessions.values()) + (self._engine.stats.steps,)
 
     def register_flash(self, question: str, max_tokens: int = 16, temperature: float = 0.0) -> str:
         """Register a flash question (answered after every update); returns its id."""

@@ -214,7 +214,7 @@ class SessionManager:
         data, stream, streams = session.data, session.stream, self.engine.streams
         if not data.queue or stream is None or not streams.is_idle(stream):
             return
-        batch = data.take_batch(data.spec.ingest_batch_tokens)
+        batch = data.take_batch(min(data.spec.ingest_batch_tokens, data.spec.retention_tokens))
         incoming = sum(len(r.ids) for r in batch)
         n_rec, n_tok = data.eviction_for(incoming)
         if n_tok:

@@ -120,11 +120,18 @@ class Offloader:
         return 0
 
     def relieve_pressure(self) -> None:
-        """Offload idle sessions while a waiting request cannot get its blocks."""
-        waiting = [s for s in self.engine.scheduler.seqs.values() if s.status is SeqStatus.WAITING and not s.pinned]
-        if not waiting:
+        """Offload idle sessions while a waiting request, or a session stream with data to
+        ingest, cannot get its blocks."""
+        kv = self.engine.kv
+        needs = [kv.blocks_for(len(s.tokens) + 1) for s in self.engine.scheduler.seqs.values()
+                 if s.status is SeqStatus.WAITING and not s.pinned]
+        busy = [s for s in self.manager.sessions.values()
+                if s.stream is not None and s.stream.num_computed < len(s.stream.tokens)]
+        needs += [kv.growth_cost(s.stream.seq_id, len(s.stream.tokens)) for s in busy if kv.has(s.stream.seq_id)]
+        if not needs:
             return
-        need = self.engine.kv.blocks_for(min(len(s.tokens) for s in waiting) + 1) - self.engine.pool.num_free
+        need = min(n for n in needs if n > 0) if any(n > 0 for n in needs) else 0
+        need -= self.engine.pool.num_free
         while need > 0:
             freed = self._offload_one()
             if not freed:
