@@ -167,7 +167,7 @@ def test_overflow_policies_count_every_record(tiny, policy):
     engine = llm.engine
     spec = SessionSpec(system="s", chat=False, retention_tokens=200, max_queue_tokens=60, overflow=policy)
     sess = engine.sessions.create(spec)
-    sizes, rejected, dropped_reported = [], 0, 0
+    rejected, dropped_reported = 0, 0
     events = []
     sess.listeners.append(events.append)
     for i in range(40):

@@ -124,7 +124,7 @@ class Engine:
         self._validate_ids(ids)
         seq = self._new_seq(ids, params, priority, klass)
         seq.cacheable = parent.cacheable
-        self._fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
+        self.fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
         self.scheduler.add_running(self._register(request_id, None, seq))
         return seq
 
@@ -156,7 +156,7 @@ class Engine:
         self.stats.prompt_tokens += len(seq.tokens)
         return seq
 
-    def _fork_kv(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+    def fork_kv(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         if not self.kv.has(parent.seq_id) or parent.num_computed < num_tokens:
             raise InvalidRequestError(f"cannot fork {num_tokens} tokens: only {parent.num_computed} have KV")
         try:

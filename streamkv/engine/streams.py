@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Sequence as Seq
 import torch
 
 from streamkv.errors import InvalidRequestError
-from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.runner.kv_ops import KVOps, slots_of
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.sequence import PriorityClass, Sequence
@@ -52,7 +51,7 @@ class Streams:
         seq = self._new(list(parent.tokens[:num_tokens]) + list(suffix), klass)
         if peek is not None:
             seq.peek, seq.params = True, peek
-        self._engine._fork_kv(parent, seq, num_tokens)
+        self._engine.fork_kv(parent, seq, num_tokens)
         self._engine.scheduler.add_running(seq)
         return seq
 
@@ -133,5 +132,3 @@ class Streams:
                         params=_NO_SAMPLING, max_len=engine.max_model_len, klass=klass,
                         samples=False, pinned=True, cacheable=False)
 
-
-__all__ = ["Streams", "OutOfBlocksError"]

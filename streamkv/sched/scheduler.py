@@ -169,7 +169,8 @@ class Scheduler:
         start, end = seq.num_computed, prop.end
         return ScheduledSeq(
             seq_id=seq.seq_id, start=start, token_ids=tuple(seq.tokens[start:end]),
-            block_table=tuple(self.kv.block_table(seq.seq_id)), sample=(seq.samples or seq.peek) and end == len(seq.tokens),
+            block_table=tuple(self.kv.block_table(seq.seq_id)),
+            sample=(seq.samples or seq.peek) and end == len(seq.tokens),
             params=seq.params, history=seq.tokens, num_prompt=seq.num_prompt_tokens,
             banned_ids=tuple(seq.stop_ids) if seq.num_output < seq.params.min_tokens else ())
 

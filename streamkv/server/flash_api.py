@@ -15,7 +15,7 @@ from pydantic import StrictInt
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.server.protocol import Number
-from streamkv.server.session_protocol import _Body
+from streamkv.server.session_protocol import Body
 from streamkv.server.state import ServerState
 from streamkv.sessions.flash import FlashAnswer
 
@@ -23,7 +23,7 @@ router = APIRouter(prefix="/v1/sessions")
 WAIT_TIMEOUT_S = 120.0
 
 
-class RegisterFlash(_Body):
+class RegisterFlash(Body):
     question: str
     max_tokens: StrictInt = 16
     temperature: Number = 0.0

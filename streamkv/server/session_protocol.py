@@ -8,17 +8,17 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from streamkv.server.protocol import Number
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class FlashSpec(_Body):
+class FlashSpec(Body):
     question: StrictStr
     max_tokens: StrictInt = 16
     temperature: Number = 0.0
 
 
-class CreateSession(_Body):
+class CreateSession(Body):
     """Fields map 1:1 onto :class:`streamkv.sessions.spec.SessionSpec`."""
 
     system: StrictStr = ""
@@ -38,11 +38,11 @@ class CreateSession(_Body):
     flash: Annotated[list[FlashSpec], Field(max_length=64)] = []
 
 
-class PushData(_Body):
+class PushData(Body):
     records: Annotated[list[StrictStr], Field(min_length=1, max_length=10000)]
 
 
-class SessionQuery(_Body):
+class SessionQuery(Body):
     question: StrictStr
     max_tokens: StrictInt = 64
     temperature: Number = 0.0

@@ -72,13 +72,13 @@ class SessionManager:
     def delete(self, session_id: str) -> None:
         session = self.get(session_id)
         self.flash.abort_all(session)
-        self._drop_kv(session)
+        self.drop_kv(session)
         del self.sessions[session_id]
         self.offload.deleted(session)
         session.emit("deleted")
         session.listeners.clear()
 
-    def _drop_kv(self, session: Session) -> None:
+    def drop_kv(self, session: Session) -> None:
         for seq in (session.ready, session.stream):
             if seq is not None:
                 self.engine.streams.close(seq)

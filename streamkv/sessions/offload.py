@@ -71,7 +71,7 @@ class Offloader:
         held = self.engine.kv.num_blocks_held(stream.seq_id)
         session.host_kv = self.engine.streams.export(stream, len(stream.tokens))
         session.offloaded_tokens = list(stream.tokens)
-        self.manager._drop_kv(session)
+        self.manager.drop_kv(session)
         session.where = "host"
         session.emit("offloaded", where="host", tokens=len(session.offloaded_tokens))
         self._spill_host()
