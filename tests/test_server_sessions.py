@@ -240,3 +240,15 @@ def test_api_key_guards_every_session_route():
                     frame = json.loads(ws.recv(timeout=30))
     finally:
         assert proc.stop() == 0
+
+
+def test_overflow_block_waits_for_room_and_loses_nothing(client):
+    sess = client.create_session(system="x", retention_tokens=400, max_queue_tokens=64, overflow="block",
+                                 ingest_batch_tokens=16)
+    for i in range(8):
+        assert sess.push([f"record {i}.{j} with a few more words in it" for j in range(3)])["dropped"] == 0
+    _wait_version(sess, 8)
+    st = sess.stats()
+    assert st["records"]["pushed"] == 24 and st["records"]["dropped"] == 0
+    assert st["records"]["ingested"] == 24
+    sess.delete()
