@@ -23,7 +23,7 @@ def test_kernel_matches_sdpa_on_scattered_slots(dtype, heads):
     lengths = [1, 7, 513, 1500]
     slots = [torch.randperm(4096, generator=g)[:n] for n in lengths]
     offsets = torch.tensor([0] + lengths).cumsum(0)
-    q = torch.randn(len(lengths), h, 64, generator=g)
+    q = torch.randn(len(lengths), h, 64, generator=g).to(dtype).float()  # q comes from a `dtype` projection
     out = kernel(q, kc, vc, torch.cat(slots), offsets, 0.125, chunk_len=256)
     for b, s in enumerate(slots):
         ks, vs = kc[s].float().transpose(0, 1)[None], vc[s].float().transpose(0, 1)[None]

@@ -51,6 +51,59 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
     }                                                                                          \
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+/* bf16 cache, head_dim 64: scores with AVX512-BF16 dot products (q rounded to bf16: exact
+ * when the model runs in bfloat16, as q comes from a bf16 projection). */
+static int chunk_bf16_d64(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
+                          int64_t n, int Hk, int hk, int G, float scale, float* m, float* s, float* acc,
+                          float* sc) {
+    if (G > 16) return 0;
+    __m512bh qv[16][2];
+    for (int g = 0; g < G; g++) {
+        const float* qg = q + g * 64;
+        qv[g][0] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
+        qv[g][1] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 48), _mm512_loadu_ps(qg + 32));
+    }
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t* k = kc + (slots[i] * Hk + hk) * 64;
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void*)k);
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void*)(k + 32));
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), k0, qv[g][0]);
+            a = _mm512_dpbf16_ps(a, k1, qv[g][1]);
+            float x = _mm512_reduce_add_ps(a) * scale;
+            sc[g * n + i] = x;
+            if (x > m[g]) m[g] = x;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float tot = 0.f;
+        for (int64_t i = 0; i < n; i++) { float e = expf(sc[g * n + i] - m[g]); sc[g * n + i] = e; tot += e; }
+        s[g] = tot;
+    }
+    __m512 av[16][4];
+    for (int g = 0; g < G; g++) for (int j = 0; j < 4; j++) av[g][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t* v = vc + (slots[i] * Hk + hk) * 64;
+        __m512 vf[4];
+        for (int j = 0; j < 4; j++)
+            vf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + 16 * j))), 16));
+        for (int g = 0; g < G; g++) {
+            __m512 p = _mm512_set1_ps(sc[g * n + i]);
+            for (int j = 0; j < 4; j++) av[g][j] = _mm512_fmadd_ps(p, vf[j], av[g][j]);
+        }
+    }
+    for (int g = 0; g < G; g++) for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + g * 64 + 16 * j, av[g][j]);
+    return 1;
+}
+#define FAST_BF16_D64 1
+#else
+#define FAST_BF16_D64 0
+#endif
+
 #define LOAD_BF16(x) bf2f(x)
 #define LOAD_F32(x) (x)
 DEFINE_CHUNK(chunk_bf16, uint16_t, LOAD_BF16)
@@ -82,7 +135,15 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
         int64_t c = local % nc, l0 = c * chunk_len, l1 = l0 + chunk_len < L ? l0 + chunk_len : L;
         float* sc = malloc(sizeof(float) * G * (l1 > l0 ? l1 - l0 : 1));
         const float* qb = q + (b * H + hk * G) * D;
-        if (bf16)
+        int done = 0;
+#if FAST_BF16_D64
+        if (bf16 && D == 64)
+            done = chunk_bf16_d64(qb, (const uint16_t*)kc, (const uint16_t*)vc, slots + offsets[b] + l0, l1 - l0,
+                                  Hk, hk, G, scale, M + it * G, S + it * G, A + it * G * D, sc);
+#endif
+        if (done)
+            ;
+        else if (bf16)
             chunk_bf16(qb, (const uint16_t*)kc, (const uint16_t*)vc, slots + offsets[b] + l0, l1 - l0, Hk, hk, G, D,
                        scale, M + it * G, S + it * G, A + it * G * D, sc);
         else
