@@ -118,14 +118,17 @@ async def query_session(session_id: str, body: SessionQuery, request: Request) -
         info.update(e.sessions.query(session_id, rid, body.question, params))
 
     outputs = engine.generate(rid, "", params, submit=submit)
+    state: ServerState = request.app.state.streamkv
     if body.stream:
         first = await _first(outputs)  # errors (404, 400, 429) surface before the 200
-        return StreamingResponse(_stream(first, outputs, info, session_id, t0), media_type="text/event-stream")
+        frames = _stream(first, outputs, info, session_id, t0, lambda out: state.observe(out, request))
+        return StreamingResponse(frames, media_type="text/event-stream")
     last = None
     async for out in outputs:
         last = out
     if last is None or last.error:
         raise APIError(500, f"query failed: {last.error if last else 'no output'}")
+    state.observe(last, request)
     return _answer(last, info, session_id, t0)
 
 
@@ -156,7 +159,7 @@ def _answer(out: Any, info: dict[str, Any], session_id: str, t0: float) -> dict[
 
 
 async def _stream(first: Any, outputs: AsyncIterator[Any], info: dict[str, Any], session_id: str,
-                  t0: float) -> AsyncIterator[str]:
+                  t0: float, observe: Any) -> AsyncIterator[str]:
     out = first
     try:
         while True:
@@ -166,6 +169,7 @@ async def _stream(first: Any, outputs: AsyncIterator[Any], info: dict[str, Any],
             if out.delta_text:
                 yield f"data: {json.dumps({'delta': out.delta_text, 'data_version': info.get('data_version')})}\n\n"
             if out.finished:
+                observe(out)
                 yield f"data: {json.dumps(_answer(out, info, session_id, t0), ensure_ascii=False)}\n\n"
                 yield "data: [DONE]\n\n"
                 return
