@@ -121,9 +121,6 @@ class Streams:
         self._engine.scheduler.add_running(seq)
         return seq
 
-    def free_blocks(self) -> int:
-        return self._engine.pool.num_free
-
     def _new(self, tokens: list[int], klass: PriorityClass) -> Sequence:
         engine = self._engine
         if len(tokens) >= engine.max_model_len:

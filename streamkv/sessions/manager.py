@@ -153,10 +153,11 @@ class SessionManager:
     def ready_exit(self, session: Session) -> dict[str, Any] | None:
         """The ready-position answer for the current version, if the session enables it and
         the top token qualifies (no forward pass); else None."""
-        ans = session.ready_answer
-        if ans is None or not session.spec.ready_exit or ans["data_version"] != session.data.data_version:
+        probe = session.ready_probe
+        if (probe is None or not probe["qualifies"] or not session.spec.ready_exit
+                or probe["data_version"] != session.data.data_version):
             return None
-        return ans
+        return probe
 
     # ------------------------------------------------------------- step hooks
     def has_work(self) -> bool:
@@ -208,7 +209,6 @@ class SessionManager:
         probe = {"answer": text, "token_id": token, "gap": gap, "data_version": session.ready_version,
                  "qualifies": ok}
         session.ready_probe = probe  # shown in stats, so the vocabulary and min gap can be tuned
-        session.ready_answer = probe if ok else None
 
     def _feed(self, session: Session) -> None:
         data, stream, streams = session.data, session.stream, self.engine.streams
@@ -221,8 +221,7 @@ class SessionManager:
             try:
                 streams.evict(stream, data.frozen_len, n_tok)
             except OutOfBlocksError:
-                data.queue.extendleft(reversed(batch))
-                data.queued_tokens += incoming
+                data.requeue(batch)
                 return
             data.evicted(n_rec, n_tok)
             session.emit("evicted", records=n_rec, tokens=n_tok, total_evicted=data.counters.records_evicted)
@@ -237,7 +236,6 @@ class SessionManager:
         if session.ready is not None:
             self.engine.streams.close(session.ready)
             session.ready = None
-        session.ready_answer = None
         peek = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2) if session.spec.ready_exit else None
         try:
             session.ready = self.engine.streams.fork(stream, data.snapshot_len(), session.layout.prefix, peek=peek)
@@ -266,4 +264,4 @@ class SessionManager:
         return out
 
     def layout(self, session_id: str) -> dict[str, Any]:
-        return self.get(session_id).layout_info(self.engine.tokenizer)
+        return self.get(session_id).layout_info()

@@ -72,7 +72,6 @@ class Offloader:
         session.host_kv = self.engine.streams.export(stream, len(stream.tokens))
         session.offloaded_tokens = list(stream.tokens)
         self.manager.drop_kv(session)
-        session.where = "host"
         session.emit("offloaded", where="host", tokens=len(session.offloaded_tokens))
         self._spill_host()
         return held
@@ -84,12 +83,9 @@ class Offloader:
         for session in hosted:
             if total <= self.manager.config.host_offload_bytes or self.store is None:
                 break
-            k, v = session.host_kv  # type: ignore[misc]
-            total -= k.nbytes * 2
-            self.store.save_kv(session.id, k, v, self._meta(session, session.offloaded_tokens or []))
-            session.saved_version = session.data.data_version
+            total -= session.host_kv[0].nbytes * 2  # type: ignore[index]
+            self._save_host_copy(session)
             session.host_kv = None
-            session.where = "disk"
             session.emit("offloaded", where="disk", tokens=len(session.offloaded_tokens or []))
 
     def ensure_resident(self, session: Session) -> None:
@@ -110,7 +106,7 @@ class Offloader:
             except OutOfBlocksError:
                 if not self._offload_one(exclude=session):
                     raise QueueFullError("the KV cache is full; retry later", retry_after=1.0) from None
-        session.host_kv, session.offloaded_tokens, session.where = None, None, "pool"
+        session.host_kv, session.offloaded_tokens = None, None
         session.emit("restored", tokens=len(tokens))
 
     def _offload_one(self, exclude: Session | None = None) -> int:
@@ -128,10 +124,10 @@ class Offloader:
         busy = [s for s in self.manager.sessions.values()
                 if s.stream is not None and s.stream.num_computed < len(s.stream.tokens)]
         needs += [kv.growth_cost(s.stream.seq_id, len(s.stream.tokens)) for s in busy if kv.has(s.stream.seq_id)]
-        if not needs:
+        positive = [n for n in needs if n > 0]
+        if not positive:
             return
-        need = min(n for n in needs if n > 0) if any(n > 0 for n in needs) else 0
-        need -= self.engine.pool.num_free
+        need = min(positive) - self.engine.pool.num_free
         while need > 0:
             freed = self._offload_one()
             if not freed:
@@ -164,10 +160,17 @@ class Offloader:
         for session in list(self.manager.sessions.values()):
             if session.where == "pool" and session.saved_version < session.data.data_version:
                 self.checkpoint(session)
-            elif session.host_kv is not None and self.store is not None:
-                k, v = session.host_kv
-                self.store.save_kv(session.id, k, v, self._meta(session, session.offloaded_tokens or []))
+            elif session.host_kv is not None:
+                self._save_host_copy(session)
         self.flush()
+
+    def _save_host_copy(self, session: Session) -> None:
+        """Write an offloaded session's host KV to the session dir (no-op without one)."""
+        if self.store is None or session.host_kv is None:
+            return
+        k, v = session.host_kv
+        self.store.save_kv(session.id, k, v, self._meta(session, session.offloaded_tokens or []))
+        session.saved_version = session.data.data_version
 
     def flush(self) -> None:
         for fut in self._writes:
@@ -198,7 +201,7 @@ class Offloader:
             layout = SessionLayout.build(spec, self.engine.tokenizer)
             data = SessionData(spec, layout, spans=_spans(snap["spans"]), data_version=snap["data_version"],
                                last_version=snap["data_version"], counters=Counters(**snap["counters"]))
-            session = Session(stored.session_id, data, where="disk", created=stored.created,
+            session = Session(stored.session_id, data, created=stored.created,
                               offloaded_tokens=list(snap["tokens"]), saved_version=snap["data_version"])
             self.manager.sessions[session.id] = session
         for q in stored.flash:

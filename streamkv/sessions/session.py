@@ -36,7 +36,6 @@ class Session:
     stream: Sequence | None = None
     ready: Sequence | None = None
     ready_version: int = -1
-    where: str = "pool"
     host_kv: tuple[torch.Tensor, torch.Tensor] | None = None
     listeners: list[Listener] = field(default_factory=list)
     event_ids: Any = field(default_factory=lambda: itertools.count(1))
@@ -45,8 +44,14 @@ class Session:
     changed_at: float = field(default_factory=time.monotonic)
     offloaded_tokens: list[int] | None = None
     flash: FlashState = field(default_factory=FlashState)
-    ready_answer: dict[str, Any] | None = None  # ready-position early exit at ``ready_version``
     ready_probe: dict[str, Any] | None = None  # the last ready-position top token, qualifying or not
+
+    @property
+    def where(self) -> str:
+        """Where the stream's KV lives: ``pool`` (resident), ``host`` or ``disk``."""
+        if self.stream is not None:
+            return "pool"
+        return "host" if self.host_kv is not None else "disk"
 
     @property
     def spec(self) -> SessionSpec:
@@ -84,7 +89,7 @@ class Session:
             "spec": d.spec.to_dict(),
         }
 
-    def layout_info(self, tokenizer: Any) -> dict[str, Any]:
+    def layout_info(self) -> dict[str, Any]:
         d = self.data
         ids = list(self.stream.tokens) if self.stream is not None else None
         return {

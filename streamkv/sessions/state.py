@@ -102,6 +102,11 @@ class SessionData:
             total += len(rec.ids)
         return out
 
+    def requeue(self, batch: list[Record]) -> None:
+        """Put a batch from :meth:`take_batch` back at the front of the queue, in order."""
+        self.queue.extendleft(reversed(batch))
+        self.queued_tokens += sum(len(r.ids) for r in batch)
+
     def _pop_queue(self) -> Record:
         rec = self.queue.popleft()
         self.queued_tokens -= len(rec.ids)
@@ -176,6 +181,3 @@ class SessionData:
                 break
             end = span.end
         return end
-
-    def pending_tokens(self, num_computed: int) -> int:
-        return self.queued_tokens + max(0, self.stream_len - num_computed)
