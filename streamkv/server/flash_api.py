@@ -86,10 +86,8 @@ def instant_answer(engine: AsyncEngine, session_id: str, question: str, t0: floa
     session = manager.sessions.get(session_id)
     if session is None:
         return None
-    fq = session.flash.find(question)
-    ans = session.flash.cached(fq.id, session.data.data_version) if fq is not None else None
-    if ans is not None:
-        session.flash.count_hit(manager.flash.hits)
+    kind, ans = manager.flash.lookup(session, question)
+    if kind == "hit":
         return flash_result(ans, session_id, t0)
     ready = manager.ready_exit(session)
     return ready_result(ready, session_id, t0) if ready is not None else None

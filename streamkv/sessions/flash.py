@@ -243,7 +243,11 @@ class FlashEvaluator:
     def lookup(self, session: Session, question: str,
                on_ready: Callable[[FlashAnswer | None], None] | None = None) -> tuple[str, FlashAnswer | None]:
         """``("hit", answer)``, ``("wait", None)`` (``on_ready`` fires when the in-flight
-        evaluation of the current version lands) or ``("miss", None)``."""
+        evaluation of the current version lands) or ``("miss", None)``.
+
+        Without ``on_ready`` it only reads (plus the locked hit count), so the HTTP event loop
+        may call it off the engine thread.
+        """
         flash = session.flash
         fq = flash.find(question)
         if fq is None:
