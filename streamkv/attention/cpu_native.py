@@ -24,6 +24,8 @@ class NativeMeta(RefMeta):
 
 @register_backend("cpu")
 class CpuNativeBackend(TorchReferenceBackend):
+    meta_type = NativeMeta
+
     def __init__(self, cache: KVCache, scale: float, kernel: Callable[..., torch.Tensor] | None = None) -> None:
         super().__init__(cache, scale)
         if kernel is None:
@@ -34,19 +36,13 @@ class CpuNativeBackend(TorchReferenceBackend):
             raise RuntimeError("the native decode kernel is unavailable")
         self.kernel = kernel
 
-    def prepare(self, spans: list[SeqSpan], num_tokens: int) -> Any:
-        meta = super().prepare(spans, num_tokens)
-        native = NativeMeta(**vars(meta))
-        decodes = [s for s in spans if s.q_len == 1 and s.start > 0]
-        if decodes:
-            bs, device = self.cache.block_size, self.cache.k.device
-            from streamkv.attention.torch_ref import span_slots
-
-            parts = [span_slots(s.block_table, s.ctx_len, bs, device) for s in decodes]
-            native.dec_flat = torch.cat(parts)
-            lengths = torch.tensor([0] + [p.numel() for p in parts], dtype=torch.int64)
-            native.dec_offsets = torch.cumsum(lengths, 0)
-        return native
+    def _prepare_decodes(self, meta: Any, decodes: list[tuple[SeqSpan, torch.Tensor]],
+                         device: torch.device) -> None:
+        """Decode rows' context slots back to back (no padded [B, Lmax] gather table)."""
+        meta.dec_rows = torch.tensor([s.q_start for s, _ in decodes], dtype=torch.int64, device=device)
+        meta.dec_flat = torch.cat([slots for _, slots in decodes])
+        lengths = torch.tensor([0] + [slots.numel() for _, slots in decodes], dtype=torch.int64)
+        meta.dec_offsets = torch.cumsum(lengths, 0)
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any) -> torch.Tensor:
         qd = q if meta.all_decode else q.index_select(0, meta.dec_rows)

@@ -48,11 +48,13 @@ def span_slots(block_table: tuple[int, ...], length: int, block_size: int, devic
 class TorchReferenceBackend(AttentionBackend):
     """The oracle: plain SDPA calls, float32 accumulation for decode."""
 
+    meta_type: type[RefMeta] = RefMeta
+
     def prepare(self, spans: list[SeqSpan], num_tokens: int) -> RefMeta:
         device = self.cache.k.device
         bs = self.cache.block_size
         slot_parts: list[torch.Tensor] = []
-        meta = RefMeta(slot_mapping=torch.empty(0))
+        meta = self.meta_type(slot_mapping=torch.empty(0))
         decodes: list[tuple[SeqSpan, torch.Tensor]] = []
         for span in spans:
             slots = span_slots(span.block_table, span.ctx_len, bs, device)
@@ -71,8 +73,8 @@ class TorchReferenceBackend(AttentionBackend):
             meta.all_decode = not meta.prefills
         return meta
 
-    @staticmethod
-    def _prepare_decodes(meta: RefMeta, decodes: list[tuple[SeqSpan, torch.Tensor]], device: torch.device) -> None:
+    def _prepare_decodes(self, meta: RefMeta, decodes: list[tuple[SeqSpan, torch.Tensor]],
+                         device: torch.device) -> None:
         lengths = [s.ctx_len for s, _ in decodes]
         lmax = max(lengths)
         meta.dec_rows = torch.tensor([s.q_start for s, _ in decodes], dtype=torch.int64, device=device)
