@@ -11,22 +11,14 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import StrictInt
 
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.server.protocol import Number
-from streamkv.server.session_protocol import Body
+from streamkv.server.session_protocol import FlashSpec
 from streamkv.server.state import ServerState
 from streamkv.sessions.flash import FlashAnswer
 
 router = APIRouter(prefix="/v1/sessions")
 WAIT_TIMEOUT_S = 120.0
-
-
-class RegisterFlash(Body):
-    question: str
-    max_tokens: StrictInt = 16
-    temperature: Number = 0.0
 
 
 def _engine(request: Request) -> AsyncEngine:
@@ -35,7 +27,7 @@ def _engine(request: Request) -> AsyncEngine:
 
 
 @router.post("/{session_id}/flash", status_code=201)
-async def register_flash(session_id: str, body: RegisterFlash, request: Request) -> dict[str, Any]:
+async def register_flash(session_id: str, body: FlashSpec, request: Request) -> dict[str, Any]:
     def reg(e: Any) -> dict[str, Any]:
         session = e.sessions.get(session_id)
         return e.sessions.flash.register(session, body.question, body.max_tokens, float(body.temperature)).to_dict()

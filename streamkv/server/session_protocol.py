@@ -1,41 +1,47 @@
 """Request bodies of the /v1/sessions routes (strict types; unknown fields ignored)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from streamkv.server.protocol import Number
+from streamkv.sessions.flash import MAX_QUESTIONS, FlashQuestion
+from streamkv.sessions.spec import SessionSpec
 
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+_SPEC = SessionSpec()  # the defaults of every create field come from the spec itself
+
+
 class FlashSpec(Body):
     question: StrictStr
-    max_tokens: StrictInt = 16
-    temperature: Number = 0.0
+    max_tokens: StrictInt = FlashQuestion.max_tokens
+    temperature: Number = FlashQuestion.temperature
 
 
 class CreateSession(Body):
-    """Fields map 1:1 onto :class:`streamkv.sessions.spec.SessionSpec`."""
+    """Fields map 1:1 onto :class:`streamkv.sessions.spec.SessionSpec` (which validates
+    values), plus flash questions to register at creation."""
 
-    system: StrictStr = ""
-    retention_tokens: StrictInt = 2048
-    evict_tokens: StrictInt | None = None
-    chat: StrictBool = True
-    data_header: StrictStr = "Data:\n"
-    record_format: StrictStr = "{record}\n"
-    query_prefix: StrictStr = "\nQuestion: "
-    query_suffix: StrictStr = ""
-    max_queue_tokens: StrictInt = 16384
-    overflow: Literal["drop_oldest", "reject", "block"] = "drop_oldest"
-    ingest_batch_tokens: StrictInt = 512
-    max_record_chars: StrictInt = 65536
-    ready_exit_vocab: list[StrictStr] = []
-    ready_exit_min_gap: Number = 3.0
-    flash: Annotated[list[FlashSpec], Field(max_length=64)] = []
+    system: StrictStr = _SPEC.system
+    retention_tokens: StrictInt = _SPEC.retention_tokens
+    evict_tokens: StrictInt | None = _SPEC.evict_tokens
+    chat: StrictBool = _SPEC.chat
+    data_header: StrictStr = _SPEC.data_header
+    record_format: StrictStr = _SPEC.record_format
+    query_prefix: StrictStr = _SPEC.query_prefix
+    query_suffix: StrictStr = _SPEC.query_suffix
+    max_queue_tokens: StrictInt = _SPEC.max_queue_tokens
+    overflow: StrictStr = _SPEC.overflow
+    ingest_batch_tokens: StrictInt = _SPEC.ingest_batch_tokens
+    max_record_chars: StrictInt = _SPEC.max_record_chars
+    ready_exit_vocab: list[StrictStr] = list(_SPEC.ready_exit_vocab)
+    ready_exit_min_gap: Number = _SPEC.ready_exit_min_gap
+    flash: Annotated[list[FlashSpec], Field(max_length=MAX_QUESTIONS)] = []
 
 
 class PushData(Body):
