@@ -117,7 +117,9 @@ def _steady(recs: list[dict]):
     return count / (t1 - t0)
 
 
-def main(make_engine, extra_args=None) -> None:
+def run(make_engine, extra_args, measure) -> None:
+    """Shared runner life cycle: parse ``--workload/--out/--dtype/--kwargs`` (+ ``extra_args``),
+    load the engine (timed), call ``measure(eng, wl, result)``, write the result JSON, close."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", required=True)
     ap.add_argument("--out", required=True)
@@ -128,8 +130,7 @@ def main(make_engine, extra_args=None) -> None:
     args = ap.parse_args()
     with open(args.workload) as f:
         wl = json.load(f)
-    threads = wl.get("threads", 2)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("OMP_NUM_THREADS", str(wl.get("threads", 2)))
 
     result: dict = {"dtype": args.dtype, "loadavg_1m_start": round(os.getloadavg()[0], 2)}
     t0 = time.perf_counter()
@@ -137,7 +138,20 @@ def main(make_engine, extra_args=None) -> None:
     result["load_s"] = time.perf_counter() - t0
     result["info"] = getattr(eng, "info", {})
     log(f"loaded in {result['load_s']:.1f}s: {result['info']}")
+    measure(eng, wl, result)
+    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    close = getattr(eng, "close", None)
+    if close:
+        close()
 
+
+def main(make_engine, extra_args=None) -> None:
+    run(make_engine, extra_args, _measure)
+
+
+def _measure(eng, wl: dict, result: dict) -> None:
     # warm-up: first-call costs (allocation, kernel selection, thread pools) stay out
     w = wl["warmup"]
     eng.prefill(w["prompt"])
@@ -152,9 +166,3 @@ def main(make_engine, extra_args=None) -> None:
     _phase(result, "prefill", lambda: run_prefill(eng, wl))
     _phase(result, "decode", lambda: run_decode(eng, wl))
     _phase(result, "concurrent", lambda: run_concurrent(eng, wl))
-    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    close = getattr(eng, "close", None)
-    if close:
-        close()

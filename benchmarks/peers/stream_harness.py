@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 import traceback
 from typing import Any, Callable
 
-
-def log(msg: str) -> None:
-    print(f"[{os.path.basename(sys.argv[0])} {time.strftime('%H:%M:%S')}] {msg}",
-          file=sys.stderr, flush=True)
+import harness  # same directory: runners are started as scripts
+from harness import log
 
 
 def timed_answer(eng: Any, r: dict, wl: dict) -> dict:
@@ -68,32 +64,12 @@ def run_rounds(eng: Any, wl: dict, result: dict) -> None:
 
 def main(make_engine: Callable[[argparse.Namespace, dict], Any],
          extra_args: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--kwargs", default="{}", help="JSON of extra engine constructor kwargs")
-    if extra_args:
-        extra_args(ap)
-    args = ap.parse_args()
-    with open(args.workload) as f:
-        wl = json.load(f)
-    os.environ.setdefault("OMP_NUM_THREADS", str(wl.get("threads", 2)))
+    harness.run(make_engine, extra_args, _measure)
 
-    result: dict = {"dtype": args.dtype, "loadavg_1m_start": round(os.getloadavg()[0], 2)}
-    t0 = time.perf_counter()
-    eng = make_engine(args, wl)
-    result["load_s"] = time.perf_counter() - t0
-    result["info"] = getattr(eng, "info", {})
-    log(f"loaded in {result['load_s']:.1f}s: {result['info']}")
+
+def _measure(eng: Any, wl: dict, result: dict) -> None:
     t0 = time.perf_counter()
     warm_up(eng, wl)
     result["warmup_s"] = time.perf_counter() - t0
     run_rounds(eng, wl, result)
     result["info"] = getattr(eng, "info", result["info"])  # adapters may add details on the way
-    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    close = getattr(eng, "close", None)
-    if close:
-        close()
