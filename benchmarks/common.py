@@ -353,3 +353,22 @@ if __name__ == "__main__":
                           "model": model_cost(embedded_gguf())}, indent=1))
     else:
         sys.exit(f"unknown command {cmd!r}: use machine | export-hf [DIR]")
+
+
+def wait_http_ok(proc, url: str, timeout: float, what: str) -> bool:
+    """Poll ``url`` until it answers 200 (True), the process ``proc`` exits (RuntimeError) or
+    ``timeout`` seconds pass (False). Used to wait for a server subprocess to come up."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, wait_http_ok  # benchmarks/ is on sys.path (flash_queries.py puts it there)
 
 
 def free_port() -> int:
@@ -38,16 +38,8 @@ class Server:
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        if wait_http_ok(self.proc, self.url + "/health", timeout, f"server (log: {self.log_path})"):
+            return
         self.stop()
         raise RuntimeError(f"server did not become ready in {timeout:.0f} s; log: {self.log_path}")
 

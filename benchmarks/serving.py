@@ -32,7 +32,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, embedded_gguf, machine_info, md_table, prompt_text, write_json  # noqa: E402
+from common import (REPO, embedded_gguf, machine_info, md_table, prompt_text, wait_http_ok,  # noqa: E402
+                    write_json)
 
 TRACE = REPO / "benchmarks" / "data" / "azure_conv_2023_first1000.csv"
 LLAMACPP_PY = REPO / ".venv-llamacpp" / "bin" / "python"
@@ -64,16 +65,8 @@ class Server:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise RuntimeError(f"{name} did not start")
+        if not wait_http_ok(self.proc, self.url + "/v1/models", 300, name):
+            raise RuntimeError(f"{name} did not start")
 
     def stop(self) -> None:
         self.proc.terminate()
