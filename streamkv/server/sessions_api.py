@@ -90,11 +90,13 @@ async def push_data(session_id: str, body: PushData, request: Request) -> dict[s
 async def push_records(engine: AsyncEngine, session_id: str, records: list[str]) -> dict[str, Any]:
     """Push under the session's overflow policy; ``block`` waits for room (up to 30 s)."""
     deadline = time.monotonic() + BLOCK_TIMEOUT_S
+    policy: str | None = None
     while True:
         try:
             return await engine.call(lambda e: e.sessions.push(session_id, records))
         except QueueFullError:
-            policy = await engine.call(lambda e: e.sessions.get(session_id).spec.overflow)
+            if policy is None:  # the spec is frozen: read it once
+                policy = await engine.call(lambda e: e.sessions.get(session_id).spec.overflow)
             if policy != "block" or time.monotonic() >= deadline:
                 raise
             await asyncio.sleep(0.02)
