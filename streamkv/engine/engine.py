@@ -105,9 +105,7 @@ class Engine:
             hit.prompt = text
             self._pending.append(hit)
             return
-        seq = self._register(request_id, text, self._new_seq(ids, params, priority, klass))
-        self._requests[request_id].cache_key = key
-        self.scheduler.add(seq)
+        self.scheduler.add(self._register(request_id, text, self._new_seq(ids, params, priority, klass), key))
 
     def add_fork_request(self, request_id: str, parent: Sequence, num_tokens: int, suffix: Seq[int],
                          params: SamplingParams | None = None, priority: int = 0,
@@ -146,11 +144,11 @@ class Engine:
                         params=params, max_len=self.max_model_len, stop_ids=frozenset(stop_ids),
                         priority=priority, klass=klass)
 
-    def _register(self, request_id: str, text: str | None, seq: Sequence) -> Sequence:
+    def _register(self, request_id: str, text: str | None, seq: Sequence, cache_key: object = None) -> Sequence:
         params = seq.params
         req = _Request(request_id, text, seq, IncrementalDetokenizer(
             self.tokenizer, params.stop, params.include_stop_str_in_output),
-            [] if params.logprobs is not None else None, time.perf_counter())
+            [] if params.logprobs is not None else None, time.perf_counter(), cache_key=cache_key)
         self._requests[request_id] = req
         self._by_seq[seq.seq_id] = req
         self.stats.prompt_tokens += len(seq.tokens)
@@ -166,7 +164,7 @@ class Engine:
         if copy is not None:
             bs = self.kv.block_size
             n = num_tokens % bs
-            self.kv_ops.copy(slots_of([copy[0]], 0, n, bs), slots_of([copy[1]], 0, n, bs))
+            self.streams.ops.copy(slots_of([copy[0]], 0, n, bs), slots_of([copy[1]], 0, n, bs))
         child.num_computed = child.num_cached_tokens = num_tokens
 
     def check_prompt(self, prompt: str | Seq[int]) -> list[int]:
