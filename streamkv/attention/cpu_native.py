@@ -1,9 +1,13 @@
-"""CPU backend: the reference backend, with decode rows computed by the native C kernel.
+"""CPU backend: native C kernels over the paged cache, the reference backend as fallback.
 
-Decode attention reads every cached key and value of the context once per token; at long
-contexts (sessions) that dominates a step. The kernel reads the paged cache in place (no
-gather copy, no float32 conversion copy) and splits each context into chunks across threads.
-Prefill chunks keep the reference path (torch's flash SDPA).
+* Decode rows: one query row per sequence reads every cached key and value of its context
+  once, so decode attention is bandwidth-bound; the decode kernel reads the paged cache in
+  place (no gather copy, no float32 conversion copy) and splits each context into chunks
+  across threads.
+* Prefill chunks (bfloat16 cache, head_dim 64, CPUs with AVX512-BF16): the paged kernel
+  computes every prefill chunk of the step in one call, with bf16 dot products and float32
+  softmax, 2-3x the throughput of torch's flash SDPA at these shapes. Elsewhere prefill
+  chunks keep the reference path.
 """
 from __future__ import annotations
 
@@ -13,28 +17,75 @@ from typing import Any, Callable
 import torch
 
 from streamkv.attention.backend import KVCache, SeqSpan, register_backend
-from streamkv.attention.torch_ref import RefMeta, TorchReferenceBackend
+from streamkv.attention.torch_ref import RefMeta, TorchReferenceBackend, span_slots
 
 
 @dataclass
 class NativeMeta(RefMeta):
     dec_flat: torch.Tensor | None = None     # [sum of context lengths] slots
     dec_offsets: torch.Tensor | None = None  # [B + 1]
+    pf_seqs: torch.Tensor | None = None      # [P, 4] (row0, q_len, offset in pf_slots, ctx_len)
+    pf_slots: torch.Tensor | None = None     # [sum of prefill context lengths] slots
 
 
 @register_backend("cpu")
 class CpuNativeBackend(TorchReferenceBackend):
     meta_type = NativeMeta
 
-    def __init__(self, cache: KVCache, scale: float, kernel: Callable[..., torch.Tensor] | None = None) -> None:
+    def __init__(self, cache: KVCache, scale: float, kernel: Callable[..., torch.Tensor] | None = None,
+                 paged: Callable[..., torch.Tensor] | None | bool = True) -> None:
         super().__init__(cache, scale)
-        if kernel is None:
-            from streamkv.attention.native import decode_attention
+        from streamkv.attention.native import decode_attention, paged_attention
 
+        if kernel is None:
             kernel = decode_attention()
         if kernel is None:
             raise RuntimeError("the native decode kernel is unavailable")
         self.kernel = kernel
+        if paged is True:
+            fits = cache.k.dtype == torch.bfloat16 and cache.k.shape[-1] == 64
+            paged = paged_attention() if fits else None
+        self.paged: Callable[..., torch.Tensor] | None = paged or None
+
+    def prepare(self, spans: list[SeqSpan], num_tokens: int) -> NativeMeta:
+        if self.paged is None:
+            return super().prepare(spans, num_tokens)
+        device = self.cache.k.device
+        bs = self.cache.block_size
+        meta = NativeMeta(slot_mapping=torch.empty(0))
+        slot_parts: list[torch.Tensor] = []
+        decodes: list[tuple[SeqSpan, torch.Tensor]] = []
+        rows: list[tuple[int, int, int, int]] = []
+        ctx_parts: list[torch.Tensor] = []
+        offset = 0
+        for span in spans:
+            slots = span_slots(span.block_table, span.ctx_len, bs, device)
+            slot_parts.append(slots[span.start:])
+            if span.q_len == 1 and span.start > 0:
+                decodes.append((span, slots))
+            else:
+                rows.append((span.q_start, span.q_len, offset, span.ctx_len))
+                ctx_parts.append(slots)
+                offset += span.ctx_len
+        meta.slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
+        if rows:
+            meta.pf_seqs = torch.tensor(rows, dtype=torch.int64)
+            meta.pf_slots = torch.cat(ctx_parts)
+        if decodes:
+            self._prepare_decodes(meta, decodes, device)
+            meta.all_decode = not rows
+        return meta
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        if meta.pf_seqs is None:
+            return super().forward(layer, q, k, v, meta)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        out = self.paged(q.to(kc.dtype), kc, vc, meta.pf_seqs, meta.pf_slots, self.scale).to(q.dtype)
+        if meta.dec_rows is not None:
+            out.index_copy_(0, meta.dec_rows, self._decode(q, kc, vc, meta))
+        return out
 
     def _prepare_decodes(self, meta: Any, decodes: list[tuple[SeqSpan, torch.Tensor]],
                          device: torch.device) -> None:

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 log = logging.getLogger(__name__)
-_SRC = Path(__file__).with_name("decode_attn.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attn.c", "paged_attn.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -35,17 +35,17 @@ def _build() -> Path | None:
     if cc is None:
         log.info("no C compiler found: native CPU kernels disabled")
         return None
-    source = _SRC.read_bytes()
+    source = b"".join(src.read_bytes() for src in [*_SOURCES, _SOURCES[0].with_name("simd.h")])
     tag = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attn-{tag}.so"
+    target = _cache_dir() / f"attn-{tag}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(out), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
-            log.warning("building the native decode-attention kernel failed; using PyTorch:\n%s", proc.stderr[-2000:])
+            log.warning("building the native attention kernels failed; using PyTorch:\n%s", proc.stderr[-2000:])
             return None
         os.replace(out, target)
     return target
@@ -67,6 +67,11 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                                           ctypes.c_float, ctypes.c_int64, ctypes.c_void_p]
+    fn = lib.streamkv_paged_attn
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_float, ctypes.c_int64, ctypes.c_void_p]
+    lib.streamkv_paged_attn_available.restype = ctypes.c_int
     return lib
 
 
@@ -96,4 +101,39 @@ def _decode(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.T
             offsets.data_ptr(), b, h, kc.shape[1], d, float(scale), int(chunk_len), out.data_ptr())
     if rc != 0:
         raise ValueError(f"native decode attention rejected shapes q={tuple(q.shape)} kv={tuple(kc.shape)}")
+    return out
+
+
+def paged_attention() -> Callable[..., torch.Tensor] | None:
+    """The AVX512-BF16 mixed-batch kernel (bf16 cache, head_dim 64), or None when this CPU or
+    build lacks it."""
+    lib = _library()
+    if lib is None or not lib.streamkv_paged_attn_available():
+        return None
+    return functools.partial(_paged, lib.streamkv_paged_attn)
+
+
+def _paged(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: torch.Tensor,
+           slots: torch.Tensor, scale: float, chunk_len: int = 512) -> torch.Tensor:
+    """q [T, H, 64] bf16 -> out [T, H, 64] float32, every row of a step in one call.
+
+    kc, vc [S, Hk, 64] bf16 (contiguous, CPU); seqs [B, 4] int64 rows (row0, nq, off, L):
+    sequence b's query rows [row0, row0 + nq) sit at context indices [L - nq, L) of its
+    context slots ``slots[off:off + L]`` and attend causally.
+    """
+    if q.dtype != torch.bfloat16 or kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16:
+        raise TypeError("the paged kernel needs bfloat16 queries and cache")
+    if q.shape[-1] != 64 or kc.shape[-1] != 64:
+        raise ValueError(f"the paged kernel needs head_dim 64, got {q.shape[-1]}")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    q = q.contiguous()
+    seqs = seqs.contiguous()
+    slots = slots.contiguous()
+    t, h, d = q.shape
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), seqs.data_ptr(), seqs.shape[0], slots.data_ptr(),
+            h, kc.shape[1], float(scale), int(chunk_len), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"paged attention rejected shapes q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
     return out

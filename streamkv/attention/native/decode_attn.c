@@ -53,6 +53,22 @@ static void NAME(const float* q, const T* kc, const T* vc, const int64_t* slots,
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "simd.h"
+
+/* sc[0..n) <- exp(sc - mx); returns the sum. */
+static inline float exp_sum(float* sc, int64_t n, float mx) {
+    __m512 vm = _mm512_set1_ps(mx), tot = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vm));
+        _mm512_storeu_ps(sc + i, e);
+        tot = _mm512_add_ps(tot, e);
+    }
+    float rest = 0.f;
+    for (; i < n; i++) { float e = expf(sc[i] - mx); sc[i] = e; rest += e; }
+    return _mm512_reduce_add_ps(tot) + rest;
+}
 /* bf16 cache, head_dim 64: scores with AVX512-BF16 dot products (q rounded to bf16: exact
  * when the model runs in bfloat16, as q comes from a bf16 projection). */
 static int chunk_bf16_d64(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
@@ -78,11 +94,7 @@ static int chunk_bf16_d64(const float* q, const uint16_t* kc, const uint16_t* vc
             if (x > m[g]) m[g] = x;
         }
     }
-    for (int g = 0; g < G; g++) {
-        float tot = 0.f;
-        for (int64_t i = 0; i < n; i++) { float e = expf(sc[g * n + i] - m[g]); sc[g * n + i] = e; tot += e; }
-        s[g] = tot;
-    }
+    for (int g = 0; g < G; g++) s[g] = exp_sum(sc + g * n, n, m[g]);
     __m512 av[16][4];
     for (int g = 0; g < G; g++) for (int j = 0; j < 4; j++) av[g][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
@@ -99,6 +111,64 @@ static int chunk_bf16_d64(const float* q, const uint16_t* kc, const uint16_t* vc
     for (int g = 0; g < G; g++) for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + g * 64 + 16 * j, av[g][j]);
     return 1;
 }
+/* Paged blocks are scattered, so hardware prefetchers (which stop at 4 KiB pages) lag:
+ * fetch the slot PREFETCH keys ahead explicitly (Hk * 128 bytes = 2 Hk cache lines). */
+#define PREFETCH 16
+static inline void prefetch_row(const uint16_t* p, int Hk) {
+    for (int l = 0; l < 2 * Hk; l++) _mm_prefetch((const char*)(p + 32 * l), _MM_HINT_T0);
+}
+
+/* bf16 cache, head_dim 64, all H query heads of one sequence in one item: keys are read in
+ * slot order with every kv head of a slot together (the contiguous Hk * 128 bytes), which
+ * streams the cache from DRAM at about twice the rate of per-head strided reads. */
+static int chunk_bf16_d64_all(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
+                              int64_t n, int H, int Hk, float scale, float* m, float* s, float* acc, float* sc) {
+    if (H > 16) return 0;
+    int G = H / Hk;
+    __m512bh qv[16][2];
+    for (int h = 0; h < H; h++) {
+        const float* qh = q + h * 64;
+        qv[h][0] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh));
+        qv[h][1] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + 48), _mm512_loadu_ps(qh + 32));
+        m[h] = -INFINITY;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t* k = kc + slots[i] * Hk * 64;
+        if (i + PREFETCH < n) prefetch_row(kc + slots[i + PREFETCH] * Hk * 64, Hk);
+        for (int hk = 0; hk < Hk; hk++) {
+            __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void*)(k + hk * 64));
+            __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void*)(k + hk * 64 + 32));
+            for (int g = 0; g < G; g++) {
+                int h = hk * G + g;
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), k0, qv[h][0]);
+                a = _mm512_dpbf16_ps(a, k1, qv[h][1]);
+                float x = _mm512_reduce_add_ps(a) * scale;
+                sc[h * n + i] = x;
+                if (x > m[h]) m[h] = x;
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) s[h] = exp_sum(sc + h * n, n, m[h]);
+    __m512 av[16][4];
+    for (int h = 0; h < H; h++) for (int j = 0; j < 4; j++) av[h][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t* v = vc + slots[i] * Hk * 64;
+        if (i + PREFETCH < n) prefetch_row(vc + slots[i + PREFETCH] * Hk * 64, Hk);
+        for (int hk = 0; hk < Hk; hk++) {
+            __m512 vf[4];
+            for (int j = 0; j < 4; j++)
+                vf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + hk * 64 + 16 * j))), 16));
+            for (int g = 0; g < G; g++) {
+                int h = hk * G + g;
+                __m512 p = _mm512_set1_ps(sc[h * n + i]);
+                for (int j = 0; j < 4; j++) av[h][j] = _mm512_fmadd_ps(p, vf[j], av[h][j]);
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + h * 64 + 16 * j, av[h][j]);
+    return 1;
+}
 #define FAST_BF16_D64 1
 #else
 #define FAST_BF16_D64 0
@@ -113,13 +183,15 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
                const int64_t* offsets, int64_t B, int H, int Hk, int D, float scale, int64_t chunk_len,
                float* out) {
     if (D > 512 || H % Hk != 0 || chunk_len <= 0) return 1;
-    int G = H / Hk;
+    /* all-heads items (one per chunk, G = H rows) for the bf16 d64 path; else one per kv head */
+    int all = FAST_BF16_D64 && bf16 && D == 64 && H <= 16;
+    int G = all ? H : H / Hk, Hi = all ? 1 : Hk;
     int64_t* first = malloc(sizeof(int64_t) * (B + 1));  /* first item of each sequence */
     first[0] = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t L = offsets[b + 1] - offsets[b];
         int64_t nc = L > 0 ? (L + chunk_len - 1) / chunk_len : 1;
-        first[b + 1] = first[b] + Hk * nc;
+        first[b + 1] = first[b] + Hi * nc;
     }
     int64_t items = first[B];
     float* M = malloc(sizeof(float) * items * G);
@@ -130,14 +202,17 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
         int64_t b = 0;
         while (first[b + 1] <= it) b++;
         int64_t L = offsets[b + 1] - offsets[b];
-        int64_t nc = (first[b + 1] - first[b]) / Hk, local = it - first[b];
+        int64_t nc = (first[b + 1] - first[b]) / Hi, local = it - first[b];
         int hk = (int)(local / nc);
         int64_t c = local % nc, l0 = c * chunk_len, l1 = l0 + chunk_len < L ? l0 + chunk_len : L;
         float* sc = malloc(sizeof(float) * G * (l1 > l0 ? l1 - l0 : 1));
         const float* qb = q + (b * H + hk * G) * D;
         int done = 0;
 #if FAST_BF16_D64
-        if (bf16 && D == 64)
+        if (all)
+            done = chunk_bf16_d64_all(qb, (const uint16_t*)kc, (const uint16_t*)vc, slots + offsets[b] + l0,
+                                      l1 - l0, H, Hk, scale, M + it * G, S + it * G, A + it * G * D, sc);
+        else if (bf16 && D == 64)
             done = chunk_bf16_d64(qb, (const uint16_t*)kc, (const uint16_t*)vc, slots + offsets[b] + l0, l1 - l0,
                                   Hk, hk, G, scale, M + it * G, S + it * G, A + it * G * D, sc);
 #endif
@@ -152,8 +227,8 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
         free(sc);
     }
     for (int64_t b = 0; b < B; b++) {
-        int64_t nc = (first[b + 1] - first[b]) / Hk;
-        for (int hk = 0; hk < Hk; hk++) for (int g = 0; g < G; g++) {
+        int64_t nc = (first[b + 1] - first[b]) / Hi;
+        for (int hk = 0; hk < Hi; hk++) for (int g = 0; g < G; g++) {
             float mx = -INFINITY, tot = 0.f;
             float* o = out + (b * H + hk * G + g) * D;
             for (int64_t c = 0; c < nc; c++) { float x = M[(first[b] + hk * nc + c) * G + g]; if (x > mx) mx = x; }
