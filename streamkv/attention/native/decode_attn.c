@@ -7,7 +7,9 @@
  *
  * Work items = (sequence, kv head, chunk of the context): each computes a partial softmax
  * (max, sum, weighted V) for its G = H / Hk query heads; partials are merged per head
- * (split-K / flash-decoding). Parallel with OpenMP (the process' libgomp, shared with torch).
+ * (split-K / flash-decoding). The bf16 head_dim-64 path makes one item per (sequence, chunk)
+ * for all H heads, reading each slot's Hk heads together (contiguous) and prefetching ahead.
+ * Parallel with OpenMP (the process' libgomp, shared with torch).
  */
 #include <math.h>
 #include <stdint.h>
