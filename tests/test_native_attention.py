@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from streamkv import LLM, SamplingParams
-from streamkv.attention.native import decode_attention, paged_attention
+from streamkv.native import decode_attention, paged_attention
 
 kernel = decode_attention()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the native kernel is not built")

@@ -7,7 +7,7 @@ import torch
 from streamkv import LLM, SamplingParams
 from streamkv.loading import default_model_path, load_checkpoint
 from streamkv.loading.q4_blocks import read_q4_matrices
-from streamkv.models.llama import PackedQ4
+from streamkv.models.q4_linear import PackedQ4
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +60,19 @@ def test_q8_lm_head_splits_exactly_into_two_int4_halves(ckpt):
     ref = x.float() @ ckpt.weights["embed.weight"].t()
     out = PackedQ4(hi.q, hi.scale, hi.zero)(x).float() + PackedQ4(lo.q, lo.scale, lo.zero)(x).float()
     assert (out - ref).abs().max() <= 0.01 * ref.abs().max()
+
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 33])
+def test_packed_kernel_matches_the_dequantized_product(m):
+    g = torch.Generator().manual_seed(m)
+    n, k = 48, 256
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.1).bfloat16().float()
+    zero = (torch.randn(n, k // 32, generator=g) * 0.2).bfloat16().float()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = ((q.double() - 8).view(n, k // 32, 32) * scale.double()[..., None] + zero.double()[..., None]).view(n, k)
+    ref = x.double() @ w.t()
+    out = PackedQ4(q, scale, zero)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert (out.double() - ref).abs().max() <= 2e-2 * ref.abs().max()

@@ -35,7 +35,7 @@ class CpuNativeBackend(TorchReferenceBackend):
     def __init__(self, cache: KVCache, scale: float, kernel: Callable[..., torch.Tensor] | None = None,
                  paged: Callable[..., torch.Tensor] | None | bool = True) -> None:
         super().__init__(cache, scale)
-        from streamkv.attention.native import decode_attention, paged_attention
+        from streamkv.native import decode_attention, paged_attention
 
         if kernel is None:
             kernel = decode_attention()

@@ -77,7 +77,7 @@ def _backend_name(config: EngineConfig, device: torch.device) -> str:
         return name
     if device.type != "cpu":
         return "torch"
-    from streamkv.attention.native import decode_attention
+    from streamkv.native import decode_attention
 
     return "cpu" if decode_attention() is not None else "torch"
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.models.config import ArchConfig
+from streamkv.models.q4_linear import PackedQ4
 from streamkv.models.registry import register_model
 from streamkv.models.rope import RotaryEmbedding, apply_rope
 
@@ -38,20 +39,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def _optional(weights: dict[str, torch.Tensor], name: str) -> nn.Parameter | None:
     return nn.Parameter(weights[name], requires_grad=False) if name in weights else None
-
-
-class PackedQ4(nn.Module):
-    """One linear layer's weight in torch's int4 CPU layout: w = (q - 8) * scale + zero,
-    32-column groups. Built from GGUF Q4_0/Q4_1 blocks without requantizing."""
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
-        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
-        self.register_buffer("scales_zeros", sz, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, 32, self.scales_zeros)
 
 
 def _pack(q4: dict[str, Any] | None, names: list[str]) -> PackedQ4 | None:

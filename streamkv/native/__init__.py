@@ -1,4 +1,4 @@
-"""Small C kernels for CPU hot spots, compiled on first use (gcc, OpenMP) and loaded with ctypes.
+"""Small C kernels for CPU hot spots (attention over the paged cache), compiled on first use (gcc, OpenMP) and loaded with ctypes.
 
 Only a C compiler is needed (no torch headers, so a build takes about a second). The
 library links the process' ``libgomp.so.1`` (the one torch already loaded), so its threads
@@ -137,3 +137,4 @@ def _paged(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Te
     if rc != 0:
         raise ValueError(f"paged attention rejected shapes q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
     return out
+
