@@ -160,14 +160,18 @@ static inline void pv_rows2(__m512i Vp[NB][8][4], int nb, const uint32_t pa[NB][
     }
 }
 
-/* Prefetch the Hk * 128 bytes of K and V at each of n slots (paged blocks are scattered and
- * hardware prefetchers stop at 4 KiB pages). */
-static inline void prefetch_slots(const uint16_t* kc, const uint16_t* vc, const int64_t* slots, int n, int Hk) {
-    for (int i = 0; i < n; i++)
-        for (int l = 0; l < 2 * Hk; l++) {
-            _mm_prefetch((const char*)(kc + slots[i] * Hk * 64 + 32 * l), _MM_HINT_T0);
-            _mm_prefetch((const char*)(vc + slots[i] * Hk * 64 + 32 * l), _MM_HINT_T0);
-        }
+/* Prefetch head hk's K and V rows (128 bytes each) at n slots into L2: paged blocks are
+ * scattered and hardware prefetchers stop at 4 KiB pages. */
+static inline void prefetch_head(const uint16_t* kc, const uint16_t* vc, const int64_t* slots, int n, int Hk,
+                                 int hk) {
+    for (int i = 0; i < n; i++) {
+        const uint16_t* k = kc + (slots[i] * Hk + hk) * 64;
+        const uint16_t* v = vc + (slots[i] * Hk + hk) * 64;
+        _mm_prefetch((const char*)k, _MM_HINT_T1);
+        _mm_prefetch((const char*)(k + 32), _MM_HINT_T1);
+        _mm_prefetch((const char*)v, _MM_HINT_T1);
+        _mm_prefetch((const char*)(v + 32), _MM_HINT_T1);
+    }
 }
 
 /* One item: every query head of queries [q0, q1) against context [c0, c1). Rows are grouped
@@ -201,8 +205,8 @@ static void run_item(const Item* it, const uint16_t* q, const uint16_t* kc, cons
         int nk = c1 - k0 < 16 * NB ? (int)(c1 - k0) : 16 * NB;  /* keys in this super-block */
         int nb = (nk + 15) / 16;
         int64_t k1 = k0 + 16 * NB, nn = c1 - k1 < 16 * NB ? c1 - k1 : 16 * NB;
-        if (nn > 0) prefetch_slots(kc, vc, slots + off + k1, (int)nn, Hk);
         for (int hk = 0; hk < Hk; hk++) {
+            if (nn > 0) prefetch_head(kc, vc, slots + off + k1, (int)nn, Hk, hk);  /* the next super-block */
             for (int x = 0; x < nb; x++) {
                 int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
                 load_block(kc, vc, slots + off + k0 + 16 * x, n, Hk, hk, Kt[x], Vp[x]);
