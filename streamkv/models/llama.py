@@ -24,10 +24,6 @@ from streamkv.models.registry import register_model
 from streamkv.models.rope import RotaryEmbedding, apply_rope
 
 
-#: Batches of at most this many rows use the packed 4-bit weights (when present): the int4
-#: CPU kernel reads a quarter of bf16's bytes, which is what batch-1 decode is bound by, but
-#: loses to the dense bf16 GEMM on larger batches.
-Q4_MAX_ROWS = 16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -87,6 +83,10 @@ class DecoderLayer(nn.Module):
         self.q4_o = _pack(q4, [prefix + "o_proj.weight"])
         self.q4_gate_up = _pack(q4, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
         self.q4_down = _pack(q4, [prefix + "down_proj.weight"])
+        # Batches of at most this many rows use the packed 4-bit weights (when present): they
+        # read a quarter of bf16's bytes, which decode is bound by, but lose to the dense bf16
+        # GEMM on larger batches.
+        self.q4_max_rows = self.q4_qkv.max_rows if self.q4_qkv is not None else 0
 
     def qk_transform(self, qk: torch.Tensor) -> torch.Tensor:
         """Hook before RoPE on the joint q|k heads [T, H + Hkv, D] (identity; Qwen3 normalises)."""
@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] float32 residual -> [T, hidden] float32."""
         t, dt = x.shape[0], self.qkv.dtype
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        small = t <= Q4_MAX_ROWS
+        small = t <= self.q4_max_rows
         qkv = _linear(rms_norm(x, self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias,
                       self.q4_qkv, small)
         # q and k heads are adjacent in the fused projection: one RoPE call rotates both.
@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
         h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps).to(self.lm_head.dtype)
-        if self.q4_lm_head is not None and h.shape[0] <= Q4_MAX_ROWS:
+        if self.q4_lm_head is not None and h.shape[0] <= self.q4_lm_head[0].max_rows:
             hi, lo = self.q4_lm_head
-            return hi(h).float().add_(lo(h).float())
+            return hi.forward_f32(h).add_(lo.forward_f32(h))
         return F.linear(h, self.lm_head).float()

@@ -1,4 +1,4 @@
-"""Small C kernels for CPU hot spots (attention over the paged cache), compiled on first use (gcc, OpenMP) and loaded with ctypes.
+"""Small C kernels for CPU hot spots (attention over the paged cache, 4-bit GEMM), compiled on first use (gcc, OpenMP) and loaded with ctypes.
 
 Only a C compiler is needed (no torch headers, so a build takes about a second). The
 library links the process' ``libgomp.so.1`` (the one torch already loaded), so its threads
@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attn.c", "paged_attn.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attn.c", "paged_attn.c", "q4_gemm.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -72,6 +72,11 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                                            ctypes.c_float, ctypes.c_int64, ctypes.c_void_p]
     lib.streamkv_paged_attn_available.restype = ctypes.c_int
+    fn = lib.streamkv_q4_gemm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int]
+    lib.streamkv_q4_available.restype = ctypes.c_int
     return lib
 
 
@@ -138,3 +143,26 @@ def _paged(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Te
         raise ValueError(f"paged attention rejected shapes q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
     return out
 
+
+def q4_gemm() -> Callable[..., torch.Tensor] | None:
+    """The AVX512-BF16 4-bit-weight GEMM (see ``q4_gemm.c``), or None when unavailable."""
+    lib = _library()
+    if lib is None or not lib.streamkv_q4_available():
+        return None
+    return functools.partial(_q4, lib.streamkv_q4_gemm)
+
+
+def _q4(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, n: int,
+        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] bf16 @ the packed [n, K] weight -> [M, n] float32 or bfloat16 (layout in ``q4_gemm.c``)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise TypeError(f"q4 GEMM needs a 2-D bfloat16 input, got {x.dtype} {tuple(x.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"q4 GEMM writes float32 or bfloat16, not {out_dtype}")
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=out_dtype)
+    rc = fn(x.data_ptr(), m, k, w.data_ptr(), sz.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16))
+    if rc != 0:
+        raise ValueError(f"q4 GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    return out
