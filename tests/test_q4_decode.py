@@ -91,3 +91,39 @@ def test_packed_kernels_match_the_dequantized_product(native, m):
     assert exact.dtype == torch.float32
     tol = 1e-5 if native else 2e-2  # native: exact products summed in float32
     assert (exact.double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_native_kernel_rows_do_not_depend_on_the_batch():
+    """A row's result is bit-identical alone and inside batches of every blocking (4 / 2 / 1
+    rows, and past 64 rows), so a decode token does not depend on what shares its step."""
+    from streamkv.native import q4_gemm
+
+    if q4_gemm() is None:
+        pytest.skip("no AVX512-BF16 (or no C compiler): the native 4-bit kernel is not built")
+    g = torch.Generator().manual_seed(7)
+    n, k = 40, 256
+    layer = PackedQ4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32),
+                     torch.rand(n, k // 32, generator=g) * 0.1, torch.randn(n, k // 32, generator=g) * 0.2)
+    x = torch.randn(70, k, generator=g).bfloat16()
+    alone = torch.cat([layer.forward_f32(x[i:i + 1]) for i in range(70)])
+    for m in (2, 3, 5, 13, 64, 70):
+        assert torch.equal(layer.forward_f32(x[:m]), alone[:m])
+
+
+def test_decode_rows_take_the_same_path_whatever_shares_the_step():
+    """RowSplit: decode rows take the 4-bit weights and chunk rows the dense ones, in any mix."""
+    from streamkv.models.q4_linear import DENSE, RowSplit, split_linear
+
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(0, 16, (48, 64), generator=g, dtype=torch.int32)
+    scale, zero = torch.rand(48, 2, generator=g) * 0.1, torch.randn(48, 2, generator=g) * 0.1
+    packed = PackedQ4(q, scale, zero)
+    dense = packed.forward_f32(torch.eye(64).bfloat16()).t().bfloat16().contiguous()  # [48, 64]
+    x = torch.randn(6, 64, generator=g).bfloat16()
+    split = RowSplit.build([1, 4], 6, 64)
+    mixed = split_linear(x, dense, None, packed, split)
+    assert torch.equal(mixed[[1, 4]], packed(x[[1, 4]]))
+    assert torch.equal(mixed[[0, 2, 3, 5]], torch.nn.functional.linear(x[[0, 2, 3, 5]], dense))
+    assert RowSplit.build([0, 1], 2, 64).dense is None
+    assert RowSplit.build(list(range(65)), 65, 64).q4 is None
+    assert torch.equal(split_linear(x, dense, None, packed, DENSE), torch.nn.functional.linear(x, dense))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.models.config import ArchConfig
-from streamkv.models.q4_linear import PackedQ4
+from streamkv.models.q4_linear import DENSE, PackedQ4, RowSplit, split_linear
 from streamkv.models.registry import register_model
 from streamkv.models.rope import RotaryEmbedding, apply_rope
 
@@ -44,14 +44,6 @@ def _pack(q4: dict[str, Any] | None, names: list[str]) -> PackedQ4 | None:
     parts = [q4[n] for n in names]
     return PackedQ4(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                     torch.cat([p.zero for p in parts]))
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None,
-            small: bool) -> torch.Tensor:
-    if q4 is None or not small:
-        return F.linear(x, weight, bias)
-    out = q4(x)
-    return out if bias is None else out + bias
 
 
 class DecoderLayer(nn.Module):
@@ -83,33 +75,28 @@ class DecoderLayer(nn.Module):
         self.q4_o = _pack(q4, [prefix + "o_proj.weight"])
         self.q4_gate_up = _pack(q4, [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
         self.q4_down = _pack(q4, [prefix + "down_proj.weight"])
-        # Batches of at most this many rows use the packed 4-bit weights (when present): they
-        # read a quarter of bf16's bytes, which decode is bound by, but lose to the dense bf16
-        # GEMM on larger batches.
-        self.q4_max_rows = self.q4_qkv.max_rows if self.q4_qkv is not None else 0
 
     def qk_transform(self, qk: torch.Tensor) -> torch.Tensor:
         """Hook before RoPE on the joint q|k heads [T, H + Hkv, D] (identity; Qwen3 normalises)."""
         return qk
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                backend: AttentionBackend, meta: Any) -> torch.Tensor:
-        """x [T, hidden] float32 residual -> [T, hidden] float32."""
+                backend: AttentionBackend, meta: Any, rows: RowSplit = DENSE) -> torch.Tensor:
+        """x [T, hidden] float32 residual -> [T, hidden] float32; ``rows``: which rows take the
+        packed 4-bit weights (``models/q4_linear.py``)."""
         t, dt = x.shape[0], self.qkv.dtype
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        small = t <= self.q4_max_rows
-        qkv = _linear(rms_norm(x, self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias,
-                      self.q4_qkv, small)
+        qkv = split_linear(rms_norm(x, self.attn_norm, self.eps).to(dt), self.qkv, self.qkv_bias, self.q4_qkv, rows)
         # q and k heads are adjacent in the fused projection: one RoPE call rotates both.
         qk = apply_rope(self.qk_transform(qkv[:, :(h + hk) * d].view(t, h + hk, d)), cos, sin)
         q, k = qk[:, :h], qk[:, h:]
         v = qkv[:, (h + hk) * d:].view(t, hk, d)
         attn = backend.forward(layer, q, k, v, meta)
-        x = x + _linear(attn.reshape(t, h * d), self.o_proj, self.o_bias, self.q4_o, small)
-        gu = _linear(rms_norm(x, self.mlp_norm, self.eps).to(dt), self.gate_up,
-                     self.gate_up_bias, self.q4_gate_up, small)
+        x = x + split_linear(attn.reshape(t, h * d), self.o_proj, self.o_bias, self.q4_o, rows)
+        gu = split_linear(rms_norm(x, self.mlp_norm, self.eps).to(dt), self.gate_up, self.gate_up_bias,
+                          self.q4_gate_up, rows)
         act = F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:]
-        return x + _linear(act, self.down, self.down_bias, self.q4_down, small)
+        return x + split_linear(act, self.down, self.down_bias, self.q4_down, rows)
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
@@ -138,19 +125,31 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
+    @property
+    def q4_max_rows(self) -> int:
+        """Most decode rows a step may have for them to take the packed 4-bit weights (0: none)."""
+        first = self.layers[0].q4_qkv if len(self.layers) else None
+        return first.max_rows if first is not None else 0
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: Any) -> torch.Tensor:
+                meta: Any, rows: RowSplit = DENSE) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (before the last norm)."""
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = F.embedding(input_ids, self.embed).float()
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, backend, meta)
+            x = layer(x, cos, sin, i, backend, meta, rows)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+    def compute_logits(self, hidden: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32; ``rows`` indexes the N rows."""
         h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps).to(self.lm_head.dtype)
-        if self.q4_lm_head is not None and h.shape[0] <= self.q4_lm_head[0].max_rows:
-            hi, lo = self.q4_lm_head
+        if self.q4_lm_head is None or rows.q4 is None:
+            return F.linear(h, self.lm_head).float()
+        hi, lo = self.q4_lm_head
+        if rows.dense is None:
             return hi.forward_f32(h).add_(lo.forward_f32(h))
-        return F.linear(h, self.lm_head).float()
+        out = torch.empty(h.shape[0], self.lm_head.shape[0], dtype=torch.float32)
+        part = h.index_select(0, rows.q4)
+        out.index_copy_(0, rows.q4, hi.forward_f32(part).add_(lo.forward_f32(part)))
+        out.index_copy_(0, rows.dense, F.linear(h.index_select(0, rows.dense), self.lm_head).float())
+        return out

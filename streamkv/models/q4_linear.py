@@ -10,10 +10,12 @@ and zero from Q4_0 / Q4_1 blocks without requantizing). Two kernels:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 GROUP = 32
 
@@ -68,11 +70,11 @@ class PackedQ4(nn.Module):
 
     @property
     def max_rows(self) -> int:
-        """Largest batch for which this beats the dense bf16 GEMM (measured on the 2-core
-        EPYC at SmolLM2's shapes, per token step of 30 layers: native 5.8 / 11.4 / 20.3 ms vs
-        dense 10.4 / 14.3 / 22.2 ms at 8 / 16 / 32 rows, level at 64; torch's kernel 10.8 ms at
-        8 rows and 21 ms at 16)."""
-        return 32 if self.kernel is not None else 16
+        """Largest batch of decode rows this serves (beyond it the dense bf16 GEMM is faster).
+        Measured on the 2-core EPYC at SmolLM2's shapes, per token step of 30 layers: native
+        5.8 / 11.4 / 20.3 / 39.6 ms vs dense 10.4 / 14.3 / 22.2 / 39.2 ms at 8 / 16 / 32 / 64
+        rows; torch's kernel 10.8 ms at 8 rows and 21 ms at 16."""
+        return 64 if self.kernel is not None else 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
@@ -89,3 +91,46 @@ class PackedQ4(nn.Module):
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Which rows of a step's batch take the packed 4-bit weights.
+
+    Decode rows (a sequence's single new token) do, prompt-chunk rows take the dense weights,
+    whatever else shares the step: a row's numerics depend on its own kind, not on the batch
+    (a flash evaluation batch and a lone query give the same answer). Past ``max_rows`` decode
+    rows every row is dense.
+    """
+
+    q4: torch.Tensor | None     # [n] row indices, None when no row takes the 4-bit weights
+    dense: torch.Tensor | None  # [m] row indices, None when every row or no row takes them
+
+    @staticmethod
+    def build(decode_rows: list[int], num_rows: int, max_rows: int) -> RowSplit:
+        if not decode_rows or len(decode_rows) > max_rows:
+            return RowSplit(None, None)
+        if len(decode_rows) == num_rows:
+            return RowSplit(torch.arange(num_rows), None)
+        q4 = torch.tensor(decode_rows, dtype=torch.int64)
+        dense = torch.ones(num_rows, dtype=torch.bool)
+        dense[q4] = False
+        return RowSplit(q4, dense.nonzero().squeeze(1))
+
+
+DENSE = RowSplit(None, None)  # every row dense (no 4-bit weights, or a caller without a split)
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedQ4 | None,
+                 rows: RowSplit) -> torch.Tensor:
+    """x [T, K] -> [T, N]: the rows ``rows.q4`` through ``packed``, the others through ``weight``."""
+    if packed is None or rows.q4 is None:
+        return F.linear(x, weight, bias)
+    if rows.dense is None:
+        out = packed(x)
+        return out if bias is None else out + bias
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    part = packed(x.index_select(0, rows.q4))
+    out.index_copy_(0, rows.q4, part if bias is None else part + bias)
+    out.index_copy_(0, rows.dense, F.linear(x.index_select(0, rows.dense), weight, bias))
+    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from streamkv.attention.backend import AttentionBackend, SeqSpan
+from streamkv.models.q4_linear import RowSplit
 from streamkv.runner.kv_ops import KVOps
 from streamkv.sampling.sampler import Sampler
 from streamkv.sched.plan import StepOutput, StepPlan
@@ -37,22 +38,31 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         sample_rows: list[int] = []
         sample_items = []
+        decode_rows: list[int] = []    # rows of single-token decode spans (their own kind, see RowSplit)
+        decode_samples: list[int] = []  # their indices among the sampled rows
         for item in plan.seqs:
             q0 = len(ids)
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + item.num_tokens))
             spans.append(SeqSpan(q0, item.num_tokens, item.start, item.block_table))
+            decode = item.num_tokens == 1 and item.start > 0
+            if decode:
+                decode_rows.append(q0)
             if item.sample:
+                if decode:
+                    decode_samples.append(len(sample_rows))
                 sample_rows.append(len(ids) - 1)
                 sample_items.append(item)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         meta = self.backend.prepare(spans, len(ids))
-        hidden = self.model(input_ids, pos, self.backend, meta)
+        q4_rows = getattr(self.model, "q4_max_rows", 0)
+        hidden = self.model(input_ids, pos, self.backend, meta, RowSplit.build(decode_rows, len(ids), q4_rows))
         out = StepOutput()
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            split = RowSplit.build(decode_samples if len(decode_rows) <= q4_rows else [], len(sample_rows), q4_rows)
+            logits = self.model.compute_logits(hidden.index_select(0, rows), split)
             tokens, logprobs = self.sampler(logits, sample_items)
             out.tokens = {item.seq_id: tok for item, tok in zip(sample_items, tokens)}
             out.logprobs = logprobs
