@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the nativ
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (32, 4)])
 def test_kernel_matches_sdpa_on_scattered_slots(dtype, heads):
+    """(32, 4): more than 16 query heads, so the bf16 path makes one item per kv head."""
     h, hk = heads
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(4096, hk, 64, generator=g).to(dtype)
@@ -31,15 +32,24 @@ def test_kernel_matches_sdpa_on_scattered_slots(dtype, heads):
         torch.testing.assert_close(out[b], ref, atol=2e-5, rtol=1e-4)
 
 
-def test_cpu_backend_generates_like_the_reference_backend():
-    params = SamplingParams(max_tokens=24, temperature=0, logprobs=3)
-    prompts = ["The history of the printing press", "List three colors:", "1, 2, 3, 4,"]
+PROMPTS = ["The history of the printing press", "List three colors:", "1, 2, 3, 4,"]
+
+
+def _generate_with_each_backend(dtype: str, params: SamplingParams) -> dict[str, list]:
+    """Outputs of PROMPTS from the reference ("torch") and the native ("cpu") backend."""
     outs = {}
     for backend in ("torch", "cpu"):
-        llm = LLM(dtype="float32", attention_backend=backend)
-        assert type(llm.engine.bundle.runner.backend).__name__ == {"torch": "TorchReferenceBackend",
-                                                                    "cpu": "CpuNativeBackend"}[backend]
-        outs[backend] = llm.generate(prompts, params)
+        llm = LLM(dtype=dtype, attention_backend=backend)
+        used = llm.engine.bundle.runner.backend
+        assert type(used).__name__ == {"torch": "TorchReferenceBackend", "cpu": "CpuNativeBackend"}[backend]
+        if backend == "cpu" and dtype == "bfloat16":
+            assert used.paged is not None  # the paged prefill kernel is what this dtype exercises
+        outs[backend] = llm.generate(PROMPTS, params)
+    return outs
+
+
+def test_cpu_backend_generates_like_the_reference_backend():
+    outs = _generate_with_each_backend("float32", SamplingParams(max_tokens=24, temperature=0, logprobs=3))
     for a, b in zip(outs["torch"], outs["cpu"]):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
@@ -128,12 +138,7 @@ def test_cpu_backend_with_the_paged_kernel_equals_the_reference_backend_in_bfloa
 
 @needs_paged
 def test_bfloat16_generation_with_the_paged_kernel_tracks_the_reference_backend():
-    params = SamplingParams(max_tokens=16, temperature=0, logprobs=1)
-    prompts = ["The history of the printing press", "List three colors:", "1, 2, 3, 4,"]
-    outs = {}
-    for backend in ("torch", "cpu"):
-        llm = LLM(dtype="bfloat16", attention_backend=backend)
-        outs[backend] = llm.generate(prompts, params)
+    outs = _generate_with_each_backend("bfloat16", SamplingParams(max_tokens=16, temperature=0, logprobs=1))
     for a, b in zip(outs["torch"], outs["cpu"]):
         # bf16 rounding differs between the kernels: compare the first token's log-probability
         assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05

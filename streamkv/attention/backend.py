@@ -27,6 +27,11 @@ class SeqSpan:
     def ctx_len(self) -> int:
         return self.start + self.q_len
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token after earlier context: the row kind decode kernels and decode weights serve."""
+        return self.q_len == 1 and self.start > 0
+
 
 class KVCache:
     """Paged K/V tensors, one flat slot axis per layer.

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from streamkv.attention.backend import KVCache, SeqSpan, register_backend
-from streamkv.attention.torch_ref import RefMeta, TorchReferenceBackend, span_slots
+from streamkv.attention.torch_ref import RefMeta, TorchReferenceBackend
 
 
 @dataclass
@@ -47,45 +47,24 @@ class CpuNativeBackend(TorchReferenceBackend):
             paged = paged_attention() if fits else None
         self.paged: Callable[..., torch.Tensor] | None = paged or None
 
-    def prepare(self, spans: list[SeqSpan], num_tokens: int) -> NativeMeta:
+    def _prepare_prefills(self, meta: Any, prefills: list[tuple[SeqSpan, torch.Tensor]],
+                          device: torch.device) -> None:
+        """Every prefill chunk as one (row0, q_len, offset, ctx_len) row of the paged kernel."""
         if self.paged is None:
-            return super().prepare(spans, num_tokens)
-        device = self.cache.k.device
-        bs = self.cache.block_size
-        meta = NativeMeta(slot_mapping=torch.empty(0))
-        slot_parts: list[torch.Tensor] = []
-        decodes: list[tuple[SeqSpan, torch.Tensor]] = []
-        rows: list[tuple[int, int, int, int]] = []
-        ctx_parts: list[torch.Tensor] = []
-        offset = 0
-        for span in spans:
-            slots = span_slots(span.block_table, span.ctx_len, bs, device)
-            slot_parts.append(slots[span.start:])
-            if span.q_len == 1 and span.start > 0:
-                decodes.append((span, slots))
-            else:
-                rows.append((span.q_start, span.q_len, offset, span.ctx_len))
-                ctx_parts.append(slots)
-                offset += span.ctx_len
-        meta.slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
-        if rows:
-            meta.pf_seqs = torch.tensor(rows, dtype=torch.int64)
-            meta.pf_slots = torch.cat(ctx_parts)
-        if decodes:
-            self._prepare_decodes(meta, decodes, device)
-            meta.all_decode = not rows
-        return meta
+            super()._prepare_prefills(meta, prefills, device)
+            return
+        offsets = [0]
+        for span, _ in prefills:
+            offsets.append(offsets[-1] + span.ctx_len)
+        meta.pf_seqs = torch.tensor([(span.q_start, span.q_len, off, span.ctx_len)
+                                     for (span, _), off in zip(prefills, offsets)], dtype=torch.int64)
+        meta.pf_slots = torch.cat([slots for _, slots in prefills])
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                 meta: Any) -> torch.Tensor:
         if meta.pf_seqs is None:
-            return super().forward(layer, q, k, v, meta)
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
-        out = self.paged(q.to(kc.dtype), kc, vc, meta.pf_seqs, meta.pf_slots, self.scale).to(q.dtype)
-        if meta.dec_rows is not None:
-            out.index_copy_(0, meta.dec_rows, self._decode(q, kc, vc, meta))
-        return out
+            return super()._prefill(q, k, v, kc, vc, meta)
+        return self.paged(q.to(kc.dtype), kc, vc, meta.pf_seqs, meta.pf_slots, self.scale).to(q.dtype)
 
     def _prepare_decodes(self, meta: Any, decodes: list[tuple[SeqSpan, torch.Tensor]],
                          device: torch.device) -> None:

@@ -56,22 +56,29 @@ class TorchReferenceBackend(AttentionBackend):
         slot_parts: list[torch.Tensor] = []
         meta = self.meta_type(slot_mapping=torch.empty(0))
         decodes: list[tuple[SeqSpan, torch.Tensor]] = []
+        prefills: list[tuple[SeqSpan, torch.Tensor]] = []
         for span in spans:
             slots = span_slots(span.block_table, span.ctx_len, bs, device)
             slot_parts.append(slots[span.start:])
-            if span.q_len == 1 and span.start > 0:
-                decodes.append((span, slots))
-            elif span.start == 0:
+            (decodes if span.is_decode else prefills).append((span, slots))
+        meta.slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
+        if prefills:
+            self._prepare_prefills(meta, prefills, device)
+        if decodes:
+            self._prepare_decodes(meta, decodes, device)
+            meta.all_decode = not prefills
+        return meta
+
+    def _prepare_prefills(self, meta: RefMeta, prefills: list[tuple[SeqSpan, torch.Tensor]],
+                          device: torch.device) -> None:
+        """Prefill chunks with their context slots [ctx_len] (per-chunk SDPA calls)."""
+        for span, slots in prefills:
+            if span.start == 0:
                 meta.prefills.append(_Prefill(span.q_start, span.q_start + span.q_len, None, None))
             else:
                 pos = torch.arange(span.start, span.ctx_len, device=device)
                 mask = torch.arange(span.ctx_len, device=device)[None, :] <= pos[:, None]
                 meta.prefills.append(_Prefill(span.q_start, span.q_start + span.q_len, slots, mask))
-        meta.slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
-        if decodes:
-            self._prepare_decodes(meta, decodes, device)
-            meta.all_decode = not meta.prefills
-        return meta
 
     def _prepare_decodes(self, meta: RefMeta, decodes: list[tuple[SeqSpan, torch.Tensor]],
                          device: torch.device) -> None:
@@ -95,6 +102,14 @@ class TorchReferenceBackend(AttentionBackend):
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
         if meta.all_decode:
             return self._decode(q, kc, vc, meta)
+        out = self._prefill(q, k, v, kc, vc, meta)
+        if meta.dec_rows is not None:
+            out.index_copy_(0, meta.dec_rows, self._decode(q, kc, vc, meta))
+        return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                 meta: RefMeta) -> torch.Tensor:
+        """[T, H, D] with every prefill chunk's rows filled (decode rows are written after)."""
         out = torch.empty_like(q)
         # SDPA takes [1, heads, len, dim] views; 3-D inputs fall back to the slow math kernel.
         for p in meta.prefills:
@@ -107,8 +122,6 @@ class TorchReferenceBackend(AttentionBackend):
                 vs = vc.index_select(0, p.ctx_slots).transpose(0, 1)[None].to(q.dtype)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
             out[p.q0:p.q1] = o[0].transpose(0, 1)
-        if meta.dec_rows is not None:
-            out.index_copy_(0, meta.dec_rows, self._decode(q, kc, vc, meta))
         return out
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: RefMeta) -> torch.Tensor:

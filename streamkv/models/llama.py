@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.models.config import ArchConfig
-from streamkv.models.q4_linear import DENSE, PackedQ4, RowSplit, split_linear
+from streamkv.models.q4_linear import DENSE, PackedQ4, RowSplit, split_linear, split_rows
 from streamkv.models.registry import register_model
 from streamkv.models.rope import RotaryEmbedding, apply_rope
 
@@ -143,13 +143,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32; ``rows`` indexes the N rows."""
         h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps).to(self.lm_head.dtype)
-        if self.q4_lm_head is None or rows.q4 is None:
-            return F.linear(h, self.lm_head).float()
-        hi, lo = self.q4_lm_head
-        if rows.dense is None:
-            return hi.forward_f32(h).add_(lo.forward_f32(h))
-        out = torch.empty(h.shape[0], self.lm_head.shape[0], dtype=torch.float32)
-        part = h.index_select(0, rows.q4)
-        out.index_copy_(0, rows.q4, hi.forward_f32(part).add_(lo.forward_f32(part)))
-        out.index_copy_(0, rows.dense, F.linear(h.index_select(0, rows.dense), self.lm_head).float())
-        return out
+        q4 = None
+        if self.q4_lm_head is not None:
+            hi, lo = self.q4_lm_head
+            q4 = lambda x: hi.forward_f32(x).add_(lo.forward_f32(x))  # noqa: E731
+        return split_rows(h, rows, q4, lambda x: F.linear(x, self.lm_head).float())

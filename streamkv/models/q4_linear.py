@@ -121,16 +121,26 @@ class RowSplit:
 DENSE = RowSplit(None, None)  # every row dense (no 4-bit weights, or a caller without a split)
 
 
+def split_rows(x: torch.Tensor, rows: RowSplit, q4: Callable[[torch.Tensor], torch.Tensor] | None,
+               dense: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [T, K] -> [T, N]: the rows ``rows.q4`` through ``q4``, the others through ``dense``
+    (both map [n, K] -> [n, N] in the same dtype)."""
+    if q4 is None or rows.q4 is None:
+        return dense(x)
+    if rows.dense is None:
+        return q4(x)
+    part = q4(x.index_select(0, rows.q4))
+    out = part.new_empty(x.shape[0], part.shape[1])
+    out.index_copy_(0, rows.q4, part)
+    out.index_copy_(0, rows.dense, dense(x.index_select(0, rows.dense)))
+    return out
+
+
 def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedQ4 | None,
                  rows: RowSplit) -> torch.Tensor:
-    """x [T, K] -> [T, N]: the rows ``rows.q4`` through ``packed``, the others through ``weight``."""
-    if packed is None or rows.q4 is None:
-        return F.linear(x, weight, bias)
-    if rows.dense is None:
-        out = packed(x)
+    """A linear layer with dense ``weight`` and optional 4-bit ``packed`` copy, split by ``rows``."""
+    def q4(h: torch.Tensor) -> torch.Tensor:
+        out = packed(h)
         return out if bias is None else out + bias
-    out = x.new_empty(x.shape[0], weight.shape[0])
-    part = packed(x.index_select(0, rows.q4))
-    out.index_copy_(0, rows.q4, part if bias is None else part + bias)
-    out.index_copy_(0, rows.dense, F.linear(x.index_select(0, rows.dense), weight, bias))
-    return out
+
+    return split_rows(x, rows, None if packed is None else q4, lambda h: F.linear(h, weight, bias))

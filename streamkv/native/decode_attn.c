@@ -71,104 +71,66 @@ static inline float exp_sum(float* sc, int64_t n, float mx) {
     for (; i < n; i++) { float e = expf(sc[i] - mx); sc[i] = e; rest += e; }
     return _mm512_reduce_add_ps(tot) + rest;
 }
-/* bf16 cache, head_dim 64: scores with AVX512-BF16 dot products (q rounded to bf16: exact
- * when the model runs in bfloat16, as q comes from a bf16 projection). */
-static int chunk_bf16_d64(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
-                          int64_t n, int Hk, int hk, int G, float scale, float* m, float* s, float* acc,
-                          float* sc) {
-    if (G > 16) return 0;
-    __m512bh qv[16][2];
-    for (int g = 0; g < G; g++) {
-        const float* qg = q + g * 64;
-        qv[g][0] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 16), _mm512_loadu_ps(qg));
-        qv[g][1] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 48), _mm512_loadu_ps(qg + 32));
-    }
-    for (int g = 0; g < G; g++) m[g] = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-        const uint16_t* k = kc + (slots[i] * Hk + hk) * 64;
-        __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void*)k);
-        __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void*)(k + 32));
-        for (int g = 0; g < G; g++) {
-            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), k0, qv[g][0]);
-            a = _mm512_dpbf16_ps(a, k1, qv[g][1]);
-            float x = _mm512_reduce_add_ps(a) * scale;
-            sc[g * n + i] = x;
-            if (x > m[g]) m[g] = x;
-        }
-    }
-    for (int g = 0; g < G; g++) s[g] = exp_sum(sc + g * n, n, m[g]);
-    __m512 av[16][4];
-    for (int g = 0; g < G; g++) for (int j = 0; j < 4; j++) av[g][j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i++) {
-        const uint16_t* v = vc + (slots[i] * Hk + hk) * 64;
-        __m512 vf[4];
-        for (int j = 0; j < 4; j++)
-            vf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + 16 * j))), 16));
-        for (int g = 0; g < G; g++) {
-            __m512 p = _mm512_set1_ps(sc[g * n + i]);
-            for (int j = 0; j < 4; j++) av[g][j] = _mm512_fmadd_ps(p, vf[j], av[g][j]);
-        }
-    }
-    for (int g = 0; g < G; g++) for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + g * 64 + 16 * j, av[g][j]);
-    return 1;
-}
 /* Paged blocks are scattered, so hardware prefetchers (which stop at 4 KiB pages) lag:
- * fetch the slot PREFETCH keys ahead explicitly (Hk * 128 bytes = 2 Hk cache lines). */
+ * fetch the item's heads of the slot PREFETCH keys ahead explicitly (128 bytes = 2 cache
+ * lines per head). */
 #define PREFETCH 16
-static inline void prefetch_row(const uint16_t* p, int Hk) {
-    for (int l = 0; l < 2 * Hk; l++) _mm_prefetch((const char*)(p + 32 * l), _MM_HINT_T0);
+static inline void prefetch_heads(const uint16_t* p, int nh) {
+    for (int l = 0; l < 2 * nh; l++) _mm_prefetch((const char*)(p + 32 * l), _MM_HINT_T0);
 }
 
-/* bf16 cache, head_dim 64, all H query heads of one sequence in one item: keys are read in
- * slot order with every kv head of a slot together (the contiguous Hk * 128 bytes), which
- * streams the cache from DRAM at about twice the rate of per-head strided reads. */
-static int chunk_bf16_d64_all(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
-                              int64_t n, int H, int Hk, float scale, float* m, float* s, float* acc, float* sc) {
-    if (H > 16) return 0;
-    int G = H / Hk;
+/* bf16 cache, head_dim 64: kv heads [hk0, hk0 + nh) of one sequence, their nh * G query rows
+ * (<= 16) in one item, with AVX512-BF16 dot products (q rounded to bf16: exact when the model
+ * runs in bfloat16, as q comes from a bf16 projection). With every head of a slot in the item
+ * (nh = Hk) keys are read in slot order, the slot's heads together (the contiguous Hk * 128
+ * bytes), which streams the cache from DRAM at about twice the rate of per-head reads. */
+static int chunk_bf16_d64(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* slots,
+                          int64_t n, int Hk, int hk0, int nh, int G, float scale, float* m, float* s, float* acc,
+                          float* sc) {
+    int R = nh * G;
+    if (R > 16) return 0;
     __m512bh qv[16][2];
-    for (int h = 0; h < H; h++) {
-        const float* qh = q + h * 64;
-        qv[h][0] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + 16), _mm512_loadu_ps(qh));
-        qv[h][1] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + 48), _mm512_loadu_ps(qh + 32));
-        m[h] = -INFINITY;
+    for (int r = 0; r < R; r++) {
+        const float* qr = q + r * 64;
+        qv[r][0] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 16), _mm512_loadu_ps(qr));
+        qv[r][1] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qr + 48), _mm512_loadu_ps(qr + 32));
+        m[r] = -INFINITY;
     }
     for (int64_t i = 0; i < n; i++) {
-        const uint16_t* k = kc + slots[i] * Hk * 64;
-        if (i + PREFETCH < n) prefetch_row(kc + slots[i + PREFETCH] * Hk * 64, Hk);
-        for (int hk = 0; hk < Hk; hk++) {
-            __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void*)(k + hk * 64));
-            __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void*)(k + hk * 64 + 32));
+        const uint16_t* k = kc + (slots[i] * Hk + hk0) * 64;
+        if (i + PREFETCH < n) prefetch_heads(kc + (slots[i + PREFETCH] * Hk + hk0) * 64, nh);
+        for (int x = 0; x < nh; x++) {
+            __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void*)(k + x * 64));
+            __m512bh k1 = (__m512bh)_mm512_loadu_si512((const void*)(k + x * 64 + 32));
             for (int g = 0; g < G; g++) {
-                int h = hk * G + g;
-                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), k0, qv[h][0]);
-                a = _mm512_dpbf16_ps(a, k1, qv[h][1]);
-                float x = _mm512_reduce_add_ps(a) * scale;
-                sc[h * n + i] = x;
-                if (x > m[h]) m[h] = x;
+                int r = x * G + g;
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), k0, qv[r][0]);
+                a = _mm512_dpbf16_ps(a, k1, qv[r][1]);
+                float v = _mm512_reduce_add_ps(a) * scale;
+                sc[r * n + i] = v;
+                if (v > m[r]) m[r] = v;
             }
         }
     }
-    for (int h = 0; h < H; h++) s[h] = exp_sum(sc + h * n, n, m[h]);
+    for (int r = 0; r < R; r++) s[r] = exp_sum(sc + r * n, n, m[r]);
     __m512 av[16][4];
-    for (int h = 0; h < H; h++) for (int j = 0; j < 4; j++) av[h][j] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) for (int j = 0; j < 4; j++) av[r][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
-        const uint16_t* v = vc + slots[i] * Hk * 64;
-        if (i + PREFETCH < n) prefetch_row(vc + slots[i + PREFETCH] * Hk * 64, Hk);
-        for (int hk = 0; hk < Hk; hk++) {
+        const uint16_t* v = vc + (slots[i] * Hk + hk0) * 64;
+        if (i + PREFETCH < n) prefetch_heads(vc + (slots[i + PREFETCH] * Hk + hk0) * 64, nh);
+        for (int x = 0; x < nh; x++) {
             __m512 vf[4];
             for (int j = 0; j < 4; j++)
                 vf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + hk * 64 + 16 * j))), 16));
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + x * 64 + 16 * j))), 16));
             for (int g = 0; g < G; g++) {
-                int h = hk * G + g;
-                __m512 p = _mm512_set1_ps(sc[h * n + i]);
-                for (int j = 0; j < 4; j++) av[h][j] = _mm512_fmadd_ps(p, vf[j], av[h][j]);
+                int r = x * G + g;
+                __m512 p = _mm512_set1_ps(sc[r * n + i]);
+                for (int j = 0; j < 4; j++) av[r][j] = _mm512_fmadd_ps(p, vf[j], av[r][j]);
             }
         }
     }
-    for (int h = 0; h < H; h++) for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + h * 64 + 16 * j, av[h][j]);
+    for (int r = 0; r < R; r++) for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + r * 64 + 16 * j, av[r][j]);
     return 1;
 }
 #define FAST_BF16_D64 1
@@ -211,12 +173,10 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
         const float* qb = q + (b * H + hk * G) * D;
         int done = 0;
 #if FAST_BF16_D64
-        if (all)
-            done = chunk_bf16_d64_all(qb, (const uint16_t*)kc, (const uint16_t*)vc, slots + offsets[b] + l0,
-                                      l1 - l0, H, Hk, scale, M + it * G, S + it * G, A + it * G * D, sc);
-        else if (bf16 && D == 64)
+        if (bf16 && D == 64)
             done = chunk_bf16_d64(qb, (const uint16_t*)kc, (const uint16_t*)vc, slots + offsets[b] + l0, l1 - l0,
-                                  Hk, hk, G, scale, M + it * G, S + it * G, A + it * G * D, sc);
+                                  Hk, all ? 0 : hk, all ? Hk : 1, H / Hk, scale, M + it * G, S + it * G,
+                                  A + it * G * D, sc);
 #endif
         if (done)
             ;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from streamkv.attention.backend import AttentionBackend, SeqSpan
-from streamkv.models.q4_linear import RowSplit
+from streamkv.models.q4_linear import DENSE, RowSplit
 from streamkv.runner.kv_ops import KVOps
 from streamkv.sampling.sampler import Sampler
 from streamkv.sched.plan import StepOutput, StepPlan
@@ -44,8 +44,9 @@ class ModelRunner:
             q0 = len(ids)
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + item.num_tokens))
-            spans.append(SeqSpan(q0, item.num_tokens, item.start, item.block_table))
-            decode = item.num_tokens == 1 and item.start > 0
+            span = SeqSpan(q0, item.num_tokens, item.start, item.block_table)
+            spans.append(span)
+            decode = span.is_decode
             if decode:
                 decode_rows.append(q0)
             if item.sample:
@@ -57,11 +58,13 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         meta = self.backend.prepare(spans, len(ids))
         q4_rows = getattr(self.model, "q4_max_rows", 0)
-        hidden = self.model(input_ids, pos, self.backend, meta, RowSplit.build(decode_rows, len(ids), q4_rows))
+        step_split = RowSplit.build(decode_rows, len(ids), q4_rows)
+        hidden = self.model(input_ids, pos, self.backend, meta, step_split)
         out = StepOutput()
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            split = RowSplit.build(decode_samples if len(decode_rows) <= q4_rows else [], len(sample_rows), q4_rows)
+            # the sampled rows keep the kind they had in the step (all dense past q4_rows decodes)
+            split = RowSplit.build(decode_samples, len(sample_rows), q4_rows) if step_split.q4 is not None else DENSE
             logits = self.model.compute_logits(hidden.index_select(0, rows), split)
             tokens, logprobs = self.sampler(logits, sample_items)
             out.tokens = {item.seq_id: tok for item, tok in zip(sample_items, tokens)}
