@@ -184,6 +184,9 @@ BAD = [
     ("POST", "/v1/sessions", {"retention_tokens": 10 ** 9}, 400),
     ("POST", "/v1/sessions", {"overflow": "explode"}, 400),
     ("POST", "/v1/sessions", {"record_format": "no placeholder"}, 400),
+    ("POST", "/v1/sessions", {"kv_read": {"policy": "everything"}}, 400),
+    ("POST", "/v1/sessions", {"kv_read": {"policy": "quest", "budget_tokens": 8}}, 400),
+    ("POST", "/v1/sessions", {"kv_read": "quest"}, 400),
     ("GET", "/v1/sessions/sess_doesnotexist", None, 404),
     ("DELETE", "/v1/sessions/sess_doesnotexist", None, 404),
     ("POST", "/v1/sessions/sess_doesnotexist/data", {"records": ["x"]}, 404),
@@ -215,6 +218,17 @@ def test_bad_session_requests_get_4xx_and_nothing_is_lost(server, client):
     st = _wait_version(sess, 1)
     assert st["records"]["ingested"] == 1 and st["last_version"] == 1
     assert sess.query("What is the record?", max_tokens=8).data_version == 1
+    sess.delete()
+
+
+def test_a_session_created_with_a_read_policy_answers_and_reports_it(client):
+    policy = {"policy": "quest", "budget_tokens": 128, "sink_tokens": 16, "recent_tokens": 32}
+    sess = client.create_session(system="Answer from the data.", kv_read=policy)
+    sess.push([f"reading {i}: {i * 13 % 97}" for i in range(40)])
+    _wait_version(sess, 1)
+    answer = sess.query("What was reading 7?", max_tokens=6)
+    assert answer.data_version == 1 and answer.usage["completion_tokens"] >= 1
+    assert sess.stats()["spec"]["kv_read"] == {**policy, "rescore": False}
     sess.delete()
 
 

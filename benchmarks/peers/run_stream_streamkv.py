@@ -3,7 +3,8 @@
   --mode session    a live session: `llm.session(system=..., retention_tokens=..., chat=True)`;
                     each round `push(bars)` + `ingest()` (timed as ingestion), then the timed
                     `query(question, max_tokens=...)`. Its query prompt ids become the workload
-                    every request-driven engine is fed.
+                    every request-driven engine is fed. With `--kv-read JSON`, the session's
+                    questions use that read-time KV policy (`kv_read=...`, e.g. Quest pages).
   --mode stateless  request-driven: `llm.generate(full prompt ids)` every round, automatic
                     prefix caching on (the default), so the previous round's data blocks are reused.
 """
@@ -40,11 +41,13 @@ class SessionEngine:
     def __init__(self, args: argparse.Namespace, wl: dict) -> None:
         self.llm, self.info = _make_llm(args, wl)
         self.info["retention_tokens"] = wl["retention"]
+        self.kv_read = json.loads(args.kv_read) if args.kv_read else None
+        self.info["kv_read"] = self.kv_read
         self.session: Any = None
         self.prev_snapshot = self.prev_evicted = 0
 
     def _open(self, system: str, wl: dict) -> Any:
-        return self.llm.session(system=system, retention_tokens=wl["retention"], chat=True)
+        return self.llm.session(system=system, retention_tokens=wl["retention"], chat=True, kv_read=self.kv_read)
 
     def _ask(self, s: Any, question: str, wl: dict, max_tokens: int | None = None) -> Any:
         return s.query(question, max_tokens=max_tokens or wl["max_tokens"], temperature=0.0,
@@ -109,6 +112,7 @@ def make_engine(args: argparse.Namespace, wl: dict) -> Any:
 
 def _args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", choices=("session", "stateless"), default="session")
+    ap.add_argument("--kv-read", default="", help="JSON read policy for the session's questions")
 
 
 if __name__ == "__main__":

@@ -8,20 +8,27 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
+
+from streamkv.kv.bounds import PageBounds
+from streamkv.policies.read import ReadPolicy
 
 
 @dataclass(frozen=True)
 class SeqSpan:
     """One sequence's rows in the flattened batch: rows [q_start, q_start + q_len) hold
-    positions [start, start + q_len); its KV lives in ``block_table``."""
+    positions [start, start + q_len); its KV lives in ``block_table``. With ``read``, each
+    layer attends only to the pages that policy picks (see :mod:`streamkv.policies.read`);
+    ``seq_id`` names the sequence for state a backend keeps across steps."""
 
     q_start: int
     q_len: int
     start: int
     block_table: tuple[int, ...]
+    read: ReadPolicy | None = None
+    seq_id: int = -1
 
     @property
     def ctx_len(self) -> int:
@@ -47,6 +54,17 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.bounds: PageBounds | None = None  # made on first use by a page-selecting read policy
+
+    def page_bounds(self) -> PageBounds:
+        if self.bounds is None:
+            self.bounds = PageBounds(self.k, self.block_size)
+        return self.bounds
+
+    def written(self, slots: torch.Tensor) -> None:
+        """Every write into the cache reports its slots here (keeps page bounds honest)."""
+        if self.bounds is not None:
+            self.bounds.invalidate(slots)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -55,7 +73,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + (self.bounds.nbytes if self.bounds is not None else 0)
 
 
 class AttentionBackend(ABC):
@@ -72,6 +90,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
         """Store k/v [T, Hkv, D] in the cache and attend: q [T, H, D] -> out [T, H, D]."""
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        """Forget per-sequence state of finished sequences (none by default)."""
 
 
 BACKENDS: dict[str, Callable[[KVCache, float], AttentionBackend]] = {}

@@ -11,11 +11,13 @@ Per step (built once, shared by all layers):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from streamkv.attention.backend import AttentionBackend, SeqSpan, register_backend
+from streamkv.attention.backend import AttentionBackend, KVCache, SeqSpan, register_backend
+from streamkv.attention.selection import LayerSelector, Picks
 
 
 @dataclass
@@ -34,6 +36,7 @@ class RefMeta:
     dec_slots: torch.Tensor | None = None
     dec_mask: torch.Tensor | None = None
     all_decode: bool = False  # every row is a decode, rows 0..B-1 in order
+    selector: Any = None      # LayerSelector when a span's read policy leaves pages out
 
 
 def span_slots(block_table: tuple[int, ...], length: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -50,18 +53,33 @@ class TorchReferenceBackend(AttentionBackend):
 
     meta_type: type[RefMeta] = RefMeta
 
+    def __init__(self, cache: KVCache, scale: float) -> None:
+        super().__init__(cache, scale)
+        self.picks: dict[int, Picks] = {}  # pages each read-policy sequence's question picked
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for sid in seq_ids:
+            self.picks.pop(sid, None)
+
     def prepare(self, spans: list[SeqSpan], num_tokens: int) -> RefMeta:
         device = self.cache.k.device
-        bs = self.cache.block_size
-        slot_parts: list[torch.Tensor] = []
-        meta = self.meta_type(slot_mapping=torch.empty(0))
+        slots = [span_slots(span.block_table, span.ctx_len, self.cache.block_size, device) for span in spans]
+        mapping = torch.cat([s[span.start:] for span, s in zip(spans, slots)]) if spans \
+            else torch.empty(0, dtype=torch.int64, device=device)
+        meta = self._build(spans, slots, mapping)
+        self.cache.written(mapping)
+        if any(span.read is not None for span in spans):
+            meta.selector = LayerSelector.build(spans, slots, self.cache, self.scale, self.picks)
+        return meta
+
+    def _build(self, spans: list[SeqSpan], slots: list[torch.Tensor], mapping: torch.Tensor) -> RefMeta:
+        """Metadata for ``spans`` whose context slots are ``slots`` (one [ctx_len] tensor each)."""
+        device = self.cache.k.device
+        meta = self.meta_type(slot_mapping=mapping)
         decodes: list[tuple[SeqSpan, torch.Tensor]] = []
         prefills: list[tuple[SeqSpan, torch.Tensor]] = []
-        for span in spans:
-            slots = span_slots(span.block_table, span.ctx_len, bs, device)
-            slot_parts.append(slots[span.start:])
-            (decodes if span.is_decode else prefills).append((span, slots))
-        meta.slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.int64)
+        for span, s in zip(spans, slots):
+            (decodes if span.is_decode else prefills).append((span, s))
         if prefills:
             self._prepare_prefills(meta, prefills, device)
         if decodes:
@@ -100,6 +118,8 @@ class TorchReferenceBackend(AttentionBackend):
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        if meta.selector is not None:
+            meta = self._build(*meta.selector.for_layer(layer, q), meta.slot_mapping)
         if meta.all_decode:
             return self._decode(q, kc, vc, meta)
         out = self._prefill(q, k, v, kc, vc, meta)

@@ -21,6 +21,7 @@ from streamkv.engine.streams import Streams
 from streamkv.errors import InvalidRequestError
 from streamkv.kv.block_pool import BlockPool, OutOfBlocksError
 from streamkv.kv.manager import KVManager
+from streamkv.policies.read import ReadPolicy
 from streamkv.runner.kv_ops import slots_of
 from streamkv.sampling.detokenizer import IncrementalDetokenizer
 from streamkv.sampling.params import SamplingParams
@@ -109,19 +110,21 @@ class Engine:
 
     def add_fork_request(self, request_id: str, parent: Sequence, num_tokens: int, suffix: Seq[int],
                          params: SamplingParams | None = None, priority: int = 0,
-                         klass: PriorityClass = PriorityClass.SESSION) -> Sequence:
+                         klass: PriorityClass = PriorityClass.SESSION, read: ReadPolicy | None = None) -> Sequence:
         """Generate from ``parent.tokens[:num_tokens] + suffix``, sharing the parent's KV.
 
         The first ``num_tokens`` tokens must already have KV: they are forked copy-on-write
         (DESIGN.md section 3), so only ``suffix`` is computed and the parent keeps running.
         Raises InvalidRequestError (nothing queued) on bad input or when the KV pool has no
-        block for the copy.
+        block for the copy. With ``read``, the fork's own rows attend only to the pages that
+        read policy picks (lossy, so the fork's KV never enters the prefix cache).
         """
         params = self._check_request(request_id, params, priority)
         ids = list(parent.tokens[:num_tokens]) + [int(t) for t in suffix]
         self._validate_ids(ids)
         seq = self._new_seq(ids, params, priority, klass)
-        seq.cacheable = parent.cacheable
+        seq.cacheable = parent.cacheable and read is None
+        seq.read = read
         self.fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
         self.scheduler.add_running(self._register(request_id, None, seq))
         return seq

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attn.c", "paged_attn.c", "q4_gemm.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attn.c", "paged_attn.c", "q4_gemm.c", "page_select.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -77,6 +77,16 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int]
     lib.streamkv_q4_available.restype = ctypes.c_int
+    fn = lib.streamkv_page_select
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                                            ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                                            ctypes.c_void_p]
+    fn = lib.streamkv_page_bounds
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 
@@ -166,3 +176,56 @@ def _q4(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor
     if rc != 0:
         raise ValueError(f"q4 GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
     return out
+
+
+def page_select() -> Callable[..., torch.Tensor] | None:
+    """Quest-style page ranking in C (see ``page_select.c``), or None when unavailable."""
+    lib = _library()
+    return None if lib is None else functools.partial(_select, lib.streamkv_page_select)
+
+
+def _select(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candidates: torch.Tensor, keep: int,
+            scale: float, slots: torch.Tensor | None = None, sink_len: int = 0, tail_from: int = 0,
+            block_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick ``keep`` of the candidate pages (and optionally compact the context slots).
+
+    q [R, kvh, g, D] float32 or bfloat16; bounds [blocks, kvh, 2D] bfloat16 (one layer);
+    candidates [P] int64 block ids. Returns (positions in ``candidates`` [keep], ascending;
+    with ``slots`` [ctx_len], the compacted slots ``slots[:sink_len]`` + the picked pages'
+    slots (page p = ``slots[sink_len + p * block_size:][:block_size]``) + ``slots[tail_from:]``).
+    """
+    r, kvh, g, d = q.shape
+    if q.dtype not in (torch.float32, torch.bfloat16) or bounds.dtype != torch.bfloat16 \
+            or tuple(bounds.shape[1:]) != (kvh, 2 * d):
+        raise ValueError(f"page selection got q {tuple(q.shape)} {q.dtype}, bounds {tuple(bounds.shape)} {bounds.dtype}")
+    q, bounds, candidates = q.contiguous(), bounds.contiguous(), candidates.contiguous()
+    pos = torch.empty(keep, dtype=torch.int64)
+    out = None
+    if slots is not None:
+        slots = slots.contiguous()
+        out = torch.empty(sink_len + keep * block_size + slots.numel() - tail_from, dtype=torch.int64)
+    rc = fn(q.data_ptr(), int(q.dtype == torch.bfloat16), r, kvh, g, d, bounds.data_ptr(), candidates.data_ptr(),
+            candidates.numel(), keep, float(scale), pos.data_ptr(), slots.data_ptr() if slots is not None else None,
+            sink_len, tail_from, slots.numel() if slots is not None else 0, block_size,
+            out.data_ptr() if out is not None else None)
+    if rc != 0:
+        raise ValueError(f"page selection rejected keep={keep} of {candidates.numel()} pages, head_dim {d}")
+    return pos, out
+
+
+def page_bounds() -> Callable[..., None] | None:
+    """Per-block key max/min of a bfloat16 cache in C (see ``page_select.c``), or None."""
+    lib = _library()
+    return None if lib is None else functools.partial(_bounds, lib.streamkv_page_bounds)
+
+
+def _bounds(fn: ctypes._CFuncPtr, k: torch.Tensor, block_size: int, blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """k [layers, slots, kvh, D] bf16 (contiguous) -> out[:, blocks] = [max | min] over each
+    block's keys; out [layers, slots // block_size, kvh, 2D] bf16 (contiguous)."""
+    layers, slots, kvh, d = k.shape
+    if k.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not (k.is_contiguous() and out.is_contiguous()) \
+            or kvh * d > 1024:
+        raise ValueError(f"page bounds need contiguous bf16 tensors and kv_heads * head_dim <= 1024, got {k.dtype}")
+    blocks = blocks.contiguous()
+    fn(k.data_ptr(), layers, slots, kvh, d, block_size, blocks.data_ptr(), blocks.numel(), out.data_ptr(),
+       out.shape[1])

@@ -47,6 +47,7 @@ class KVOps:
                                  shift).to(k.dtype).reshape(layers, n, heads, dim)
         self.cache.k.index_copy_(1, dst, k)
         self.cache.v.index_copy_(1, dst, v)
+        self.cache.written(dst)
 
     @torch.inference_mode()
     def export(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,3 +63,4 @@ class KVOps:
             raise ValueError(f"saved KV has shape {tuple(k.shape)}, this model's cache needs {expect}")
         self.cache.k.index_copy_(1, slots.to(self.cache.k.device), k.to(self.cache.k.device, self.cache.k.dtype))
         self.cache.v.index_copy_(1, slots.to(self.cache.v.device), v.to(self.cache.v.device, self.cache.v.dtype))
+        self.cache.written(slots)

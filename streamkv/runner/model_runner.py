@@ -31,6 +31,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         self.sampler.release(plan.released)
+        self.backend.release(plan.released)
         if plan.empty:
             return StepOutput()
         ids: list[int] = []
@@ -44,7 +45,7 @@ class ModelRunner:
             q0 = len(ids)
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + item.num_tokens))
-            span = SeqSpan(q0, item.num_tokens, item.start, item.block_table)
+            span = SeqSpan(q0, item.num_tokens, item.start, item.block_table, item.read, item.seq_id)
             spans.append(span)
             decode = span.is_decode
             if decode:

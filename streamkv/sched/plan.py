@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
+from streamkv.policies.read import ReadPolicy
 from streamkv.sampling.params import SamplingParams
 
 
@@ -15,7 +16,8 @@ class ScheduledSeq:
     by ``block_table`` (slot of position p = ``block_table[p // bs] * bs + p % bs``). If
     ``sample``, the last position's logits produce the next token with ``params``;
     ``history`` is the sequence's full token list (prompt first ``num_prompt`` ids), read
-    only, for penalties; ``banned_ids`` may not be sampled (stop ids before ``min_tokens``).
+    only, for penalties; ``banned_ids`` may not be sampled (stop ids before ``min_tokens``);
+    ``read`` limits which cached pages attention reads (None: all of them).
     """
 
     seq_id: int
@@ -27,6 +29,7 @@ class ScheduledSeq:
     history: Seq[int] = ()
     num_prompt: int = 0
     banned_ids: tuple[int, ...] = ()
+    read: ReadPolicy | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from streamkv.policies.read import ReadPolicy
 from streamkv.sampling.params import SamplingParams
 
 
@@ -57,6 +58,9 @@ class Sequence:
     # end (``peeked``: top logprobs, with ``params.logprobs`` alternatives) without appending.
     peek: bool = False
     peeked: object = None
+    # ``read``: a read-time KV policy for this sequence's own rows (lossy: such a sequence is
+    # never ``cacheable``, so its KV cannot reach the prefix cache).
+    read: ReadPolicy | None = None
 
     @property
     def num_output(self) -> int:

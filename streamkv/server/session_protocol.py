@@ -1,7 +1,7 @@
 """Request bodies of the /v1/sessions routes (strict types; unknown fields ignored)."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -41,6 +41,7 @@ class CreateSession(Body):
     max_record_chars: StrictInt = _SPEC.max_record_chars
     ready_exit_vocab: list[StrictStr] = list(_SPEC.ready_exit_vocab)
     ready_exit_min_gap: Number = _SPEC.ready_exit_min_gap
+    kv_read: dict[str, Any] | None = None
     flash: Annotated[list[FlashSpec], Field(max_length=MAX_QUESTIONS)] = []
 
 

@@ -145,7 +145,7 @@ class SessionManager:
             parent, n, suffix = session.stream, data.snapshot_len(), layout.query_ids(self.engine.tokenizer, question)
         if parent is None:
             raise RuntimeError(f"session {session.id} has no resident stream after restore")
-        seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass)
+        seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read)
         data.last_used = time.monotonic()
         return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
                 "computed_prompt_tokens": len(seq.tokens) - seq.num_computed, "prompt_token_ids": list(seq.tokens)}

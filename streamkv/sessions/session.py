@@ -95,6 +95,7 @@ class Session:
         return {
             "frozen_ids": list(d.layout.frozen), "query_prefix_ids": list(d.layout.prefix),
             "query_suffix_ids": list(d.layout.suffix), "snapshot_tokens": d.snapshot_len(),
+            "kv_read": d.spec.kv_read.to_dict() if d.spec.kv_read is not None else None,
             "records": [{"start": s.start, "end": s.end, "version": s.version} for s in d.spans],
             "stream_ids": ids,
         }

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from streamkv.policies.read import ReadPolicy, make_read_policy
+
 OVERFLOW_POLICIES = ("drop_oldest", "reject", "block")
 _SENTINEL = "\u2063STREAMKV-DATA\u2063"
 
@@ -41,8 +43,12 @@ class SessionSpec:
     max_record_chars: int = 65536
     ready_exit_vocab: tuple[str, ...] = ()
     ready_exit_min_gap: float = 3.0
+    # Read-time KV policy for questions and flash evaluations (None: exact attention). Its
+    # answers are then no longer those of a stateless request on the same ids.
+    kv_read: ReadPolicy | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_read", make_read_policy(self.kv_read))
         if isinstance(self.ready_exit_vocab, (list, tuple)):
             object.__setattr__(self, "ready_exit_vocab", tuple(self.ready_exit_vocab))
         if not all(isinstance(w, str) and w.strip() for w in self.ready_exit_vocab):
@@ -81,6 +87,7 @@ class SessionSpec:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["ready_exit_vocab"] = list(self.ready_exit_vocab)
+        out["kv_read"] = self.kv_read.to_dict() if self.kv_read is not None else None
         return out
 
 

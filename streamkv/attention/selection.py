@@ -1,0 +1,96 @@
+"""Per-step page selection for spans with a read policy (see :mod:`streamkv.policies.read`).
+
+Built once per step (it refreshes the page bounds every layer will score); per layer,
+:meth:`LayerSelector.for_layer` ranks each selecting span's candidate pages with that
+layer's queries and returns the spans with compacted context slots::
+
+    span    start=700, blocks [b0 b1 | b2 b3 ... b40 | b41 b42 b43 b44], ctx 708
+    layer l picks b5 b17 b30   ->  slots of [b0 b1 b5 b17 b30 b41 b42 b43 b44 (first 4 tokens)]
+                                   start = 700 - (39 - 3) * block_size
+
+The step's new rows stay in the (uncompacted) tail, so their slots and the causal order
+among them are unchanged; skipped blocks only shift the compacted positions, which the
+attention kernels never turn into RoPE angles (keys are cached after RoPE).
+
+Picks are remembered per sequence as page *positions* (not slots, which a swap may move):
+a decode row whose policy does not re-score reuses, per layer, the pages its sequence's
+last prompt chunk picked, with the tail grown by the tokens decoded since.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from streamkv.attention.backend import KVCache, SeqSpan
+from streamkv.policies.read import PagePlan, SpanSlots
+
+
+@dataclass
+class Picks:
+    """One sequence's remembered choice: its regions and, per layer, the picked positions."""
+
+    plan: PagePlan
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    index: int                # the span's place in the step
+    plan: PagePlan
+    candidates: torch.Tensor  # [tail - sink] block ids, int64
+    slots: SpanSlots          # the span's context slots and their regions
+    picks: Picks | None       # reused (decode rows), or being filled (prompt chunks), or None
+
+
+class LayerSelector:
+    def __init__(self, spans: list[SeqSpan], slots: list[torch.Tensor], choices: list[_Choice], cache: KVCache,
+                 scale: float) -> None:
+        self.spans = spans
+        self.slots = slots
+        self.choices = choices
+        self.cache = cache
+        self.scale = scale
+
+    @classmethod
+    def build(cls, spans: list[SeqSpan], slots: list[torch.Tensor], cache: KVCache, scale: float,
+              memory: dict[int, Picks]) -> LayerSelector | None:
+        """None when no span's policy leaves any page out this step; ``memory`` holds the
+        remembered picks by sequence id (updated as layers pick)."""
+        bs = cache.block_size
+        choices = []
+        for i, span in enumerate(spans):
+            if span.read is None:
+                continue
+            picks = memory.get(span.seq_id) if span.is_decode and not span.read.rescore else None
+            plan = picks.plan if picks is not None else span.read.plan(span.start, span.ctx_len, bs)
+            if plan is None:
+                continue
+            candidates = torch.tensor(span.block_table[plan.sink:plan.tail], dtype=torch.int64)
+            if picks is None and plan.keep > 0:
+                cache.page_bounds().refresh(candidates)
+                if not span.read.rescore:
+                    picks = memory[span.seq_id] = Picks(plan)
+            choices.append(_Choice(i, plan, candidates, SpanSlots(slots[i], plan.sink * bs, plan.tail * bs, bs), picks))
+        return cls(spans, slots, choices, cache, scale) if choices else None
+
+    def for_layer(self, layer: int, q: torch.Tensor) -> tuple[list[SeqSpan], list[torch.Tensor]]:
+        """The step's spans and context slots with every selecting span compacted for
+        ``layer``; q [T, H, D] are this layer's queries (after RoPE)."""
+        spans, slots = list(self.spans), list(self.slots)
+        dim = q.shape[2]
+        kv_heads = self.cache.k.shape[2]
+        bounds = self.cache.bounds.data[layer] if self.cache.bounds is not None else None
+        for c in self.choices:
+            span = spans[c.index]
+            picked = c.picks.layers.get(layer) if c.picks is not None and span.is_decode else None
+            if picked is not None:
+                compact = c.slots.gather(picked)
+            else:
+                rows = q[span.q_start:span.q_start + span.q_len].view(span.q_len, kv_heads, -1, dim)
+                compact, picked = span.read.compact(rows, bounds, c.candidates, c.plan.keep, self.scale, c.slots)
+                if c.picks is not None:
+                    c.picks.layers[layer] = picked
+            slots[c.index] = compact
+            spans[c.index] = replace(span, start=compact.numel() - span.q_len, read=None)
+        return spans, slots

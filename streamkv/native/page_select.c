@@ -1,0 +1,221 @@
+/* Query-aware page selection (Quest-style upper bounds): the native form of
+ * streamkv.policies.read.QuestPolicy.select / compact.
+ *
+ * q       [R, kvh, g, D] float32 or bfloat16: one sequence's query rows (one layer)
+ * bounds  [num_blocks, kvh, 2D] bfloat16: per block, channel-wise key max then min
+ * cand    [P] block ids (the candidate pages, in sequence order)
+ * pos     [keep] positions in cand of the pages to read, ascending
+ *
+ * Per (kv head, query row): ub[p] = [q+ | q-] . [kmax | kmin] (q scaled, rounded to bf16),
+ * turned into a softmax over pages; a page scores its largest share over rows and heads.
+ *
+ * Layout of the AVX512-BF16 path: the n = R * g rows of a head sit in the 16 lanes of a
+ * tile, their queries as channel pairs qt [2D/2][16 lanes][2]; a page's bound pair (two
+ * bf16 = 32 bits) is broadcast straight from the cache-side bounds, so one vdpbf16ps adds
+ * 2 channels of 16 rows for one page:
+ *
+ *     acc[page][lane] += qt[c][lane] . bounds[page][c]      (c: channel pair, 64 of them)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PS_BF16 1
+#endif
+
+#define LANES 16  /* query rows per tile */
+#define PT 8      /* pages per tile */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* exp(x) for x <= 0, written so the compiler vectorizes the loops that call it. */
+static inline float exp_le0(float x) {
+    x = x < -87.f ? -87.f : x;
+    float t = x * 1.44269504088896341f;
+    float n = floorf(t + 0.5f);
+    float f = (t - n) * 0.69314718055994531f;
+    float p = 1.f / 720.f;
+    p = p * f + 1.f / 120.f;
+    p = p * f + 1.f / 24.f;
+    p = p * f + 1.f / 6.f;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static void top_keep(const float *score, int n, int keep, int64_t *out) {
+    int *idx = malloc(sizeof(int) * (size_t)n);
+    for (int i = 0; i < n; i++) idx[i] = i;
+    /* quickselect: the keep best (ties to the earlier page) end up in idx[0..keep) */
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        float pv = score[idx[mid]];
+        int pi = idx[mid];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (score[idx[i]] > pv || (score[idx[i]] == pv && idx[i] < pi)) i++;
+            while (score[idx[j]] < pv || (score[idx[j]] == pv && idx[j] > pi)) j--;
+            if (i <= j) { int t = idx[i]; idx[i] = idx[j]; idx[j] = t; i++; j--; }
+        }
+        if (keep - 1 <= j) hi = j;
+        else if (keep - 1 >= i) lo = i;
+        else break;
+    }
+    for (int a = 1; a < keep; a++) {  /* ascending page order */
+        int v = idx[a], b = a - 1;
+        while (b >= 0 && idx[b] > v) { idx[b + 1] = idx[b]; b--; }
+        idx[b + 1] = v;
+    }
+    for (int a = 0; a < keep; a++) out[a] = idx[a];
+    free(idx);
+}
+
+/* One tile: ub[pp][lane] for PT pages (block ids c[0..PT)) and the LANES rows of qt. */
+static void tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, int kvh, int h, int D2, float *ub) {
+    const uint16_t *b[PT];
+    for (int pp = 0; pp < PT; pp++) b[pp] = bounds + ((size_t)c[pp] * kvh + h) * D2;
+#ifdef PS_BF16
+    __m512 acc[PT];
+    for (int pp = 0; pp < PT; pp++) acc[pp] = _mm512_setzero_ps();
+    for (int cp = 0; cp < D2 / 2; cp++) {
+        __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + (size_t)cp * LANES * 2);
+        for (int pp = 0; pp < PT; pp++) {
+            int32_t pair;
+            memcpy(&pair, b[pp] + 2 * cp, sizeof pair);
+            acc[pp] = _mm512_dpbf16_ps(acc[pp], qv, (__m512bh)_mm512_set1_epi32(pair));
+        }
+    }
+    for (int pp = 0; pp < PT; pp++) _mm512_storeu_ps(ub + pp * LANES, acc[pp]);
+#else
+    for (int pp = 0; pp < PT; pp++)
+        for (int l = 0; l < LANES; l++) {
+            float s = 0.f;
+            for (int cp = 0; cp < D2 / 2; cp++)
+                for (int e = 0; e < 2; e++)
+                    s += bf16_to_f32(qt[((size_t)cp * LANES + l) * 2 + e]) * bf16_to_f32(b[pp][2 * cp + e]);
+            ub[pp * LANES + l] = s;
+        }
+#endif
+}
+
+/* qt [kvh][blocks][2D/2][LANES][2] bf16: row i of head h = lane i % 16 of block i / 16,
+ * holding scale * [q+ | q-]; padding rows are zero. */
+static uint16_t *split_queries(const void *q, int q_bf16, int R, int kvh, int g, int D, float scale, int nb) {
+    int D2 = 2 * D;
+    uint16_t *qt = calloc((size_t)kvh * nb * D2 * LANES, sizeof(uint16_t));
+    for (int h = 0; h < kvh; h++)
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < g; j++) {
+                int i = r * g + j;
+                size_t at = (((size_t)r * kvh + h) * g + j) * D;
+                uint16_t *t = qt + ((size_t)(h * nb + i / LANES) * D2) * LANES;
+                for (int d = 0; d < D2; d++) {
+                    int src = d < D ? d : d - D;
+                    float v = (q_bf16 ? bf16_to_f32(((const uint16_t *)q)[at + src]) : ((const float *)q)[at + src]) * scale;
+                    v = d < D ? (v > 0.f ? v : 0.f) : (v < 0.f ? v : 0.f);  /* q+ pairs with max, q- with min */
+                    t[((size_t)(d / 2) * LANES + i % LANES) * 2 + d % 2] = f32_to_bf16(v);
+                }
+            }
+    return qt;
+}
+
+/* With full != NULL, also writes the compacted context slots: full[0, sink_len) + the
+ * picked pages' slots (page p = full[sink_len + p * bs, + bs)) + full[tail_from, ctx_len). */
+int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D, const uint16_t *bounds,
+                         const int64_t *cand, int P, int keep, float scale, int64_t *pos,
+                         const int64_t *full, int64_t sink_len, int64_t tail_from, int64_t ctx_len, int bs,
+                         int64_t *slots) {
+    if (keep <= 0 || keep > P || D % 2) return 1;
+    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + PT - 1) / PT * PT;
+    int64_t *cp = malloc(sizeof(int64_t) * (size_t)Pp);  /* candidates padded with the first one */
+    for (int p = 0; p < Pp; p++) cp[p] = cand[p < P ? p : 0];
+    uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
+    float *ub = malloc(sizeof(float) * (size_t)kvh * nb * Pp * LANES);  /* [h][block][page][lane] */
+    int tiles = Pp / PT, work = kvh * nb * tiles;
+    #pragma omp parallel for schedule(static) if (work >= 64)
+    for (int w = 0; w < work; w++) {
+        int hb = w / tiles, t = w % tiles;
+        tile(qt + (size_t)hb * D2 * LANES, bounds, cp + (size_t)t * PT, kvh, hb / nb, D2,
+             ub + ((size_t)hb * Pp + (size_t)t * PT) * LANES);
+    }
+    float *score = calloc((size_t)P, sizeof(float));
+    for (int hb = 0; hb < kvh * nb; hb++) {
+        float *u = ub + (size_t)hb * Pp * LANES;
+        int valid = n - (hb % nb) * LANES;
+        valid = valid < LANES ? valid : LANES;
+        float m[LANES], sum[LANES];
+        for (int l = 0; l < LANES; l++) { m[l] = -INFINITY; sum[l] = 0.f; }
+        for (int p = 0; p < P; p++)
+            for (int l = 0; l < LANES; l++) m[l] = u[p * LANES + l] > m[l] ? u[p * LANES + l] : m[l];
+        for (int p = 0; p < P; p++)
+            for (int l = 0; l < LANES; l++) { u[p * LANES + l] = exp_le0(u[p * LANES + l] - m[l]); sum[l] += u[p * LANES + l]; }
+        for (int l = 0; l < LANES; l++) sum[l] = 1.f / sum[l];
+        for (int p = 0; p < P; p++) {
+            float best = score[p];
+            for (int l = 0; l < valid; l++) best = fmaxf(best, u[p * LANES + l] * sum[l]);
+            score[p] = best;
+        }
+    }
+    top_keep(score, P, keep, pos);
+    if (full) {
+        int64_t o = sink_len;
+        memcpy(slots, full, sizeof(int64_t) * (size_t)sink_len);
+        for (int k = 0; k < keep; k++, o += bs) memcpy(slots + o, full + sink_len + pos[k] * bs, sizeof(int64_t) * bs);
+        memcpy(slots + o, full + tail_from, sizeof(int64_t) * (size_t)(ctx_len - tail_from));
+    }
+    free(score);
+    free(ub);
+    free(qt);
+    free(cp);
+    return 0;
+}
+
+/* Page bounds of a bfloat16 cache: for each of the n blocks and every layer,
+ * out[l][block][h] = [channel-wise max | channel-wise min] of the block's bs keys (exact:
+ * the max of bf16 values is one of them).
+ * k [layers][slots][kvh][D] bf16; out [layers][num_blocks][kvh][2D] bf16. */
+void streamkv_page_bounds(const uint16_t *k, int layers, int64_t slots, int kvh, int D, int bs,
+                          const int64_t *blocks, int n, uint16_t *out, int64_t num_blocks) {
+    int hd = kvh * D;
+    #pragma omp parallel for schedule(static)
+    for (int w = 0; w < layers * n; w++) {
+        int l = w / n, i = w % n;
+        const uint16_t *src = k + ((size_t)l * slots + (size_t)blocks[i] * bs) * hd;
+        uint16_t *dst = out + ((size_t)l * num_blocks + (size_t)blocks[i]) * 2 * hd;
+        float hi[1024], lo[1024];
+        if (hd > 1024) continue;
+        for (int e = 0; e < hd; e++) hi[e] = lo[e] = bf16_to_f32(src[e]);
+        for (int t = 1; t < bs; t++)
+            for (int e = 0; e < hd; e++) {
+                float v = bf16_to_f32(src[(size_t)t * hd + e]);
+                hi[e] = v > hi[e] ? v : hi[e];
+                lo[e] = v < lo[e] ? v : lo[e];
+            }
+        for (int h = 0; h < kvh; h++)
+            for (int d = 0; d < D; d++) {
+                uint32_t a, b;
+                memcpy(&a, &hi[h * D + d], sizeof a);
+                memcpy(&b, &lo[h * D + d], sizeof b);
+                dst[(size_t)h * 2 * D + d] = (uint16_t)(a >> 16);
+                dst[(size_t)h * 2 * D + D + d] = (uint16_t)(b >> 16);
+            }
+    }
+}

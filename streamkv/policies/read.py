@@ -1,0 +1,206 @@
+"""Read-time KV policies: which pages of a sequence's cache each layer attends to.
+
+A read policy keeps every token in the cache and bounds what one step *reads*: the first
+``sink_tokens`` (attention sinks), the newest ``recent_tokens`` plus the step's own rows
+(the tail), and, with :class:`QuestPolicy`, the best-scoring whole pages in between, up to
+``budget_tokens`` in all. Per layer and per step::
+
+    blocks  [ s s | c c c c c c c c c c c c c c c c | t t t ]
+             sinks   candidates (full blocks, scored)   tail (always read; holds the new rows)
+    read    [ s s |     c     c c         c         | t t t ]   ->  a compacted slot list
+
+Keys are stored after RoPE, so skipping blocks changes no position: the compacted list is
+attended exactly like a shorter sequence whose last rows are the step's queries.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable
+
+import torch
+
+from streamkv.native import page_select
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """Block-table indices of one span: ``[0, sink)`` always, ``[sink, tail)`` compete for
+    ``keep`` places, ``[tail, end)`` always (``tail`` <= the block of the first new row)."""
+
+    sink: int
+    tail: int
+    keep: int
+
+
+@dataclass(frozen=True)
+class SpanSlots:
+    """One span's context slots ``full`` [ctx_len] int64: ``[0, sink_len)`` sinks, whole pages
+    of ``block_size`` slots up to ``tail_from``, then the tail."""
+
+    full: torch.Tensor
+    sink_len: int
+    tail_from: int
+    block_size: int
+
+    def gather(self, picked: torch.Tensor) -> torch.Tensor:
+        """The sinks, the pages at positions ``picked`` [keep] (ascending), the tail."""
+        pages = self.full[self.sink_len:self.tail_from].view(-1, self.block_size)
+        return torch.cat([self.full[:self.sink_len], pages.index_select(0, picked).view(-1),
+                          self.full[self.tail_from:]])
+
+
+@dataclass(frozen=True)
+class ReadPolicy(ABC):
+    """Hyper-parameters of one read policy; validated on construction (ValueError).
+
+    ``rescore``: decode rows pick their own pages every step (Quest); by default they reuse,
+    per layer, the pages the sequence's last prompt chunk (its question) picked, as SnapKV
+    uses the prompt's last window to choose for the whole answer.
+
+    Template: :meth:`plan` decides the page regions from lengths alone (no tensors), then
+    :meth:`compact` keeps the pages :meth:`select` ranks best with the subclass's
+    :meth:`score_pages`.
+    """
+
+    name = ""
+    sink_tokens: int = 64
+    recent_tokens: int = 256
+    rescore: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "rescore":
+                if not isinstance(value, bool):
+                    raise ValueError(f"{self.name}: rescore must be true or false, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{self.name}: {f.name} must be an integer >= 0, got {value!r}")
+
+    def keep_pages(self, sink: int, tail: int, end: int, block_size: int) -> int:
+        """How many candidate pages may be read besides the sinks and the tail."""
+        return 0
+
+    def plan(self, start: int, ctx_len: int, block_size: int) -> PagePlan | None:
+        """Regions for rows ``[start, ctx_len)``; None when every page would be read anyway."""
+        end = -(-ctx_len // block_size)
+        sink = min(-(-self.sink_tokens // block_size), end)
+        tail = max(sink, min(start, max(0, ctx_len - self.recent_tokens)) // block_size)
+        keep = self.keep_pages(sink, tail, end, block_size)
+        if keep >= tail - sink:
+            return None
+        return PagePlan(sink, tail, keep)
+
+    def compact(self, q: torch.Tensor, bounds: torch.Tensor | None, candidates: torch.Tensor, keep: int,
+                scale: float, slots: SpanSlots) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context slots one layer reads (sinks, the ``keep`` best pages, the tail; int64)
+        and the picked positions [keep]. Arguments as in :meth:`select`."""
+        picked = self.select(q, bounds, candidates, keep, scale)
+        return slots.gather(picked), picked
+
+    def select(self, q: torch.Tensor, bounds: torch.Tensor | None, candidates: torch.Tensor, keep: int,
+               scale: float) -> torch.Tensor:
+        """Positions (ascending) in ``candidates`` of the ``keep`` pages to read.
+
+        ``q`` [rows, kv_heads, group, head_dim] (float32 or bfloat16): this span's query rows;
+        ``bounds`` [blocks, kv_heads, 2 * head_dim] bfloat16: one layer's page bounds (per
+        block, the channel-wise max then min of its keys); ``candidates`` [pages] int64 block
+        ids. Returns int64 [keep].
+        """
+        if keep <= 0 or bounds is None:
+            return torch.empty(0, dtype=torch.int64)
+        scores = self.score_pages(q, bounds.index_select(0, candidates), scale)
+        return scores.topk(keep).indices.sort().values
+
+    @abstractmethod
+    def score_pages(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+        """Importance [pages] of each candidate page for these queries (higher reads first)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.name, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class RecentPolicy(ReadPolicy):
+    """StreamingLLM-style reads: the sinks and the recent window only."""
+
+    name = "recent"
+
+    def score_pages(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.zeros(bounds.shape[0])
+
+
+@dataclass(frozen=True)
+class QuestPolicy(ReadPolicy):
+    """Quest-style query-aware page selection (Tang et al., 2024), one choice per layer.
+
+    A page's upper bound for query q is ``sum_d max(q_d * kmax_d, q_d * kmin_d)``, which is
+    ``[q+ | q-] . [kmax | kmin]``: one batched matmul (the scaled split query is rounded to
+    bfloat16 like the bounds, as the native kernel does). Every (row, head) turns its bounds
+    into a softmax over pages; a page scores its best share over rows and heads, so the
+    pages that any head of any row could attend to strongly are read.
+    """
+
+    name = "quest"
+    budget_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.budget_tokens < self.sink_tokens + self.recent_tokens:
+            raise ValueError(f"quest: budget_tokens ({self.budget_tokens}) must cover sink_tokens + recent_tokens "
+                             f"({self.sink_tokens + self.recent_tokens})")
+
+    def keep_pages(self, sink: int, tail: int, end: int, block_size: int) -> int:
+        return max(0, self.budget_tokens // block_size - sink - (end - tail))
+
+    def compact(self, q: torch.Tensor, bounds: torch.Tensor | None, candidates: torch.Tensor, keep: int,
+                scale: float, slots: SpanSlots) -> tuple[torch.Tensor, torch.Tensor]:
+        native = _native(q, bounds, keep)
+        if native is None:
+            return super().compact(q, bounds, candidates, keep, scale, slots)
+        picked, compact = native(q, bounds, candidates, keep, scale, slots.full, slots.sink_len, slots.tail_from,
+                                 slots.block_size)
+        return compact, picked
+
+    def select(self, q: torch.Tensor, bounds: torch.Tensor | None, candidates: torch.Tensor, keep: int,
+               scale: float) -> torch.Tensor:
+        native = _native(q, bounds, keep)
+        if native is None:
+            return super().select(q, bounds, candidates, keep, scale)
+        return native(q, bounds, candidates, keep, scale)[0]
+
+    def score_pages(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+        rows, kvh, group, dim = q.shape
+        qk = q.permute(1, 0, 2, 3).reshape(kvh, rows * group, dim)
+        qk = qk.float() * scale
+        qq = torch.cat([qk.clamp(min=0), qk.clamp(max=0)], dim=-1).bfloat16().float()  # [kvh, rows*group, 2D]
+        upper = torch.bmm(qq, bounds.float().permute(1, 2, 0))                          # [kvh, rows*group, pages]
+        return torch.softmax(upper, dim=-1).amax(dim=(0, 1))
+
+
+def _native(q: torch.Tensor, bounds: torch.Tensor | None, keep: int) -> Callable[..., Any] | None:
+    """The C scorer (``native/page_select.c``) when it applies, else None (torch path)."""
+    if keep <= 0 or bounds is None or q.device.type != "cpu":
+        return None
+    return page_select()
+
+
+READ_POLICIES: dict[str, Callable[..., ReadPolicy]] = {"quest": QuestPolicy, "recent": RecentPolicy}
+
+
+def make_read_policy(spec: ReadPolicy | dict[str, Any] | None) -> ReadPolicy | None:
+    """A policy from ``{"policy": name, **hyper-parameters}`` (or one already built)."""
+    if spec is None or isinstance(spec, ReadPolicy):
+        return spec
+    if not isinstance(spec, dict):
+        raise ValueError(f"kv_read must be an object like {{\"policy\": \"quest\", ...}}, got {spec!r}")
+    params = dict(spec)
+    name = params.pop("policy", None)
+    if name not in READ_POLICIES:
+        raise ValueError(f"kv_read.policy must be one of {sorted(READ_POLICIES)}, got {name!r}")
+    cls = READ_POLICIES[name]
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"kv_read: unknown fields {unknown} for policy {name!r}; known: {sorted(known)}")
+    return cls(**params)

@@ -1,0 +1,228 @@
+"""Read-time KV policies: validation, page plans, page bounds, the native scorer against the
+torch one, and attention over the picked pages against a float64 reference, per backend."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from streamkv.attention.backend import KVCache, SeqSpan, make_backend
+from streamkv.native import page_select
+from streamkv.policies import QuestPolicy, RecentPolicy, SpanSlots, make_read_policy
+from streamkv.runner.kv_ops import KVOps
+
+BS = 16
+
+
+# ----------------------------------------------------------------------------- hyper-parameters
+def test_policies_are_built_and_validated_from_json_objects():
+    p = make_read_policy({"policy": "quest", "budget_tokens": 512, "sink_tokens": 16, "recent_tokens": 64})
+    assert p == QuestPolicy(budget_tokens=512, sink_tokens=16, recent_tokens=64)
+    assert make_read_policy(p.to_dict()) == p
+    assert make_read_policy({"policy": "recent"}) == RecentPolicy()
+    assert make_read_policy(None) is None
+    bad = [{"policy": "nope"}, {"budget_tokens": 5}, {"policy": "quest", "budget_tokens": -1},
+           {"policy": "quest", "budget_tokens": 100, "recent_tokens": 256}, {"policy": "quest", "window": 3},
+           {"policy": "quest", "budget_tokens": "1024"}, {"policy": "recent", "rescore": 1}, "quest"]
+    for spec in bad:
+        with pytest.raises(ValueError):
+            make_read_policy(spec)
+
+
+def test_a_session_spec_keeps_its_policy_through_persistence():
+    from streamkv.sessions.spec import SessionSpec
+
+    spec = SessionSpec(kv_read={"policy": "quest", "budget_tokens": 512})
+    assert isinstance(spec.kv_read, QuestPolicy)
+    assert SessionSpec(**spec.to_dict()) == spec
+    assert SessionSpec().kv_read is None and SessionSpec(**SessionSpec().to_dict()).kv_read is None
+
+
+def test_page_plan_keeps_sinks_and_the_tail_holding_the_new_rows():
+    p = QuestPolicy(budget_tokens=256, sink_tokens=32, recent_tokens=64)
+    plan = p.plan(start=990, ctx_len=1000, block_size=BS)
+    # sinks: blocks 0-1; tail from the block of min(990, 1000 - 64) = 936 -> block 58; 63 blocks
+    assert (plan.sink, plan.tail) == (2, 58)
+    assert plan.keep == 256 // BS - 2 - (63 - 58)
+    long_chunk = p.plan(start=500, ctx_len=1000, block_size=BS)  # a long chunk: its rows stay in the tail
+    assert long_chunk.tail == 500 // BS
+    assert p.plan(start=200, ctx_len=250, block_size=BS) is None  # everything fits the budget
+    assert RecentPolicy(sink_tokens=16, recent_tokens=32).plan(990, 1000, BS).keep == 0
+
+
+# ----------------------------------------------------------------------------- page bounds
+@settings(max_examples=25, deadline=None)
+@given(writes=st.lists(st.tuples(st.integers(0, 31), st.integers(1, 40)), min_size=1, max_size=6),
+       seed=st.integers(0, 2 ** 16))
+def test_page_bounds_bound_every_key_after_writes_and_copies(writes, seed):
+    """Invariant: for every fresh block and any q, q . k <= [q+ | q-] . bounds (all layers)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(2, 32, BS, 2, 8, torch.bfloat16)
+    bounds = cache.page_bounds()
+    ops = KVOps(cache, None)
+    for start_block, n in writes:
+        slots = torch.arange(start_block * BS, min(32 * BS, start_block * BS + n))
+        cache.k[:, slots] = torch.randn(2, slots.numel(), 2, 8, generator=g).bfloat16()
+        cache.written(slots)
+        bounds.refresh(torch.arange(32))
+        ops.copy(slots, (slots + 5 * BS) % (32 * BS))  # a move marks its destination stale
+        assert not bounds.fresh[((slots + 5 * BS) % (32 * BS)) // BS].any()
+    bounds.refresh(torch.arange(32))
+    keys = cache.k.view(2, 32, BS, 2, 8).float()
+    q = torch.randn(64, 8, generator=g)
+    hi, lo = bounds.data.float().split(8, dim=-1)                         # [L, blocks, kvh, 8]
+    upper = (q.clamp(min=0)[:, None, None, None] * hi + q.clamp(max=0)[:, None, None, None] * lo).sum(-1)
+    dots = torch.einsum("qd,lbthd->qlbth", q, keys).amax(dim=3)          # best key per block
+    assert (dots <= upper + 1e-4).all()
+
+
+# ----------------------------------------------------------------------------- scoring
+def _bounds(n_blocks: int, kvh: int, dim: int, g: torch.Generator) -> torch.Tensor:
+    mid = torch.randn(n_blocks, kvh, dim, generator=g)
+    rad = torch.rand(n_blocks, kvh, dim, generator=g)
+    return torch.cat([mid + rad, mid - rad], dim=-1).bfloat16()
+
+
+@pytest.mark.skipif(page_select() is None, reason="no C compiler: native page selection not built")
+@pytest.mark.parametrize("rows", [1, 5, 29])
+def test_native_selection_equals_the_torch_definition(rows):
+    g = torch.Generator().manual_seed(rows)
+    bounds = _bounds(300, 3, 64, g)
+    candidates = torch.randperm(300, generator=g)[:180].sort().values
+    q = torch.randn(rows, 3, 3, 64, generator=g).bfloat16()
+    policy = QuestPolicy()
+    ref = super(QuestPolicy, policy).select(q, bounds, candidates, 40, 0.125)
+    assert torch.equal(policy.select(q, bounds, candidates, 40, 0.125), ref)
+    slots = SpanSlots(torch.arange(7 * BS + 180 * BS + 20) * 3, 7 * BS, 7 * BS + 180 * BS, BS)
+    compact, picked = policy.compact(q, bounds, candidates, 40, 0.125, slots)
+    assert torch.equal(picked, ref) and torch.equal(compact, slots.gather(ref))
+
+
+def test_quest_reads_the_page_that_holds_the_matching_keys():
+    """A 'needle' page whose keys align with the query wins over 99 random pages."""
+    g = torch.Generator().manual_seed(7)
+    keys = torch.randn(100, BS, 2, 32, generator=g) * 0.3
+    q = torch.randn(1, 2, 2, 32, generator=g)
+    keys[63, 5] = q[0, :, 0] * 2                                 # one token of block 63, both kv heads
+    bounds = torch.cat([keys.amax(1), keys.amin(1)], dim=-1).bfloat16()
+    for policy in (QuestPolicy(), ):
+        picked = policy.select(q.bfloat16(), bounds, torch.arange(100), 4, 32 ** -0.5)
+        assert 63 in picked.tolist()
+
+
+# ----------------------------------------------------------------------------- attention
+def _reference(q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention in float64 of q [n, H, D], the last n rows of context ``slots``."""
+    k = cache.k[layer, slots].double().repeat_interleave(q.shape[1] // cache.k.shape[2], dim=1)
+    v = cache.v[layer, slots].double().repeat_interleave(q.shape[1] // cache.k.shape[2], dim=1)
+    n, length = q.shape[0], slots.numel()
+    logits = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    visible = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+    logits = logits.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", logits.softmax(-1), v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("policy", [QuestPolicy(budget_tokens=256, sink_tokens=16, recent_tokens=48),
+                                    QuestPolicy(budget_tokens=256, sink_tokens=16, recent_tokens=48, rescore=True),
+                                    RecentPolicy(sink_tokens=32, recent_tokens=40)])
+def test_attention_reads_exactly_the_picked_pages(backend, policy):
+    """A question chunk then decode rows: each layer's output equals float64 attention over the
+    slots the selector compacted to (sinks + picked pages + tail), and decode rows reuse the
+    question's picks unless the policy re-scores."""
+    torch.manual_seed(0)
+    layers, kvh, heads, dim = 2, 2, 4, 32
+    cache = KVCache(layers, 128, BS, kvh, dim, torch.bfloat16)
+    cache.k.normal_()
+    cache.v.normal_()
+    try:
+        be = make_backend(backend, cache, dim ** -0.5)
+    except RuntimeError:
+        pytest.skip("native kernels unavailable")
+    table = tuple(int(b) for b in torch.randperm(128)[:70])   # a scattered block table
+    ctx = 1000
+    picks_seen = {}
+    for step, (start, n) in enumerate([(ctx - 12, 12), (ctx, 1), (ctx + 1, 1)]):
+        span = SeqSpan(0, n, start, table, policy, seq_id=5)
+        meta = be.prepare([span], n)
+        assert meta.selector is not None
+        for layer in range(layers):
+            q = torch.randn(n, heads, dim).bfloat16()
+            kv = torch.randn(n, kvh, dim).bfloat16()
+            spans, slots = meta.selector.for_layer(layer, q) if step == 0 or policy.rescore else (None, None)
+            out = be.forward(layer, q, kv, kv, meta)
+            if slots is None:                                  # a reused choice: ask the selector again
+                spans, slots = meta.selector.for_layer(layer, q)
+            assert spans[0].start + n == slots[0].numel() and slots[0].numel() <= 256 + n
+            picks_seen.setdefault(layer, []).append(slots[0][:16 + 11 * BS].tolist())  # sinks + 11 pages
+            torch.testing.assert_close(out.double(), _reference(q, cache, layer, slots[0], dim ** -0.5),
+                                       atol=2e-2, rtol=2e-2)
+    reuse = isinstance(policy, QuestPolicy) and not policy.rescore
+    assert (5 in be.picks) == reuse
+    if reuse:  # the answer's rows read the pages the question picked, layer by layer
+        assert all(seen[0] == seen[1] == seen[2] for seen in picks_seen.values())
+    be.release([5])
+    assert 5 not in be.picks
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_budget_covering_the_context_changes_nothing(backend):
+    torch.manual_seed(1)
+    cache = KVCache(1, 64, BS, 2, 32, torch.float32)
+    cache.k.normal_()
+    cache.v.normal_()
+    be = make_backend(backend, cache, 32 ** -0.5)
+    table = tuple(range(3, 40))
+    q, kv = torch.randn(7, 4, 32), torch.randn(7, 2, 32)
+    plain = be.forward(0, q, kv, kv, be.prepare([SeqSpan(0, 7, 300, table)], 7))
+    meta = be.prepare([SeqSpan(0, 7, 300, table, QuestPolicy(budget_tokens=512, sink_tokens=0, recent_tokens=0))], 7)
+    assert meta.selector is None
+    assert torch.equal(be.forward(0, q, kv, kv, meta), plain)
+
+
+# ----------------------------------------------------------------------------- sessions
+def _drain(engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_session_questions_under_a_read_policy(smol_fp32):
+    """On the embedded model: a budget covering the context answers exactly like the exact
+    session; a small budget really drops pages, its flash answers equal its own queries,
+    nothing it computed enters the prefix cache and its per-question state is released."""
+    from streamkv.sessions.spec import SessionSpec
+    from streamkv import SamplingParams
+
+    engine = smol_fp32.engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(120)]
+    narrow_policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64}
+    specs = {"exact": None, "wide": {"policy": "quest", "budget_tokens": 8192}, "narrow": narrow_policy}
+    sessions = {k: engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000,
+                                                      kv_read=v)) for k, v in specs.items()}
+    question = "What was the reading of sensor 3 at t=38?"
+    fq = engine.sessions.flash.register(sessions["narrow"], question, max_tokens=8)
+    for s in sessions.values():
+        engine.sessions.push(s.id, records)
+    _drain(engine)
+    assert sessions["narrow"].data.snapshot_len() > 1500
+    answers = {}
+    for name, s in sessions.items():
+        engine.sessions.query(s.id, f"q-{name}", question, params)
+        answers[name] = engine.run_to_completion([f"q-{name}"])[f"q-{name}"]
+    assert answers["wide"].token_ids == answers["exact"].token_ids
+    for a, b in zip(answers["wide"].logprobs, answers["exact"].logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-4
+    narrow = sessions["narrow"]
+    assert len(answers["narrow"].token_ids) >= 1
+    bounds = engine.bundle.runner.backend.cache.bounds
+    assert bounds is not None and bool(bounds.fresh.any())       # pages were scored
+    engine.step()                                                # hands the finished ids to the runner
+    assert engine.bundle.runner.backend.picks == {}              # released with the finished forks
+    flash = narrow.flash.cached(fq.id, narrow.data.data_version)
+    assert flash.token_ids == answers["narrow"].token_ids        # flash = query, under the same policy
+    assert engine.sessions.stats(narrow.id)["spec"]["kv_read"] == {**narrow_policy, "rescore": False}
+    assert engine.sessions.layout(narrow.id)["kv_read"]["policy"] == "quest"
+    for s in sessions.values():
+        engine.sessions.delete(s.id)
+    engine.check_integrity()
