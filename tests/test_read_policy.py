@@ -226,3 +226,33 @@ def test_session_questions_under_a_read_policy(smol_fp32):
     for s in sessions.values():
         engine.sessions.delete(s.id)
     engine.check_integrity()
+
+
+def test_reused_picks_follow_blocks_that_moved():
+    """A decode step after the sequence's blocks moved (a swap): the reused picks resolve to
+    the new slots, and attention reads the moved KV, not whatever the old blocks now hold."""
+    from streamkv.attention.torch_ref import span_slots
+
+    torch.manual_seed(3)
+    cache = KVCache(1, 160, BS, 2, 32, torch.bfloat16)
+    cache.k.normal_()
+    cache.v.normal_()
+    be = make_backend("torch", cache, 32 ** -0.5)
+    policy = QuestPolicy(budget_tokens=256, sink_tokens=16, recent_tokens=48)
+    table, ctx = tuple(range(70)), 1000
+    meta = be.prepare([SeqSpan(0, 12, ctx - 12, table, policy, seq_id=9)], 12)
+    be.forward(0, torch.randn(12, 4, 32).bfloat16(), *(2 * [torch.randn(12, 2, 32).bfloat16()]), meta)
+    picked = be.picks[9].layers[0]
+    moved = tuple(range(80, 150))                       # the swap-in put the blocks elsewhere
+    old, new = span_slots(table, ctx, BS, "cpu"), span_slots(moved, ctx, BS, "cpu")
+    KVOps(cache, None).copy(old, new)
+    cache.k[:, old] = 0                                 # the old blocks now belong to someone else
+    span = SeqSpan(0, 1, ctx, moved, policy, seq_id=9)
+    meta = be.prepare([span], 1)
+    q = torch.randn(1, 4, 32).bfloat16()
+    out = be.forward(0, q, *(2 * [torch.randn(1, 2, 32).bfloat16()]), meta)
+    full = span_slots(moved, ctx + 1, BS, "cpu")
+    expect = SpanSlots(full, BS, policy.plan(ctx - 12, ctx, BS).tail * BS, BS).gather(picked)
+    _, slots = meta.selector.for_layer(0, q)
+    assert torch.equal(slots[0], expect)
+    torch.testing.assert_close(out.double(), _reference(q, cache, 0, expect, 32 ** -0.5), atol=2e-2, rtol=2e-2)

@@ -155,3 +155,22 @@ def test_failing_step_fails_only_its_requests():
     assert outs and outs[0].finish_reason == "error" and "boom" in outs[0].error
     got, _ = _run(engine, [[4, 5, 6]])
     assert len(got[0]) == 12
+
+
+def test_a_read_policy_covers_only_the_fork_own_rows_even_after_preemption():
+    """The plan carries a fork's read policy for rows at or after the fork point only: after a
+    preemption the recomputed shared prefix is exact again."""
+    from streamkv.policies import QuestPolicy
+
+    engine, runner = fake_engine(num_blocks=64, block_size=4, budget=16)
+    stream = engine.streams.open([1 + i % 60 for i in range(40)])  # whole blocks: no partial-block copy
+    while not engine.streams.is_idle(stream):
+        engine.step()
+    policy = QuestPolicy(budget_tokens=16, sink_tokens=4, recent_tokens=4)
+    fork = engine.add_fork_request("q", stream, 40, [5, 6, 7], GREEDY, read=policy)
+    assert fork.read_from == 40 and not fork.cacheable
+    engine.scheduler._preempt(fork)          # recompute: the shared prefix is computed again
+    engine.run_to_completion(["q"])
+    items = [s for p in runner.plans for s in p.seqs if s.seq_id == fork.seq_id]
+    assert items[0].start == 0 and any(s.start >= 40 for s in items)
+    assert all((s.read is policy) == (s.start >= 40) for s in items)

@@ -69,10 +69,11 @@ class CpuNativeBackend(TorchReferenceBackend):
     def _prepare_decodes(self, meta: Any, decodes: list[tuple[SeqSpan, torch.Tensor]],
                          device: torch.device) -> None:
         """Decode rows' context slots back to back (no padded [B, Lmax] gather table)."""
-        meta.dec_rows = torch.tensor([s.q_start for s, _ in decodes], dtype=torch.int64, device=device)
-        meta.dec_flat = torch.cat([slots for _, slots in decodes])
-        lengths = torch.tensor([0] + [slots.numel() for _, slots in decodes], dtype=torch.int64)
-        meta.dec_offsets = torch.cumsum(lengths, 0)
+        meta.dec_flat = torch.cat([slots for _, slots in decodes]) if len(decodes) > 1 else decodes[0][1]
+        offsets = [0]
+        for _, slots in decodes:
+            offsets.append(offsets[-1] + slots.numel())
+        meta.dec_offsets = torch.tensor(offsets, dtype=torch.int64)
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any) -> torch.Tensor:
         qd = q if meta.all_decode else q.index_select(0, meta.dec_rows)

@@ -12,13 +12,14 @@ The step's new rows stay in the (uncompacted) tail, so their slots and the causa
 among them are unchanged; skipped blocks only shift the compacted positions, which the
 attention kernels never turn into RoPE angles (keys are cached after RoPE).
 
-Picks are remembered per sequence as page *positions* (not slots, which a swap may move):
-a decode row whose policy does not re-score reuses, per layer, the pages its sequence's
-last prompt chunk picked, with the tail grown by the tokens decoded since.
+Picks are remembered per sequence as page *positions*, plus per layer the slots they
+resolve to, valid while the block table up to the tail is unchanged (a swap moves slots): a
+decode row whose policy does not re-score reuses, per layer, the pages its sequence's last
+prompt chunk picked, with the tail grown by the tokens decoded since.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +29,13 @@ from streamkv.policies.read import PagePlan, SpanSlots
 
 @dataclass
 class Picks:
-    """One sequence's remembered choice: its regions and, per layer, the picked positions."""
+    """One sequence's remembered choice: its regions, the block table they were taken under
+    (up to the tail) and, per layer, the picked positions and their sinks + pages slots."""
 
     plan: PagePlan
+    table: tuple[int, ...]
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
+    heads: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,11 +70,13 @@ class LayerSelector:
             plan = picks.plan if picks is not None else span.read.plan(span.start, span.ctx_len, bs)
             if plan is None:
                 continue
+            if picks is not None and picks.table != span.block_table[:plan.tail]:
+                picks.heads.clear()  # the blocks moved (swap): resolve the positions again
             candidates = torch.tensor(span.block_table[plan.sink:plan.tail], dtype=torch.int64)
             if picks is None and plan.keep > 0:
                 cache.page_bounds().refresh(candidates)
                 if not span.read.rescore:
-                    picks = memory[span.seq_id] = Picks(plan)
+                    picks = memory[span.seq_id] = Picks(plan, tuple(span.block_table[:plan.tail]))
             choices.append(_Choice(i, plan, candidates, SpanSlots(slots[i], plan.sink * bs, plan.tail * bs, bs), picks))
         return cls(spans, slots, choices, cache, scale) if choices else None
 
@@ -82,15 +88,19 @@ class LayerSelector:
         kv_heads = self.cache.k.shape[2]
         bounds = self.cache.bounds.data[layer] if self.cache.bounds is not None else None
         for c in self.choices:
-            span = spans[c.index]
+            span, tail = spans[c.index], c.slots.full[c.slots.tail_from:]
             picked = c.picks.layers.get(layer) if c.picks is not None and span.is_decode else None
             if picked is not None:
-                compact = c.slots.gather(picked)
+                head = c.picks.heads.get(layer)
+                if head is None:
+                    head = c.picks.heads[layer] = c.slots.head(picked)
+                compact = torch.cat([head, tail])
             else:
                 rows = q[span.q_start:span.q_start + span.q_len].view(span.q_len, kv_heads, -1, dim)
                 compact, picked = span.read.compact(rows, bounds, c.candidates, c.plan.keep, self.scale, c.slots)
                 if c.picks is not None:
                     c.picks.layers[layer] = picked
+                    c.picks.heads[layer] = compact[:compact.numel() - tail.numel()]
             slots[c.index] = compact
-            spans[c.index] = replace(span, start=compact.numel() - span.q_len, read=None)
+            spans[c.index] = SeqSpan(span.q_start, span.q_len, compact.numel() - span.q_len, span.block_table)
         return spans, slots

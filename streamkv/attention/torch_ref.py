@@ -83,8 +83,10 @@ class TorchReferenceBackend(AttentionBackend):
         if prefills:
             self._prepare_prefills(meta, prefills, device)
         if decodes:
-            self._prepare_decodes(meta, decodes, device)
             meta.all_decode = not prefills
+            if prefills:  # decode rows are picked out of (and written back into) the step's rows
+                meta.dec_rows = torch.tensor([s.q_start for s, _ in decodes], dtype=torch.int64, device=device)
+            self._prepare_decodes(meta, decodes, device)
         return meta
 
     def _prepare_prefills(self, meta: RefMeta, prefills: list[tuple[SeqSpan, torch.Tensor]],
@@ -102,7 +104,6 @@ class TorchReferenceBackend(AttentionBackend):
                          device: torch.device) -> None:
         lengths = [s.ctx_len for s, _ in decodes]
         lmax = max(lengths)
-        meta.dec_rows = torch.tensor([s.q_start for s, _ in decodes], dtype=torch.int64, device=device)
         if len(decodes) == 1:
             meta.dec_slots = decodes[0][1][None, :]
             return

@@ -124,7 +124,7 @@ class Engine:
         self._validate_ids(ids)
         seq = self._new_seq(ids, params, priority, klass)
         seq.cacheable = parent.cacheable and read is None
-        seq.read = read
+        seq.read, seq.read_from = read, num_tokens
         self.fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
         self.scheduler.add_running(self._register(request_id, None, seq))
         return seq

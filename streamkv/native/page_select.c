@@ -167,10 +167,10 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
             for (int l = 0; l < LANES; l++) m[l] = u[p * LANES + l] > m[l] ? u[p * LANES + l] : m[l];
         for (int p = 0; p < P; p++)
             for (int l = 0; l < LANES; l++) { u[p * LANES + l] = exp_le0(u[p * LANES + l] - m[l]); sum[l] += u[p * LANES + l]; }
-        for (int l = 0; l < LANES; l++) sum[l] = 1.f / sum[l];
+        for (int l = 0; l < LANES; l++) sum[l] = l < valid ? 1.f / sum[l] : 0.f;  /* padding rows weigh 0 */
         for (int p = 0; p < P; p++) {
             float best = score[p];
-            for (int l = 0; l < valid; l++) best = fmaxf(best, u[p * LANES + l] * sum[l]);
+            for (int l = 0; l < LANES; l++) best = fmaxf(best, u[p * LANES + l] * sum[l]);
             score[p] = best;
         }
     }

@@ -43,11 +43,14 @@ class SpanSlots:
     tail_from: int
     block_size: int
 
+    def head(self, picked: torch.Tensor) -> torch.Tensor:
+        """The sinks and the pages at positions ``picked`` [keep] (ascending)."""
+        pages = self.full[self.sink_len:self.tail_from].view(-1, self.block_size)
+        return torch.cat([self.full[:self.sink_len], pages.index_select(0, picked).view(-1)])
+
     def gather(self, picked: torch.Tensor) -> torch.Tensor:
         """The sinks, the pages at positions ``picked`` [keep] (ascending), the tail."""
-        pages = self.full[self.sink_len:self.tail_from].view(-1, self.block_size)
-        return torch.cat([self.full[:self.sink_len], pages.index_select(0, picked).view(-1),
-                          self.full[self.tail_from:]])
+        return torch.cat([self.head(picked), self.full[self.tail_from:]])
 
 
 @dataclass(frozen=True)

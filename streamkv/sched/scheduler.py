@@ -172,7 +172,8 @@ class Scheduler:
             block_table=tuple(self.kv.block_table(seq.seq_id)),
             sample=(seq.samples or seq.peek) and end == len(seq.tokens),
             params=seq.params, history=seq.tokens, num_prompt=seq.num_prompt_tokens,
-            banned_ids=tuple(seq.stop_ids) if seq.num_output < seq.params.min_tokens else (), read=seq.read)
+            banned_ids=tuple(seq.stop_ids) if seq.num_output < seq.params.min_tokens else (),
+            read=seq.read if start >= seq.read_from else None)
 
     # ---------------------------------------------------------------- update
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, int | None]]:

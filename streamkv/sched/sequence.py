@@ -58,9 +58,11 @@ class Sequence:
     # end (``peeked``: top logprobs, with ``params.logprobs`` alternatives) without appending.
     peek: bool = False
     peeked: object = None
-    # ``read``: a read-time KV policy for this sequence's own rows (lossy: such a sequence is
-    # never ``cacheable``, so its KV cannot reach the prefix cache).
+    # ``read``: a read-time KV policy for rows at positions >= ``read_from`` (a fork's own
+    # rows; lossy: such a sequence is never ``cacheable``, so its KV cannot reach the prefix
+    # cache). Rows before ``read_from`` (recomputed after a preemption) stay exact.
     read: ReadPolicy | None = None
+    read_from: int = 0
 
     @property
     def num_output(self) -> int:
