@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = F.embedding(input_ids, self.embed).float()
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, backend, meta, rows)
+            x = layer.forward(x, cos, sin, i, backend, meta, rows)  # no hooks: skip Module.__call__
         return x
 
     def compute_logits(self, hidden: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:

@@ -140,7 +140,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  rows: RowSplit) -> torch.Tensor:
     """A linear layer with dense ``weight`` and optional 4-bit ``packed`` copy, split by ``rows``."""
     def q4(h: torch.Tensor) -> torch.Tensor:
-        out = packed(h)
+        out = packed.forward(h)  # no hooks: skip Module.__call__
         return out if bias is None else out + bias
 
     return split_rows(x, rows, None if packed is None else q4, lambda h: F.linear(h, weight, bias))
