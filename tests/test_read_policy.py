@@ -255,4 +255,5 @@ def test_reused_picks_follow_blocks_that_moved():
     expect = SpanSlots(full, BS, policy.plan(ctx - 12, ctx, BS).tail * BS, BS).gather(picked)
     _, slots = meta.selector.for_layer(0, q)
     assert torch.equal(slots[0], expect)
+    assert be.picks[9].table == moved[:len(be.picks[9].table)]  # resolved once, then reused
     torch.testing.assert_close(out.double(), _reference(q, cache, 0, expect, 32 ** -0.5), atol=2e-2, rtol=2e-2)

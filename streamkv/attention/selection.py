@@ -72,6 +72,7 @@ class LayerSelector:
                 continue
             if picks is not None and picks.table != span.block_table[:plan.tail]:
                 picks.heads.clear()  # the blocks moved (swap): resolve the positions again
+                picks.table = tuple(span.block_table[:plan.tail])
             candidates = torch.tensor(span.block_table[plan.sink:plan.tail], dtype=torch.int64)
             if picks is None and plan.keep > 0:
                 cache.page_bounds().refresh(candidates)
