@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -53,9 +54,7 @@ class CpuNativeBackend(TorchReferenceBackend):
         if self.paged is None:
             super()._prepare_prefills(meta, prefills, device)
             return
-        offsets = [0]
-        for span, _ in prefills:
-            offsets.append(offsets[-1] + span.ctx_len)
+        offsets = accumulate((span.ctx_len for span, _ in prefills), initial=0)
         meta.pf_seqs = torch.tensor([(span.q_start, span.q_len, off, span.ctx_len)
                                      for (span, _), off in zip(prefills, offsets)], dtype=torch.int64)
         meta.pf_slots = torch.cat([slots for _, slots in prefills])
@@ -70,9 +69,7 @@ class CpuNativeBackend(TorchReferenceBackend):
                          device: torch.device) -> None:
         """Decode rows' context slots back to back (no padded [B, Lmax] gather table)."""
         meta.dec_flat = torch.cat([slots for _, slots in decodes]) if len(decodes) > 1 else decodes[0][1]
-        offsets = [0]
-        for _, slots in decodes:
-            offsets.append(offsets[-1] + slots.numel())
+        offsets = list(accumulate((slots.numel() for _, slots in decodes), initial=0))
         meta.dec_offsets = torch.tensor(offsets, dtype=torch.int64)
 
     def _decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """Per-page key bounds for query-aware page selection (:class:`streamkv.policies.QuestPolicy`).
 
 For block b of layer l, ``data[l, b]`` is [kv_heads, 2 * head_dim] bfloat16: the channel-wise
-max of the block's keys (rounded up), then their min (rounded down); bf16 halves what
-scoring reads per step (1/16 of the K/V bytes of the pages it scores). Bounds are computed lazily, for whole blocks, the
-first time a policy scores them; any write into a block (a step's new K/V, a copy, a
-re-positioning, a restore) marks it stale, so a block's bounds always describe its current
-keys once refreshed. Invariant (tested): for every key k in a fresh block and any q,
+max of the block's keys, then their min (exact for a bfloat16 cache; rounded outward from a
+float32 one). In bf16, scoring reads 1/16 of the K/V bytes of the pages it scores. Bounds are
+computed lazily, for whole blocks, the first time a policy scores them; any write into a
+block (a step's new K/V, a copy, a re-positioning, a restore) marks it stale, so a block's
+bounds always describe its current keys once refreshed. Invariant (tested): for every key k in a fresh block and any q,
 ``q . k <= [q+ | q-] . data[l, b]``.
 """
 from __future__ import annotations

@@ -108,9 +108,9 @@ class ReadPolicy(ABC):
         ``q`` [rows, kv_heads, group, head_dim] (float32 or bfloat16): this span's query rows;
         ``bounds`` [blocks, kv_heads, 2 * head_dim] bfloat16: one layer's page bounds (per
         block, the channel-wise max then min of its keys); ``candidates`` [pages] int64 block
-        ids. Returns int64 [keep].
+        ids; None only when ``keep`` is 0 (no page is scored). Returns int64 [keep].
         """
-        if keep <= 0 or bounds is None:
+        if keep <= 0:
             return torch.empty(0, dtype=torch.int64)
         scores = self.score_pages(q, bounds.index_select(0, candidates), scale)
         return scores.topk(keep).indices.sort().values
