@@ -83,10 +83,13 @@ def engine_configs(args) -> list[dict]:
     venv = lambda d: str(common.REPO / d / "bin" / "python")
     out = []
     for e in args.engines:
-        if e == "streamkv":
-            extra = ["--kwargs", args.streamkv_kwargs] + (["--model", args.model] if args.model else [])
-            out.append(dict(name=f"streamkv {args.dtype}", key="streamkv", py=sys.executable,
-                            script="run_streamkv.py", dtype=args.dtype, extra=extra, env=env))
+        if e in ("streamkv", "streamkv_fast"):
+            kwargs = json.loads(args.streamkv_kwargs)
+            if e == "streamkv_fast":  # the opt-out: torch's GEMMs and SDPA, not batch-invariant
+                kwargs["numerics"] = "fast"
+            extra = ["--kwargs", json.dumps(kwargs)] + (["--model", args.model] if args.model else [])
+            out.append(dict(name=f"streamkv {args.dtype}" + " fast" * (e == "streamkv_fast"), key=e,
+                            py=sys.executable, script="run_streamkv.py", dtype=args.dtype, extra=extra, env=env))
         elif e == "transformers":
             for dt in args.peer_dtypes:
                 out.append(dict(name=f"transformers {dt}", key="transformers", py=sys.executable,
@@ -106,7 +109,7 @@ def engine_configs(args) -> list[dict]:
                                 script="run_vllm.py", dtype=dt, extra=["--kwargs", args.vllm_kwargs],
                                 env=venv_env, needs_hf=True))
         else:
-            sys.exit(f"unknown engine {e!r}: use streamkv,transformers,llamacpp,vllm")
+            sys.exit(f"unknown engine {e!r}: use streamkv,streamkv_fast,transformers,llamacpp,vllm")
     return out
 
 
@@ -218,7 +221,18 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
     out += ([""] + notes) if notes else []
 
     report: dict = {"ratios": {}, "targets": []}
-    sk = next((n for n in names if n.startswith("streamkv")), None)
+    sk = next((n for n in names if n.startswith("streamkv") and not n.endswith("fast")), None)
+    fast = next((n for n in names if n.startswith("streamkv") and n.endswith("fast")), None)
+    if sk and fast:  # the cost of batch-invariant numerics, same run, same machine
+        crow = []
+        for label, k in (("prefill tok/s @2048", "prefill@2048"), ("decode tok/s, batch 1", "decode@"),
+                         ("aggregate decode tok/s @32", "agg@32")):
+            a, b = metric(res[sk], k), metric(res[fast], k)
+            cost = (1 - a / b) if a and b else None
+            report.setdefault("invariance_cost", {})[k] = cost
+            crow.append([label, fmt(a), fmt(b), f"{100 * cost:+.1f}%" if cost is not None else "n/a"])
+        out += ["", "## Cost of invariant numerics (default vs --numerics fast)", "",
+                md_table(["metric", "invariant", "fast", "invariant slower by"], crow)]
     keys = [k for _, k in rows_def if k != "load@"]
     if sk:
         peers = [n for n in names if n != sk]
@@ -320,7 +334,8 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
 # --------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engines", default="streamkv,transformers,llamacpp,vllm")
+    ap.add_argument("--engines", default="streamkv,streamkv_fast,transformers,llamacpp,vllm",
+                    help="streamkv_fast = streamkv with numerics=fast (the invariance cost table compares them)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 trial, 512/2048, 32 tokens")
     ap.add_argument("--dtype", default="auto", help="streamkv dtype: auto|float32|bfloat16")
     ap.add_argument("--peer-dtypes", default="float32,bfloat16", help="for transformers and vLLM")
@@ -379,9 +394,10 @@ def main(argv=None) -> int:
                                       t.get("foreign_load_cores") or 0))
         r["attempts"] = len(tries)
         info = r.get("info") or {}
-        if cfg["key"] == "streamkv" and info.get("dtype"):  # e.g. "streamkv bfloat16 (auto, q4 decode)"
+        if cfg["key"].startswith("streamkv") and info.get("dtype"):  # "streamkv bfloat16 (auto, q4 decode)"
             extra = ["auto"] * (args.dtype == "auto") + ["q4 decode"] * (info.get("decode_weights") == "q4")
-            cfg["name"] = f"streamkv {info['dtype']}" + (f" ({', '.join(extra)})" if extra else "")
+            cfg["name"] = (f"streamkv {info['dtype']}" + (f" ({', '.join(extra)})" if extra else "")
+                           + " fast" * (cfg["key"] == "streamkv_fast"))
         res[cfg["name"]] = r
     shape = shape_of(wl)
     text, report = build_report(res, shape, machine, ceil, cost)

@@ -83,10 +83,22 @@ class RuntimeConfig:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: all cores)"})
     device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
     attention_backend: str = field(default="auto", metadata={
-        "help": "auto | torch | cpu: cpu = decode rows by a small native C kernel (built with gcc on "
+        "help": "auto | torch | cpu: cpu = native C kernels over the paged cache (built with gcc on "
                 "first use); auto = cpu when it builds on a CPU device, else torch (pure PyTorch)"})
+    numerics: str = field(default="invariant", metadata={
+        "help": "invariant | fast: invariant = every row through kernels with a fixed reduction order, so "
+                "a request's tokens and logprobs are bit-identical whatever shares its steps, however it "
+                "is chunked, with or without prefix hits or preemption; fast = torch's GEMMs and SDPA "
+                "(their blocking depends on the batch shape)"})
 
     def __post_init__(self) -> None:
+        if self.numerics not in ("invariant", "fast"):
+            raise ValueError(f"numerics must be invariant or fast, got {self.numerics!r}")
+        if self.numerics == "invariant" and self.attention_backend == "torch":
+            raise ValueError("attention_backend=torch (SDPA, whose blocking depends on the batch shape) is not "
+                             "batch-invariant: use numerics=fast with it, or attention_backend=cpu|auto")
+        if self.numerics == "invariant" and self.device != "cpu":
+            raise ValueError("numerics=invariant has CPU kernels only so far; use numerics=fast on CUDA")
         if self.attention_backend not in ("auto", "torch", "cpu"):
             raise ValueError(f"attention_backend must be auto, torch or cpu, got {self.attention_backend!r}")
         if self.threads is not None and self.threads < 1:

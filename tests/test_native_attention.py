@@ -1,5 +1,12 @@
-"""The native CPU kernels (decode, paged mixed-batch) equal reference attention, and the cpu
-backend equals the reference backend end to end (it is the default on CPU whenever gcc can build it)."""
+"""The fast-numerics native CPU kernels (decode, paged mixed-batch) equal reference attention,
+and the cpu backend tracks the reference backend end to end under ``numerics="fast"``.
+
+What each guarantees: both compute exact attention up to the rounding of their own reduction
+orders. In float32 that is ~1e-6 per layer, so generations agree in tokens and closely in
+logprobs. In bfloat16 the two kernels round differently (bf16 dot products vs SDPA): their
+layer outputs agree to a few bf16 ulps (checked layer by layer below), and end to end only
+tokens chosen by a clear margin are guaranteed equal. Bit-identical results are the business
+of the default invariant numerics (``tests/test_invariance.py``), not of these kernels."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +46,7 @@ def _generate_with_each_backend(dtype: str, params: SamplingParams) -> dict[str,
     """Outputs of PROMPTS from the reference ("torch") and the native ("cpu") backend."""
     outs = {}
     for backend in ("torch", "cpu"):
-        llm = LLM(dtype=dtype, attention_backend=backend)
+        llm = LLM(dtype=dtype, attention_backend=backend, numerics="fast")
         used = llm.engine.bundle.runner.backend
         assert type(used).__name__ == {"torch": "TorchReferenceBackend", "cpu": "CpuNativeBackend"}[backend]
         if backend == "cpu" and dtype == "bfloat16":
@@ -138,8 +145,14 @@ def test_cpu_backend_with_the_paged_kernel_equals_the_reference_backend_in_bfloa
 
 @needs_paged
 def test_bfloat16_generation_with_the_paged_kernel_tracks_the_reference_backend():
-    outs = _generate_with_each_backend("bfloat16", SamplingParams(max_tokens=16, temperature=0, logprobs=1))
+    """bf16 rounding differs between the kernels (see the module docstring): the first greedy
+    token must agree wherever the reference chose it by a clear margin (top-2 log-prob gap above
+    0.25, several times the bf16 drift of 30 layers); near ties may go either way."""
+    outs = _generate_with_each_backend("bfloat16", SamplingParams(max_tokens=16, temperature=0, logprobs=2))
+    clear = 0
     for a, b in zip(outs["torch"], outs["cpu"]):
-        # bf16 rounding differs between the kernels: compare the first token's log-probability
-        assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
-        assert a.token_ids[0] == b.token_ids[0]
+        (_, top1), (_, top2) = a.logprobs[0].top[:2]
+        if top1 - top2 > 0.25:
+            clear += 1
+            assert a.token_ids[0] == b.token_ids[0]
+    assert clear > 0, "no prompt had a clear first token: the test checked nothing"

@@ -32,12 +32,13 @@ def test_int4_kernel_matches_dense_product(ckpt):
 
 
 def test_q4_decode_agrees_with_dense_bf16():
+    """Fast numerics: prompt rows dense, decode rows 4-bit (torch's int4 kernel or the native one)."""
     ids = [[504, 3575, 282, 4649, 314]]
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
-    dense = LLM(dtype="bfloat16", decode_weights="dense", kv_cache_memory=1 << 26)
-    q4 = LLM(dtype="bfloat16", decode_weights="q4", kv_cache_memory=1 << 26)
-    assert any(layer.q4_qkv is not None for layer in q4.engine.bundle.runner.model.layers)
-    assert all(layer.q4_qkv is None for layer in dense.engine.bundle.runner.model.layers)
+    dense = LLM(dtype="bfloat16", decode_weights="dense", kv_cache_memory=1 << 26, numerics="fast")
+    q4 = LLM(dtype="bfloat16", decode_weights="q4", kv_cache_memory=1 << 26, numerics="fast")
+    assert any(layer.qkv.q4 is not None for layer in q4.engine.bundle.runner.model.layers)
+    assert all(layer.qkv.q4 is None for layer in dense.engine.bundle.runner.model.layers)
     a, b = dense.generate(ids, params)[0], q4.generate(ids, params)[0]
     # the first token comes from the (dense) prefill in both; later ones from 4-bit decode steps
     assert a.token_ids[0] == b.token_ids[0]
@@ -49,6 +50,25 @@ def test_q4_decode_agrees_with_dense_bf16():
 def test_q4_rejected_where_it_cannot_apply():
     with pytest.raises(ValueError, match="q4"):
         LLM(dtype="float32", decode_weights="q4")
+
+
+def test_invariant_numerics_take_4bit_weights_only_through_the_native_kernel():
+    """torch's int4 kernel is not batch-invariant: without the native one, invariant numerics
+    refuse an explicit q4 and ``auto`` falls back to dense weights; with it, every row (prompt
+    chunks too) takes the 4-bit weights, so a recomputed prompt row equals its decode."""
+    from streamkv.native import q4_gemm
+
+    if q4_gemm() is None:
+        with pytest.raises(ValueError, match="native 4-bit kernel"):
+            LLM(dtype="bfloat16", decode_weights="q4", kv_cache_memory=1 << 26)
+        auto = LLM(dtype="bfloat16", kv_cache_memory=1 << 26)
+        assert auto.engine.bundle.decode_weights == "dense"
+    else:
+        auto = LLM(dtype="bfloat16", kv_cache_memory=1 << 26)
+        assert auto.engine.bundle.decode_weights == "q4"
+        model = auto.engine.bundle.runner.model
+        assert all(layer.qkv.q4 is not None and layer.qkv.dense is None for layer in model.layers)
+        assert model.q4_max_rows == 0  # no row split: one kernel for every row
 
 
 def test_q8_lm_head_splits_exactly_into_two_int4_halves(ckpt):

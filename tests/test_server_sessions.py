@@ -15,7 +15,8 @@ from tests.server_harness import ServerProcess
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess("--kv-cache-memory", str(256 << 20))
+    # room for a 7,000-token window in either dtype (a float32 cache takes 46 KB per token)
+    proc = ServerProcess("--kv-cache-memory", str(640 << 20))
     yield proc
     assert proc.stop() == 0
 
@@ -133,19 +134,20 @@ def _ws_exchange(ws) -> tuple[list[dict], list[dict]]:
 
 
 def test_query_during_backlog_returns_the_last_complete_version(client):
-    """Acceptance 2 over HTTP: 4,000+ queued tokens; the query answers version 1 before they finish."""
+    """Acceptance 2 over HTTP: 4,000+ queued tokens; the query answers version 1 before they finish.
+
+    The property is asserted in tokens, not seconds (machines differ): the answer computed only
+    the question's own tokens, and it arrived while the backlog was still being ingested."""
     sess = client.create_session(system="Logs.", retention_tokens=7000, ingest_batch_tokens=256)
     sess.push(["the code word is falcon"])
     _wait_version(sess, 1)
     sess.push([f"filler line {i} with several extra words" for i in range(420)])
-    t0 = time.perf_counter()
     answer = sess.query("What is the code word?", max_tokens=8)
-    elapsed = time.perf_counter() - t0
     st = sess.stats()
     assert answer.data_version == 1
     assert st["data_version"] == 1, "the backlog must still be ingesting when the answer arrives"
     assert st["queue"]["tokens"] > 0 or st["tokens"]["computed"] < st["tokens"]["total"]
-    assert elapsed < 5.0
+    assert 0 < answer.usage["computed_prompt_tokens"] < 64, answer.usage  # the question, not the backlog
     sess.delete()
 
 

@@ -106,7 +106,8 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
 
 
 def make_backend(name: str, cache: KVCache, scale: float) -> AttentionBackend:
-    import streamkv.attention.cpu_native  # noqa: F401  (registration)
+    import streamkv.attention.cpu_invariant  # noqa: F401  (registration)
+    import streamkv.attention.cpu_native  # noqa: F401
     import streamkv.attention.torch_ref  # noqa: F401
 
     try:

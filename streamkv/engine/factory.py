@@ -55,6 +55,14 @@ def _decode_q4(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype,
         return None
     if not usable:
         raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, dtype bfloat16, on CPU")
+    if config.runtime.numerics == "invariant":
+        from streamkv.native import q4_gemm
+
+        if q4_gemm() is None:  # torch's int4 kernel is not batch-invariant
+            if mode == "q4":
+                raise ValueError("decode_weights=q4 with numerics=invariant needs the native 4-bit kernel "
+                                 "(AVX512-BF16 CPUs); use numerics=fast or decode_weights=dense")
+            return None
     from streamkv.loading.q4_blocks import read_q4_matrices, read_q8_lm_head
 
     q4: dict[str, Any] = dict(read_q4_matrices(
@@ -73,6 +81,13 @@ def _backend_name(config: EngineConfig, device: torch.device) -> str:
     name = config.runtime.attention_backend
     if name == "cpu" and device.type != "cpu":
         raise ValueError("attention_backend=cpu needs device=cpu")
+    if config.runtime.numerics == "invariant":
+        from streamkv.native import invariant_attention
+
+        if invariant_attention() is None:
+            raise ValueError("numerics=invariant needs the native kernels (a C compiler; STREAMKV_NATIVE unset): "
+                             "use numerics=fast for pure PyTorch")
+        return "cpu_invariant"
     if name != "auto":
         return name
     if device.type != "cpu":
@@ -98,15 +113,15 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
         max_len = config.model.max_model_len
     weights = {k: v.to(device) for k, v in ckpt.weights.items()}
     q4 = _decode_q4(config, ckpt.source, arch, dtype, device)
-    model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4).eval()
+    model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics).eval()
     cc = config.cache
     kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cc.kv_cache_dtype, dtype)
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype)
     num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory // per_block)
     cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, device)
     backend = make_backend(_backend_name(config, device), cache, arch.head_dim ** -0.5)
-    log.info("model %s (%s, %s): %d KV blocks x %d tokens = %.0f MiB", arch.architecture, ckpt.source,
-             dtype, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)
+    log.info("model %s (%s, %s, numerics %s): %d KV blocks x %d tokens = %.0f MiB", arch.architecture,
+             ckpt.source, dtype, config.runtime.numerics, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)
     runner = ModelRunner(model, backend, Sampler(device), device)
     name = os.path.basename(ckpt.source.rstrip("/")) or "model"
     return ModelBundle(runner, ckpt.tokenizer, max_len, arch.vocab_size, num_blocks, dtype, name,

@@ -21,8 +21,15 @@ from typing import Callable
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attn.c", "paged_attn.c", "q4_gemm.c", "page_select.c")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "q4_gemm.c", "page_select.c")]
+# The batch-invariant kernels are compiled without -ffast-math: each output element's chain of
+# roundings is written out in the source and the compiler may not reassociate or contract it.
+_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c")]
+_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h")]
+_COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+_FLAGS = [*_COMMON, "-ffast-math"]
+_EXACT_FLAGS = [*_COMMON, "-fno-fast-math", "-ffp-contract=off"]
 
 
 def _cache_dir() -> Path:
@@ -35,18 +42,23 @@ def _build() -> Path | None:
     if cc is None:
         log.info("no C compiler found: native CPU kernels disabled")
         return None
-    source = b"".join(src.read_bytes() for src in [*_SOURCES, _SOURCES[0].with_name("simd.h")])
-    tag = hashlib.sha256(source + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"attn-{tag}.so"
+    source = b"".join(src.read_bytes() for src in [*_SOURCES, *_EXACT_SOURCES, *_HEADERS])
+    tag = hashlib.sha256(source + " ".join([cc, *_FLAGS, *_EXACT_FLAGS]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"kernels-{tag}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        steps = [[cc, *_FLAGS, "-c", str(src), "-o", f"{tmp}/{src.stem}.o"] for src in _SOURCES]
+        steps += [[cc, *_EXACT_FLAGS, "-c", str(src), "-o", f"{tmp}/{src.stem}.o"] for src in _EXACT_SOURCES]
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            log.warning("building the native attention kernels failed; using PyTorch:\n%s", proc.stderr[-2000:])
-            return None
+        objs = [f"{tmp}/{src.stem}.o" for src in [*_SOURCES, *_EXACT_SOURCES]]
+        steps.append([cc, "-shared", "-fopenmp", *objs, "-o", str(out), "-lm"])
+        for cmd in steps:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                log.warning("building the native kernels failed; using PyTorch:\n%s", proc.stderr[-2000:])
+                return None
         os.replace(out, target)
     return target
 
@@ -83,6 +95,16 @@ def _library() -> ctypes.CDLL | None:
                                                             ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
                                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                                             ctypes.c_void_p]
+    fn = lib.streamkv_inv_gemm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int]
+    lib.streamkv_inv_gemm_bf16_dot.restype = ctypes.c_int
+    fn = lib.streamkv_inv_attn
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+    lib.streamkv_inv_isa.restype = ctypes.c_char_p
     fn = lib.streamkv_page_bounds
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -229,3 +251,70 @@ def _bounds(fn: ctypes._CFuncPtr, k: torch.Tensor, block_size: int, blocks: torc
     blocks = blocks.contiguous()
     fn(k.data_ptr(), layers, slots, kvh, d, block_size, blocks.data_ptr(), blocks.numel(), out.data_ptr(),
        out.shape[1])
+
+
+def invariant_isa() -> str | None:
+    """The vector ISA the batch-invariant kernels were built for (avx512f | avx2 | scalar), or None."""
+    lib = _library()
+    return None if lib is None else lib.streamkv_inv_isa().decode()
+
+
+def invariant_gemm() -> Callable[..., torch.Tensor] | None:
+    """The batch-invariant dense GEMM (``inv_gemm.c``) wrapped for tensors, or None."""
+    lib = _library()
+    return None if lib is None else functools.partial(_inv_gemm, lib.streamkv_inv_gemm)
+
+
+def invariant_gemm_uses_bf16_dot() -> bool:
+    lib = _library()
+    return lib is not None and bool(lib.streamkv_inv_gemm_bf16_dot())
+
+
+def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ the packed weight (``models/linear.py: pack_dense``) -> [M, n] in ``out_dtype``.
+
+    x float32 with float32 panels, or bfloat16 with bfloat16 panels; out float32 or bfloat16.
+    """
+    wbf16 = wp.dtype == torch.bfloat16
+    if x.dim() != 2 or x.dtype != wp.dtype or wp.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"invariant GEMM needs 2-D input in the weights' dtype {wp.dtype}, got {x.dtype} "
+                        f"{tuple(x.shape)}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"invariant GEMM writes float32 or bfloat16, not {out_dtype}")
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=out_dtype)
+    if m == 0:
+        return out
+    rc = fn(x.data_ptr(), m, k, wp.data_ptr(), int(wbf16), n, out.data_ptr(), int(out_dtype == torch.bfloat16))
+    if rc != 0:
+        raise ValueError(f"invariant GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    return out
+
+
+def invariant_attention() -> Callable[..., torch.Tensor] | None:
+    """The batch-invariant paged attention kernel (``inv_attn.c``) wrapped for tensors, or None."""
+    lib = _library()
+    return None if lib is None else functools.partial(_inv_attn, lib.streamkv_inv_attn)
+
+
+def _inv_attn(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: torch.Tensor,
+              slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> out [T, H, D] float32 (see ``inv_attn.c`` for seqs [B, 4] and slots).
+
+    kc, vc [S, Hk, D] bfloat16 or float32, contiguous; D a multiple of 16, at most 256.
+    """
+    if kc.dtype not in (torch.bfloat16, torch.float32) or kc.dtype != vc.dtype:
+        raise TypeError(f"invariant attention supports bfloat16/float32 caches, got {kc.dtype}")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    q = q.float().contiguous()
+    seqs, slots = seqs.contiguous(), slots.contiguous()
+    t, h, d = q.shape
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), seqs.data_ptr(),
+            seqs.shape[0], slots.data_ptr(), h, kc.shape[1], d, float(scale), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
+    return out

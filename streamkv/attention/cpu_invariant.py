@@ -1,0 +1,58 @@
+"""Batch-invariant CPU backend: every row of a step through one kernel (``native/inv_attn.c``).
+
+Decode rows and prefill-chunk rows are the same thing here: a row at context index i reads
+keys [0, i] in fixed 512-key chunks merged in order, so its output does not depend on what
+else is in the step, on how its prompt was chunked, or on whether it is a decode or a
+recomputed prompt row (see the kernel's header for the arithmetic).
+
+::
+
+    step rows   [a0 a1 a2 a3 a4][b40][c7]          spans: A chunk (start 0), B and C decodes
+    seqs        (0, 5, 0, 5) (5, 1, 5, 41) (6, 1, 46, 8)     (row0, nq, offset, ctx_len)
+    slots       [A's 5 slots | B's 41 slots | C's 8 slots]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any
+
+import torch
+
+from streamkv.attention.backend import KVCache, SeqSpan, register_backend
+from streamkv.attention.torch_ref import RefMeta, TorchReferenceBackend
+
+
+@dataclass
+class InvariantMeta(RefMeta):
+    seqs: torch.Tensor | None = None   # [B, 4] int64 (row0, q_len, offset in slots, ctx_len)
+    slots: torch.Tensor | None = None  # [sum of ctx_len] int64
+
+
+@register_backend("cpu_invariant")
+class InvariantCpuBackend(TorchReferenceBackend):
+    meta_type = InvariantMeta
+
+    def __init__(self, cache: KVCache, scale: float) -> None:
+        super().__init__(cache, scale)
+        from streamkv.native import invariant_attention
+
+        kernel = invariant_attention()
+        if kernel is None:
+            raise RuntimeError("the native invariant attention kernel is unavailable (no C compiler?)")
+        self.kernel = kernel
+
+    def _build(self, spans: list[SeqSpan], slots: list[torch.Tensor], mapping: torch.Tensor) -> InvariantMeta:
+        offsets = accumulate((span.ctx_len for span in spans), initial=0)
+        seqs = torch.tensor([(span.q_start, span.q_len, off, span.ctx_len) for span, off in zip(spans, offsets)],
+                            dtype=torch.int64)
+        flat = torch.cat(slots) if len(slots) > 1 else slots[0]
+        return InvariantMeta(slot_mapping=mapping, seqs=seqs, slots=flat)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        if meta.selector is not None:
+            meta = self._build(*meta.selector.for_layer(layer, q), meta.slot_mapping)
+        return self.kernel(q, kc, vc, meta.seqs, meta.slots, self.scale).to(q.dtype)

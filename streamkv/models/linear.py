@@ -1,0 +1,155 @@
+"""Linear layers and the LM head, per numerics mode.
+
+Two modes (``RuntimeConfig.numerics``):
+
+* ``invariant`` (default): every row of a step goes through ONE kernel whose per-element
+  reduction order does not depend on the batch: a row's result is bit-identical whatever
+  shares its step (decodes, prefill chunks, 1 or 64 other sequences) and whatever its kind
+  (a token recomputed after preemption equals its original decode). Dense weights use
+  ``native/inv_gemm.c``; GGUF 4-bit weights (bfloat16 models on AVX512-BF16 CPUs) use
+  ``native/q4_gemm.c`` for every row, prompt chunks included.
+* ``fast``: torch's GEMMs for prompt chunks and the 4-bit kernel for decode rows
+  (:class:`RowSplit`): faster where oneDNN has a better kernel for the shape, but a row's
+  numerics depend on M (torch's blocking) and on its kind.
+
+The LM head writes float32 logits for every sampled row in both modes: products exact, sums
+and output in float32 (never rounded to 16 bits).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from streamkv.models.q4_linear import DENSE, PackedQ4, RowSplit, split_linear, split_rows
+
+NUMERICS = ("invariant", "fast")
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] float32 or bfloat16 -> panels of 16 output columns (layout in ``inv_gemm.c``).
+
+    float32: [T, K, 16];  bfloat16: [T, K/2, 16, 2]  (T = ceil(N / 16), padding columns zero).
+    """
+    n, k = w.shape
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"invariant GEMM weights are float32 or bfloat16, got {w.dtype}")
+    if w.dtype == torch.bfloat16 and k % 2:
+        raise ValueError(f"bfloat16 invariant GEMM needs an even number of input features, got {k}")
+    t = -(-n // 16)
+    wp = torch.zeros(t * 16, k, dtype=w.dtype)
+    wp[:n] = w
+    if w.dtype == torch.float32:
+        return wp.view(t, 16, k).permute(0, 2, 1).contiguous()
+    return wp.view(t, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def _invariant_kernel() -> Callable[..., torch.Tensor]:
+    from streamkv.native import invariant_gemm
+
+    kernel = invariant_gemm()
+    if kernel is None:
+        raise RuntimeError("numerics=invariant needs the native kernels (a C compiler, STREAMKV_NATIVE unset); "
+                           "use numerics=fast for pure PyTorch")
+    return kernel
+
+
+class DensePanels(nn.Module):
+    """A dense weight in the invariant GEMM's panel layout: x [M, K] -> [M, N] in ``out_dtype``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.kernel = _invariant_kernel()
+        self.out_features = weight.shape[0]
+        self.register_buffer("panels", pack_dense(weight.detach()), persistent=False)
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.kernel(x.to(self.panels.dtype), self.panels, self.out_features, out_dtype or self.panels.dtype)
+
+
+class Linear(nn.Module, ABC):
+    """One projection: x [T, K] -> [T, N] in the weights' dtype; ``rows`` says which rows are
+    decodes (only the fast mode looks at it)."""
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor: ...
+
+
+class SplitLinear(Linear):
+    """Fast mode: torch's dense GEMM for prompt rows, the 4-bit kernel for decode rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.q4 = q4
+
+    def forward(self, x: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
+        return split_linear(x, self.weight, self.bias, self.q4, rows)
+
+
+class InvariantLinear(Linear):
+    """Invariant mode: one batch-invariant kernel for every row (4-bit when given, else dense)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None) -> None:
+        super().__init__()
+        if q4 is not None and not q4.native:
+            raise ValueError("numerics=invariant takes 4-bit weights only through the native q4 kernel")
+        self.dtype = weight.dtype
+        self.q4 = q4
+        self.dense = DensePanels(weight) if q4 is None else None
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
+        out = self.q4.forward(x) if self.q4 is not None else self.dense.forward(x)
+        return out if self.bias is None else out + self.bias
+
+
+def make_linear(numerics: str, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None) -> Linear:
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    return (InvariantLinear if numerics == "invariant" else SplitLinear)(weight, bias, q4)
+
+
+class LogitsHead(nn.Module):
+    """hidden [N, d] (already normed, in the model dtype) -> float32 logits [N, vocab].
+
+    Dense rows go through the invariant GEMM with a float32 result (products of the weights'
+    dtype are exact in float32). Without native kernels (fast mode only) a float32 copy of the
+    weight is multiplied in float32. 4-bit halves (a Q8_0 head split exactly in two int4
+    matrices) serve every row in invariant mode and the decode rows in fast mode.
+    """
+
+    def __init__(self, weight: torch.Tensor, halves: tuple[PackedQ4, PackedQ4] | None, numerics: str) -> None:
+        super().__init__()
+        self.numerics = numerics
+        self.halves = nn.ModuleList(halves) if halves else None
+        if numerics == "invariant" and self.halves is not None and not self.halves[0].native:
+            raise ValueError("numerics=invariant takes a 4-bit LM head only through the native q4 kernel")
+        self.dense: DensePanels | None = None
+        self.weight32: torch.Tensor | None = None
+        if numerics == "invariant" and self.halves is not None:
+            return
+        from streamkv.native import invariant_gemm
+
+        if numerics == "invariant" or invariant_gemm() is not None:
+            self.dense = DensePanels(weight)
+        else:
+            self.weight32 = weight.detach().float()
+
+    def _q4(self, x: torch.Tensor) -> torch.Tensor:
+        hi, lo = self.halves
+        return hi.forward_f32(x).add_(lo.forward_f32(x))
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense.forward(x, torch.float32)
+        return F.linear(x.float(), self.weight32)
+
+    def forward(self, h: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
+        if self.numerics == "invariant":
+            return self._q4(h) if self.halves is not None else self._dense(h)
+        return split_rows(h, rows, self._q4 if self.halves is not None else None, self._dense)

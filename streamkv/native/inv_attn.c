@@ -1,0 +1,182 @@
+/* Batch-invariant attention over the paged KV cache: one kernel for every row of a step.
+ *
+ * q     [T, H, D] float32         the step's query rows (D a multiple of 16, at most 256)
+ * k, v  [S, Hk, D] bf16 or f32    one layer's paged cache (slot-major)
+ * seqs  [B, 4] int64              (row0, nq, off, L): sequence b's rows [row0, row0 + nq) sit at
+ *                                 context indices [L - nq, L) of its slots[off .. off + L) and
+ *                                 attend causally (a decode row is nq = 1)
+ * out   [T, H, D] float32
+ *
+ * Invariance: the result of a row depends only on its query, its context and its position,
+ * never on the other rows of the call (decodes, prefill chunks, their split points). Every row
+ * runs the same arithmetic:
+ *
+ *   context index   0 ........ 511 | 512 ....... 1023 | 1024 .. i       (CHUNK = 512, absolute)
+ *
+ *   score     s_j = v_hsum(a),  a = q[0:16] k_j[0:16], then a = fma(q[16b:16b+16], k_j[..], a)
+ *             for b = 1 .. D/16 - 1 (q pre-scaled), one key at a time
+ *   chunk c:  m = max_j s_j;  p_j = exp(s_j - m);  l = v_hsum(sum over 16-key groups of p,
+ *             lane-wise in order);  o = sum_j p_j v_j, j in order (one fma chain per element)
+ *   merge:    chunks 0, 1, 2, ... in order (flash-decoding's log-sum-exp merge), out = O / L
+ *
+ * Work items are (sequence, tile of QT rows, kv head, chunk); each writes per-(row, head, chunk)
+ * partials (m, l, o[D]), merged in a second pass. Parallel with OpenMP.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vec16.h"
+
+#define CHUNK 512
+#define QT 16
+#define MAXD 256
+
+typedef struct { int b, i0, i1, hk, c; } Item;
+
+static inline __attribute__((always_inline)) void load_key(const void* base, int bf16, int64_t at, const int nd, v16* k) {
+    if (bf16) for (int d = 0; d < nd; d++) k[d] = v_load_bf16((const uint16_t*)base + at + 16 * d);
+    else for (int d = 0; d < nd; d++) k[d] = v_load((const float*)base + at + 16 * d);
+}
+
+static inline __attribute__((always_inline)) float dot(const float* q, const v16* k, const int nd) {
+    v16 a = v_mul(v_load(q), k[0]);
+    for (int d = 1; d < nd; d++) a = v_fma(v_load(q + 16 * d), k[d], a);
+    return v_hsum(a);
+}
+
+/* One item: rows [i0, i1) of sequence b (context indices L - nq + i), kv head hk, chunk c;
+ * nd = D / 16 is a compile-time constant in each specialisation (see item() below). */
+static inline __attribute__((always_inline)) void item_nd(const Item* it, const float* q, const void* kc,
+                                                          const void* vc, int bf16, const int64_t* seqs,
+                                                          const int64_t* slots, const int64_t* part_off, int H,
+                                                          int Hk, const int nd, float scale, float* part) {
+    const int64_t row0 = seqs[4 * it->b], nq = seqs[4 * it->b + 1], off = seqs[4 * it->b + 2], L = seqs[4 * it->b + 3];
+    const int D = 16 * nd, G = H / Hk, nc = (int)((L + CHUNK - 1) / CHUNK), W = D + 2;
+    const int64_t c0 = (int64_t)it->c * CHUNK;
+    const int64_t last = L - nq + it->i1;                 /* the tile's largest context limit */
+    const int n_all = (int)((last < c0 + CHUNK ? last : c0 + CHUNK) - c0);
+    const int nv = (it->i1 - it->i0) * G;
+    float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16)));
+    float* sb = qs + (size_t)nv * D;                      /* scores, then weights, per query vector */
+    int nvalid[QT * 32];
+    for (int x = 0; x < nv; x++) {
+        const int i = it->i0 + x / G, g = x % G;
+        const float* src = q + ((row0 + i) * H + it->hk * G + g) * D;
+        for (int d = 0; d < D; d += 16) v_store(qs + x * D + d, v_mul(v_load(src + d), v_set1(scale)));
+        const int64_t lim = L - nq + i + 1 - c0;          /* keys of this chunk the row sees */
+        nvalid[x] = lim <= 0 ? 0 : lim < n_all ? (int)lim : n_all;
+    }
+    v16 k[MAXD / 16];
+    for (int j = 0; j < n_all; j++) {
+        load_key(kc, bf16, (slots[off + c0 + j] * Hk + it->hk) * D, nd, k);
+        for (int x = 0; x < nv; x++)
+            if (j < nvalid[x]) sb[(size_t)x * (CHUNK + 16) + j] = dot(qs + x * D, k, nd);
+    }
+    for (int x = 0; x < nv; x++) {
+        const int i = it->i0 + x / G, g = x % G, n = nvalid[x];
+        float* dst = part + (part_off[it->b] + ((int64_t)i * H + it->hk * G + g) * nc + it->c) * W;
+        if (n == 0) { dst[0] = -INFINITY; dst[1] = 0.f; continue; }
+        float* s = sb + (size_t)x * (CHUNK + 16);
+        float m = s[0];
+        for (int j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
+        for (int j = n; j < ((n + 15) & ~15); j++) s[j] = -INFINITY;
+        v16 lv = v_zero(), mv = v_set1(m);
+        for (int j = 0; j < n; j += 16) {
+            v16 p = v_exp(v_sub(v_load(s + j), mv));
+            v_store(s + j, p);
+            for (int t = n - j; t < 16; t++) s[j + t] = 0.f;   /* past the row's context */
+            lv = v_add(lv, v_load(s + j));
+        }
+        v16 o[MAXD / 16];
+        for (int d = 0; d < nd; d++) o[d] = v_zero();
+        for (int j = 0; j < n; j++) {
+            v16 pj = v_set1(s[j]);
+            const int64_t at = (slots[off + c0 + j] * Hk + it->hk) * D;
+            load_key(vc, bf16, at, nd, k);
+            for (int d = 0; d < nd; d++) o[d] = v_fma(pj, k[d], o[d]);
+        }
+        dst[0] = m;
+        dst[1] = v_hsum(lv);
+        for (int d = 0; d < nd; d++) v_store(dst + 2 + 16 * d, o[d]);
+    }
+    free(qs);
+}
+
+static void item(const Item* it, const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs,
+                 const int64_t* slots, const int64_t* part_off, int H, int Hk, int D, float scale, float* part) {
+    switch (D / 16) {
+#define ND(N) case N: item_nd(it, q, kc, vc, bf16, seqs, slots, part_off, H, Hk, N, scale, part); break;
+        ND(1) ND(2) ND(4) ND(8)
+#undef ND
+        default: item_nd(it, q, kc, vc, bf16, seqs, slots, part_off, H, Hk, D / 16, scale, part);
+    }
+}
+
+int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
+                      const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
+    if (D % 16 != 0 || D > MAXD || Hk <= 0 || H % Hk != 0 || H / Hk > 32 || B <= 0) return 1;
+    const int W = D + 2;
+    int64_t* part_off = malloc(sizeof(int64_t) * (B + 1));
+    int64_t nitems = 0;
+    part_off[0] = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
+        if (nq <= 0 || nq > L) { free(part_off); return 2; }
+        const int64_t nc = (L + CHUNK - 1) / CHUNK;
+        part_off[b + 1] = part_off[b] + nq * H * nc;
+        for (int64_t i0 = 0; i0 < nq; i0 += QT) {
+            const int64_t i1 = i0 + QT < nq ? i0 + QT : nq;
+            nitems += Hk * ((L - nq + i1 + CHUNK - 1) / CHUNK);
+        }
+    }
+    Item* items = malloc(sizeof(Item) * nitems);
+    int64_t n = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
+        for (int64_t i0 = 0; i0 < nq; i0 += QT) {
+            const int64_t i1 = i0 + QT < nq ? i0 + QT : nq;
+            const int ncs = (int)((L - nq + i1 + CHUNK - 1) / CHUNK);
+            for (int hk = 0; hk < Hk; hk++)
+                for (int c = 0; c < ncs; c++) items[n++] = (Item){b, (int)i0, (int)i1, hk, c};
+        }
+    }
+    float* part = malloc(sizeof(float) * (size_t)part_off[B] * W);
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t t = 0; t < nitems; t++)
+        item(&items[t], q, kc, vc, bf16, seqs, slots, part_off, H, Hk, D, scale, part);
+    /* merge every (row, head) over its chunks, in chunk order */
+    #pragma omp parallel for schedule(static)
+    for (int b = 0; b < B; b++) {
+        const int64_t row0 = seqs[4 * b], nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
+        const int64_t nc = (L + CHUNK - 1) / CHUNK;
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t used = (L - nq + i + CHUNK) / CHUNK;  /* chunks holding [0, L - nq + i] */
+            for (int h = 0; h < H; h++) {
+                const float* pr = part + (part_off[b] + (i * H + h) * nc) * W;
+                float m = -INFINITY, l = 0.f;
+                v16 o[MAXD / 16];
+                for (int d = 0; d < D / 16; d++) o[d] = v_zero();
+                for (int64_t c = 0; c < used; c++) {
+                    const float* s = pr + c * W;
+                    float mn = s[0] > m ? s[0] : m;
+                    float a = m == -INFINITY ? 0.f : s_exp(m - mn), e = s_exp(s[0] - mn);
+                    l = l * a + s[1] * e;
+                    for (int d = 0; d < D / 16; d++) o[d] = v_fma(v_load(s + 2 + 16 * d), v_set1(e), v_mul(o[d], v_set1(a)));
+                    m = mn;
+                }
+                float* dst = out + ((row0 + i) * H + h) * D;
+                for (int d = 0; d < D / 16; d++) {
+                    float t[16];
+                    v_store(t, o[d]);
+                    for (int x = 0; x < 16; x++) dst[16 * d + x] = t[x] / l;
+                }
+            }
+        }
+    }
+    free(part);
+    free(items);
+    free(part_off);
+    return 0;
+}
+
+const char* streamkv_inv_isa(void) { return STREAMKV_VEC_ISA; }

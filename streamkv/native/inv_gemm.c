@@ -1,0 +1,189 @@
+/* Batch-invariant dense GEMM: out[m, n] = sum_k x[m, k] * w[n, k], one fixed chain per element.
+ *
+ * Every output element is ONE accumulator updated in increasing k (float32 weights: a fused
+ * multiply-add per k; bf16 weights: one vdpbf16ps per k pair on AVX512-BF16 CPUs, else two
+ * fused multiply-adds of the exact bf16 values). The micro-kernels below differ only in how
+ * many rows (R) and 16-column panels (P) they keep in registers, never in that chain, so a
+ * row's result is bit-identical for any M, any position in the batch and any thread count.
+ *
+ * Packed weights (built once by streamkv/models/linear.py), panel t = columns [16t, 16t + 16):
+ *
+ *   float32:  wp[t][k][16]            wp[t][k][c]    = w[16t + c][k]
+ *   bf16:     wp[t][k/2][16][2]       wp[t][p][c][e] = w[16t + c][2p + e]     (K even)
+ *
+ * Columns past N are zero (the last panel's padding) and never stored.
+ *
+ *   for each block of MB rows:                   (x rows stay in L2 while every panel passes)
+ *     parallel over units of UP panels:
+ *       for rows in steps of R (6, then the remainder):
+ *         for panels in steps of P(R):  acc[R][P] over the whole K, then store
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vec16.h"
+
+#define MB 96
+#define UP 8
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_DOT 1
+#endif
+
+#if defined(__AVX512F__)
+static inline int panels_for(int R) { return R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 3 : 2; }
+#else
+static inline int panels_for(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
+#endif
+
+static inline void store_out(void* out, int out_bf16, int64_t at, int ncols, v16 a) {
+    float t[16];
+    v_store(t, a);
+    if (out_bf16) {
+        uint16_t* o = (uint16_t*)out + at;
+        for (int c = 0; c < ncols; c++) o[c] = f32_to_bf16(t[c]);
+    } else {
+        float* o = (float*)out + at;
+        for (int c = 0; c < ncols; c++) o[c] = t[c];
+    }
+}
+
+/* float32 weights; x float32 rows (ldx = K). */
+static inline __attribute__((always_inline)) void mk_f32(const int R, const int P, const float* x, int K,
+                                                         const float* wp, v16 acc[6][8]) {
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = v_zero();
+    for (int k = 0; k < K; k++) {
+        v16 w[8];
+        for (int p = 0; p < P; p++) w[p] = v_load(wp + ((int64_t)p * K + k) * 16);
+        for (int r = 0; r < R; r++) {
+            v16 xb = v_set1(x[(int64_t)r * K + k]);
+            for (int p = 0; p < P; p++) acc[r][p] = v_fma(xb, w[p], acc[r][p]);
+        }
+    }
+}
+
+#ifdef BF16_DOT
+/* bf16 weights and rows, vdpbf16ps per k pair. */
+static inline __attribute__((always_inline)) void mk_bf16(const int R, const int P, const uint16_t* x, int K,
+                                                          const uint16_t* wp, v16 acc[6][8]) {
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = v_zero();
+    for (int k = 0; k < K; k += 2) {
+        __m512i w[8];
+        for (int p = 0; p < P; p++) w[p] = _mm512_loadu_si512((const void*)(wp + ((int64_t)p * K + k) * 16));
+        for (int r = 0; r < R; r++) {
+            int32_t xp;
+            memcpy(&xp, x + (int64_t)r * K + k, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], (__m512bh)w[p], xb);
+        }
+    }
+}
+#else
+/* bf16 weights without bf16 dot products: x already widened to float32 (exact), each pair's two
+ * exact products added in k order. */
+static inline __attribute__((always_inline)) void mk_bf16(const int R, const int P, const float* x, int K,
+                                                          const uint16_t* wp, v16 acc[6][8]) {
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = v_zero();
+    for (int k = 0; k < K; k += 2) {
+        v16 we[8], wo[8];
+        for (int p = 0; p < P; p++) {
+            const uint16_t* q = wp + ((int64_t)p * K + k) * 16;
+            uint16_t e[16], o[16];
+            for (int c = 0; c < 16; c++) { e[c] = q[2 * c]; o[c] = q[2 * c + 1]; }
+            we[p] = v_load_bf16(e);
+            wo[p] = v_load_bf16(o);
+        }
+        for (int r = 0; r < R; r++) {
+            v16 x0 = v_set1(x[(int64_t)r * K + k]), x1 = v_set1(x[(int64_t)r * K + k + 1]);
+            for (int p = 0; p < P; p++) acc[r][p] = v_fma(x1, wo[p], v_fma(x0, we[p], acc[r][p]));
+        }
+    }
+}
+#endif
+
+typedef struct {
+    const void* x;      /* rows: float32, or bf16 (bf16 weights with BF16_DOT), or widened float32 */
+    int K, N, wbf16, out_bf16;
+    const void* wp;
+    void* out;
+} Gemm;
+
+/* R rows starting at row m against panels [t0, t0 + P) */
+static inline __attribute__((always_inline)) void block(const Gemm* g, const int R, const int P, int64_t m, int t0) {
+    v16 acc[6][8];
+    const int K = g->K;
+    if (g->wbf16) {
+#ifdef BF16_DOT
+        mk_bf16(R, P, (const uint16_t*)g->x + m * K, K, (const uint16_t*)g->wp + (int64_t)t0 * K * 16, acc);
+#else
+        mk_bf16(R, P, (const float*)g->x + m * K, K, (const uint16_t*)g->wp + (int64_t)t0 * K * 16, acc);
+#endif
+    } else {
+        mk_f32(R, P, (const float*)g->x + m * K, K, (const float*)g->wp + (int64_t)t0 * K * 16, acc);
+    }
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < P; p++) {
+            int col = 16 * (t0 + p), ncols = g->N - col < 16 ? g->N - col : 16;
+            store_out(g->out, g->out_bf16, (m + r) * g->N + col, ncols, acc[r][p]);
+        }
+}
+
+#define CASE_P(R, P) case P: block(g, R, P, m, t); break;
+#define ROWS(R)                                                                               \
+    static void rows##R(const Gemm* g, int64_t m, int t, int t1) {                            \
+        while (t < t1) {                                                                      \
+            int P = panels_for(R);                                                            \
+            if (t1 - t < P) P = t1 - t;                                                       \
+            switch (P) { CASE_P(R, 1) CASE_P(R, 2) CASE_P(R, 3) CASE_P(R, 4) CASE_P(R, 5)      \
+                         CASE_P(R, 6) CASE_P(R, 7) CASE_P(R, 8) }                             \
+            t += P;                                                                           \
+        }                                                                                     \
+    }
+ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6)
+
+static void unit(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
+    int64_t m = m0;
+    for (; m + 6 <= m1; m += 6) rows6(g, m, t0, t1);
+    switch (m1 - m) {
+        case 5: rows5(g, m, t0, t1); break;
+        case 4: rows4(g, m, t0, t1); break;
+        case 3: rows3(g, m, t0, t1); break;
+        case 2: rows2(g, m, t0, t1); break;
+        case 1: rows1(g, m, t0, t1); break;
+        default: break;
+    }
+}
+
+/* x [M, K] (float32, or bf16 when wbf16) -> out [M, N] (float32, or bf16 when out_bf16). */
+int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16) {
+    if (M <= 0 || K <= 0 || N <= 0 || (wbf16 && K % 2 != 0)) return 1;
+    Gemm g = {x, K, N, wbf16, out_bf16, wp, out};
+    float* wide = NULL;
+#ifndef BF16_DOT
+    if (wbf16) {
+        wide = malloc(sizeof(float) * (size_t)M * K);
+        const uint16_t* xb = (const uint16_t*)x;
+        for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_f32(xb[i]);
+        g.x = wide;
+    }
+#endif
+    const int T = (N + 15) / 16, U = (T + UP - 1) / UP;
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t m1 = m0 + MB < M ? m0 + MB : M;
+        #pragma omp parallel for schedule(static)
+        for (int u = 0; u < U; u++) {
+            const int t1 = (u + 1) * UP < T ? (u + 1) * UP : T;
+            unit(&g, m0, m1, u * UP, t1);
+        }
+    }
+    free(wide);
+    return 0;
+}
+
+int streamkv_inv_gemm_bf16_dot(void) {
+#ifdef BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}

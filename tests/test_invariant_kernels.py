@@ -1,0 +1,134 @@
+"""The batch-invariant kernels on random data: correct (against float64) and invariant (a row's
+bits do not depend on the rows around it, their number, the thread count, or, for attention,
+on whether the row is a decode or part of a prefill chunk of any split)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamkv.models.linear import pack_dense
+from streamkv.native import invariant_attention, invariant_gemm, invariant_isa
+
+gemm, attn = invariant_gemm(), invariant_attention()
+pytestmark = pytest.mark.skipif(gemm is None, reason="no C compiler: the native kernels are not built")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_the_build_names_its_vector_isa():
+    assert invariant_isa() in ("avx512f", "avx2", "scalar")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1728, 576), (37, 64), (4099, 130)])
+def test_gemm_is_correct_and_row_invariant(dtype, shape):
+    n, k = shape
+    w = torch.randn(n, k, generator=_gen(0)).to(dtype)
+    x = torch.randn(211, k, generator=_gen(1)).to(dtype)
+    wp = pack_dense(w)
+    full = gemm(x, wp, n, torch.float32)
+    exact = x.double() @ w.double().t()
+    bound = (x.double().abs() @ w.double().abs().t()) * k * torch.finfo(torch.float32).eps
+    assert ((full.double() - exact).abs() <= bound).all()
+    for m in (1, 2, 3, 5, 6, 7, 13, 64, 97):
+        for start in (0, 1, 211 - m):
+            part = gemm(x[start:start + m], wp, n, torch.float32)
+            assert torch.equal(part, full[start:start + m]), f"rows {start}..{start + m} differ"
+    # bf16 output is the float32 result rounded to nearest even
+    assert torch.equal(gemm(x, wp, n, torch.bfloat16), full.bfloat16())
+
+
+def test_gemm_does_not_depend_on_the_thread_count():
+    w = torch.randn(1000, 256, generator=_gen(2))
+    x = torch.randn(50, 256, generator=_gen(3))
+    wp = pack_dense(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm(x, wp, 1000, torch.float32)
+        torch.set_num_threads(max(2, before))
+        many = gemm(x, wp, 1000, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+def test_gemm_rejects_bad_input():
+    wp = pack_dense(torch.randn(32, 64))
+    with pytest.raises(TypeError):
+        gemm(torch.randn(4, 64).bfloat16(), wp, 32, torch.float32)
+    with pytest.raises(ValueError, match="even"):
+        pack_dense(torch.randn(32, 63).bfloat16())
+
+
+def _reference(q, kc, vc, seqs, slots, scale):
+    """float64 causal attention of every sequence's rows over its context slots."""
+    h, hk = q.shape[1], kc.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for row0, nq, off, length in seqs.tolist():
+        s = slots[off:off + length]
+        ks = kc[s].double().transpose(0, 1).repeat_interleave(h // hk, 0)
+        vs = vc[s].double().transpose(0, 1).repeat_interleave(h // hk, 0)
+        scores = q[row0:row0 + nq].double().transpose(0, 1) @ ks.transpose(1, 2) * scale
+        visible = torch.arange(length)[None, :] <= torch.arange(length - nq, length)[:, None]
+        out[row0:row0 + nq] = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
+    return out
+
+
+def _step(shapes, h, hk, d, dtype, seed):
+    g = _gen(seed)
+    kc = torch.randn(8192, hk, d, generator=g).to(dtype)
+    vc = torch.randn(8192, hk, d, generator=g).to(dtype)
+    rows, parts, row0, off = [], [], 0, 0
+    for nq, length in shapes:
+        rows.append((row0, nq, off, length))
+        parts.append(torch.randperm(8192, generator=g)[:length])
+        row0, off = row0 + nq, off + length
+    q = torch.randn(row0, h, d, generator=g)
+    return q, kc, vc, torch.tensor(rows), torch.cat(parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (8, 1, 32), (4, 4, 128)])
+def test_attention_is_correct_and_every_row_equals_its_decode(dtype, heads):
+    """A mixed step (decodes, fresh chunks, chunks with context, lengths around the 512-key
+    chunk boundary); then every row alone, as a decode over its own context, gives the same bits."""
+    h, hk, d = heads
+    shapes = [(1, 1), (1, 37), (5, 5), (17, 17), (40, 900), (1, 1025), (3, 512), (30, 540)]
+    q, kc, vc, seqs, slots = _step(shapes, h, hk, d, dtype, seed=d)
+    out = attn(q, kc, vc, seqs, slots, d ** -0.5)
+    torch.testing.assert_close(out.double(), _reference(q, kc, vc, seqs, slots, d ** -0.5), atol=1e-5, rtol=1e-5)
+    for row0, nq, off, length in seqs.tolist():
+        for i in range(nq):
+            lim = length - nq + i + 1
+            alone = attn(q[row0 + i:row0 + i + 1], kc, vc, torch.tensor([(0, 1, 0, lim)]), slots[off:off + lim],
+                         d ** -0.5)
+            assert torch.equal(alone[0], out[row0 + i]), f"row {i} of sequence at {row0} differs alone"
+
+
+def test_attention_does_not_depend_on_chunking_or_neighbours():
+    """One 70-row prompt prefilled at once, in chunks of 7, and next to other sequences."""
+    q, kc, vc, seqs, slots = _step([(70, 600)], 9, 3, 64, torch.bfloat16, seed=5)
+    whole = attn(q, kc, vc, seqs, slots, 0.125)
+    for cut in (7, 33):
+        parts = [attn(q[i:i + cut], kc, vc, torch.tensor([(0, min(cut, 70 - i), 0, 530 + i + min(cut, 70 - i))]),
+                      slots, 0.125) for i in range(0, 70, cut)]
+        assert torch.equal(torch.cat(parts), whole), f"chunks of {cut} differ"
+    q2, kc2, vc2, seqs2, slots2 = _step([(1, 300), (12, 12)], 9, 3, 64, torch.bfloat16, seed=6)
+    both = torch.cat([q2[:1], q, q2[1:]])
+    seqs_both = torch.tensor([(0, 1, 0, 300), (1, 70, 300, 600), (71, 12, 900, 12)])
+    slots_both = torch.cat([slots2[:300], slots, slots2[300:]])
+    out = attn(both, kc, vc, seqs_both, slots_both, 0.125)
+    assert torch.equal(out[1:71], whole)
+
+
+def test_attention_rejects_shapes_it_cannot_serve():
+    q, kc, vc, seqs, slots = _step([(2, 4)], 4, 2, 16, torch.float32, seed=7)
+    with pytest.raises(ValueError, match="rejected"):
+        attn(q[..., :8].contiguous(), kc[..., :8].contiguous(), vc[..., :8].contiguous(), seqs, slots, 0.25)
+    with pytest.raises(ValueError, match="rejected"):
+        attn(q, kc, vc, torch.tensor([(0, 5, 0, 4)]), slots, 0.25)  # more rows than context
+    with pytest.raises(TypeError):
+        attn(q, kc.half(), vc.half(), seqs, slots, 0.25)
