@@ -228,9 +228,9 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
         for label, k in (("prefill tok/s @2048", "prefill@2048"), ("decode tok/s, batch 1", "decode@"),
                          ("aggregate decode tok/s @32", "agg@32")):
             a, b = metric(res[sk], k), metric(res[fast], k)
-            cost = (1 - a / b) if a and b else None
-            report.setdefault("invariance_cost", {})[k] = cost
-            crow.append([label, fmt(a), fmt(b), f"{100 * cost:+.1f}%" if cost is not None else "n/a"])
+            slower = (1 - a / b) if a and b else None
+            report.setdefault("invariance_cost", {})[k] = slower
+            crow.append([label, fmt(a), fmt(b), f"{100 * slower:+.1f}%" if slower is not None else "n/a"])
         out += ["", "## Cost of invariant numerics (default vs --numerics fast)", "",
                 md_table(["metric", "invariant", "fast", "invariant slower by"], crow)]
     keys = [k for _, k in rows_def if k != "load@"]

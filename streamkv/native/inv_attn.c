@@ -20,7 +20,9 @@
  *   merge:    chunks 0, 1, 2, ... in order (flash-decoding's log-sum-exp merge), out = O / L
  *
  * Work items are (sequence, tile of QT rows, kv head, chunk); each writes per-(row, head, chunk)
- * partials (m, l, o[D]), merged in a second pass. Parallel with OpenMP.
+ * partials (m, l, o[D]), merged in a second pass. Parallel with OpenMP. Inside an item, VB keys
+ * of K (then of V) are gathered and widened once into an L1 buffer that serves every query
+ * vector of the tile; none of this changes any element's order of operations.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,6 +31,7 @@
 
 #define CHUNK 512
 #define QT 16
+#define VB 64
 #define MAXD 256
 
 typedef struct { int b, i0, i1, hk, c; } Item;
@@ -38,10 +41,11 @@ static inline __attribute__((always_inline)) void load_key(const void* base, int
     else for (int d = 0; d < nd; d++) k[d] = v_load((const float*)base + at + 16 * d);
 }
 
-static inline __attribute__((always_inline)) float dot(const float* q, const v16* k, const int nd) {
-    v16 a = v_mul(v_load(q), k[0]);
-    for (int d = 1; d < nd; d++) a = v_fma(v_load(q + 16 * d), k[d], a);
-    return v_hsum(a);
+/* the 16 partial sums of q . k (lane l sums d = l, l + 16, ...); the score is their v_hsum */
+static inline __attribute__((always_inline)) v16 dot_v(const float* q, const float* k, const int nd) {
+    v16 a = v_mul(v_load(q), v_load(k));
+    for (int d = 1; d < nd; d++) a = v_fma(v_load(q + 16 * d), v_load(k + 16 * d), a);
+    return a;
 }
 
 /* One item: rows [i0, i1) of sequence b (context indices L - nq + i), kv head hk, chunk c;
@@ -56,8 +60,9 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
     const int64_t last = L - nq + it->i1;                 /* the tile's largest context limit */
     const int n_all = (int)((last < c0 + CHUNK ? last : c0 + CHUNK) - c0);
     const int nv = (it->i1 - it->i0) * G;
-    float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16)));
+    float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16) + (size_t)VB * D));
     float* sb = qs + (size_t)nv * D;                      /* scores, then weights, per query vector */
+    float* vb = sb + (size_t)nv * (CHUNK + 16);           /* VB rows of V, widened */
     int nvalid[QT * 32];
     for (int x = 0; x < nv; x++) {
         const int i = it->i0 + x / G, g = x % G;
@@ -67,15 +72,31 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
         nvalid[x] = lim <= 0 ? 0 : lim < n_all ? (int)lim : n_all;
     }
     v16 k[MAXD / 16];
-    for (int j = 0; j < n_all; j++) {
-        load_key(kc, bf16, (slots[off + c0 + j] * Hk + it->hk) * D, nd, k);
-        for (int x = 0; x < nv; x++)
-            if (j < nvalid[x]) sb[(size_t)x * (CHUNK + 16) + j] = dot(qs + x * D, k, nd);
+    /* scores: VB keys of K at a time are gathered (and widened) once and serve every query
+     * vector from L1; four keys share one reduction network (v_hsum4 == v_hsum per key) */
+    for (int j0 = 0; j0 < n_all; j0 += VB) {
+        const int nb = n_all - j0 < VB ? n_all - j0 : VB;
+        for (int j = 0; j < nb; j++) {
+            load_key(kc, bf16, (slots[off + c0 + j0 + j] * Hk + it->hk) * D, nd, k);
+            for (int d = 0; d < nd; d++) v_store(vb + (size_t)j * D + 16 * d, k[d]);
+        }
+        for (int x = 0; x < nv; x++) {
+            const int end = nvalid[x] - j0 < nb ? nvalid[x] - j0 : nb;
+            float* s = sb + (size_t)x * (CHUNK + 16) + j0;
+            const float* qx = qs + x * D;
+            int j = 0;
+            for (; j + 4 <= end; j += 4)
+                v_hsum4(dot_v(qx, vb + (size_t)j * D, nd), dot_v(qx, vb + (size_t)(j + 1) * D, nd),
+                        dot_v(qx, vb + (size_t)(j + 2) * D, nd), dot_v(qx, vb + (size_t)(j + 3) * D, nd), s + j);
+            for (; j < end; j++) s[j] = v_hsum(dot_v(qx, vb + (size_t)j * D, nd));
+        }
     }
-    for (int x = 0; x < nv; x++) {
+    float* dst[QT * 32];
+    for (int x = 0; x < nv; x++) {                        /* softmax weights, m and l */
         const int i = it->i0 + x / G, g = x % G, n = nvalid[x];
-        float* dst = part + (part_off[it->b] + ((int64_t)i * H + it->hk * G + g) * nc + it->c) * W;
-        if (n == 0) { dst[0] = -INFINITY; dst[1] = 0.f; continue; }
+        dst[x] = part + (part_off[it->b] + ((int64_t)i * H + it->hk * G + g) * nc + it->c) * W;
+        for (int d = 0; d < nd; d++) v_store(dst[x] + 2 + 16 * d, v_zero());
+        if (n == 0) { dst[x][0] = -INFINITY; dst[x][1] = 0.f; continue; }
         float* s = sb + (size_t)x * (CHUNK + 16);
         float m = s[0];
         for (int j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
@@ -87,17 +108,29 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
             for (int t = n - j; t < 16; t++) s[j + t] = 0.f;   /* past the row's context */
             lv = v_add(lv, v_load(s + j));
         }
-        v16 o[MAXD / 16];
-        for (int d = 0; d < nd; d++) o[d] = v_zero();
-        for (int j = 0; j < n; j++) {
-            v16 pj = v_set1(s[j]);
-            const int64_t at = (slots[off + c0 + j] * Hk + it->hk) * D;
-            load_key(vc, bf16, at, nd, k);
-            for (int d = 0; d < nd; d++) o[d] = v_fma(pj, k[d], o[d]);
+        dst[x][0] = m;
+        dst[x][1] = v_hsum(lv);
+    }
+    /* o = sum_j p_j v_j, one fma chain per element in key order; VB keys of V at a time are
+     * gathered (and widened) once and serve every query vector from L1. */
+    for (int j0 = 0; j0 < n_all; j0 += VB) {
+        const int nb = n_all - j0 < VB ? n_all - j0 : VB;
+        for (int j = 0; j < nb; j++) {
+            load_key(vc, bf16, (slots[off + c0 + j0 + j] * Hk + it->hk) * D, nd, k);
+            for (int d = 0; d < nd; d++) v_store(vb + (size_t)j * D + 16 * d, k[d]);
         }
-        dst[0] = m;
-        dst[1] = v_hsum(lv);
-        for (int d = 0; d < nd; d++) v_store(dst + 2 + 16 * d, o[d]);
+        for (int x = 0; x < nv; x++) {
+            const int end = nvalid[x] - j0 < nb ? nvalid[x] - j0 : nb;
+            if (end <= 0) continue;
+            const float* s = sb + (size_t)x * (CHUNK + 16) + j0;
+            v16 o[MAXD / 16];
+            for (int d = 0; d < nd; d++) o[d] = v_load(dst[x] + 2 + 16 * d);
+            for (int j = 0; j < end; j++) {
+                v16 pj = v_set1(s[j]);
+                for (int d = 0; d < nd; d++) o[d] = v_fma(pj, v_load(vb + (size_t)j * D + 16 * d), o[d]);
+            }
+            for (int d = 0; d < nd; d++) v_store(dst[x] + 2 + 16 * d, o[d]);
+        }
     }
     free(qs);
 }

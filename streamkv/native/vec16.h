@@ -132,6 +132,35 @@ static inline float v_hmax(v16 a) {
 #undef LANES
 #endif
 
+/* v_hsum of four vectors at once, with exactly v_hsum's tree for each (so either may be used
+ * for any element): out[i] = v_hsum(a_i). */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
+static inline __m256 hsum_t(v16 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
+#else
+static inline __m256 hsum_t(v16 a) { return _mm256_add_ps(a.lo, a.hi); }
+#endif
+static inline void v_hsum4(v16 a0, v16 a1, v16 a2, v16 a3, float* out) {
+    __m256 t0 = hsum_t(a0), t1 = hsum_t(a1), t2 = hsum_t(a2), t3 = hsum_t(a3);
+    /* u[i] = t[i] + t[i + 4]: [u0 | u1] and [u2 | u3] */
+    __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+    __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(t2, t3, 0x20), _mm256_permute2f128_ps(t2, t3, 0x31));
+    /* w[i] = u[i] + u[i + 2]: lane 0 (w0_0 w0_1 w2_0 w2_1), lane 1 (w1_0 w1_1 w3_0 w3_1) */
+    __m256 w = _mm256_add_ps(_mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(u01, u23, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* s = w0 + w1: lane 0 (s0 s2 s0 s2), lane 1 (s1 s3 s1 s3) */
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(w, w, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(w, w, _MM_SHUFFLE(3, 1, 3, 1)));
+    float t[8];
+    _mm256_storeu_ps(t, r);
+    out[0] = t[0]; out[1] = t[4]; out[2] = t[1]; out[3] = t[5];
+}
+#else
+static inline void v_hsum4(v16 a0, v16 a1, v16 a2, v16 a3, float* out) {
+    out[0] = v_hsum(a0); out[1] = v_hsum(a1); out[2] = v_hsum(a2); out[3] = v_hsum(a3);
+}
+#endif
+
 /* exp(x) for x <= 0 (inputs below -87 give exp(-87)): 2^n * p(f), f = (x log2e - n) ln2, |f| <= ln2/2. */
 static inline v16 v_exp(v16 x) {
     x = v_max(x, v_set1(-87.f));
