@@ -105,7 +105,7 @@ def main() -> int:
     if native.invariant_gemm() is None:
         sys.exit("the native kernels did not build (no C compiler?)")
     print(f"CPU: {cpu()}; torch {torch.__version__}, {args.threads} threads; invariant kernels built for "
-          f"{native.invariant_isa()} (bf16 dot products: {native.invariant_gemm_uses_bf16_dot()}); "
+          f"{native.invariant_isa()} (bf16 weights on: {native.invariant_gemm_bf16_path()}); "
           f"native q4 GEMM: {native.q4_gemm() is not None}")
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)

@@ -44,8 +44,9 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_alone_batched_chunked_preempted_are_identical(checkpoint, dtype):
-    llm = LLM(model=checkpoint, dtype=dtype, num_blocks=256, block_size=4)
     q4 = checkpoint.endswith(".gguf") and dtype == "bfloat16" and q4_gemm() is not None
+    weights = "q4" if q4 else "auto"  # explicit: on AMX CPUs auto picks the dense tile GEMM
+    llm = LLM(model=checkpoint, dtype=dtype, num_blocks=256, block_size=4, decode_weights=weights)
     assert llm.engine.bundle.decode_weights == ("q4" if q4 else "dense")
     prompts = _prompts(llm.engine.bundle.vocab_size)
     solo = []
@@ -53,9 +54,10 @@ def test_alone_batched_chunked_preempted_are_identical(checkpoint, dtype):
         llm.engine.pool.reset_prefix_cache()
         solo += _run(llm, [p])
     assert _run(llm, prompts) == solo, "batched (with prefix hits) differs from alone"
-    chunked = LLM(model=checkpoint, dtype=dtype, num_blocks=256, block_size=4, max_chunk_tokens=7)
+    chunked = LLM(model=checkpoint, dtype=dtype, num_blocks=256, block_size=4, max_chunk_tokens=7,
+                  decode_weights=weights)
     assert _run(chunked, prompts) == solo, "chunks of 7 differ from one prefill"
-    tight = LLM(model=checkpoint, dtype=dtype, num_blocks=60, block_size=4)
+    tight = LLM(model=checkpoint, dtype=dtype, num_blocks=60, block_size=4, decode_weights=weights)
     assert _run(tight, prompts) == solo, "preempted and recomputed differs"
     assert tight.engine.scheduler.num_preemptions > 0
     for engine in (llm, chunked, tight):

@@ -3,6 +3,10 @@ bits do not depend on the rows around it, their number, the thread count, or, fo
 on whether the row is a decode or part of a prefill chunk of any split)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -53,6 +57,25 @@ def test_gemm_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, many)
+
+
+def test_gemm_without_amx_tiles_is_invariant_too():
+    """On an AMX CPU bf16 GEMMs run on tiles; STREAMKV_AMX=0 forces the AVX-512 path (read once
+    per process, hence a subprocess). Elsewhere both runs take the same path."""
+    code = ("import torch; from streamkv.native import invariant_gemm, invariant_gemm_bf16_path as p; "
+            "from streamkv.models.linear import pack_dense; g = invariant_gemm(); "
+            "w = torch.randn(300, 576, generator=torch.Generator().manual_seed(0)).bfloat16(); "
+            "x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1)).bfloat16(); wp = pack_dense(w); "
+            "full = g(x, wp, 300, torch.float32); "
+            "ok = all(torch.equal(g(x[i:i + m], wp, 300, torch.float32), full[i:i + m]) for m in (1, 3, 17, 33) "
+            "for i in (0, 40 - m)); "
+            "err = (full.double() - x.double() @ w.double().t()).abs().max().item(); print(p(), ok, err < 1e-3)")
+    for env in ({}, {"STREAMKV_AMX": "0"}):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **env})
+        path, ok, close = out.stdout.split()
+        assert ok == "True" and close == "True", (env, out.stdout, out.stderr)
+        assert path in ("amx", "avx512bf16", "fma") and (path != "amx" or not env)
 
 
 def test_gemm_rejects_bad_input():

@@ -56,12 +56,17 @@ def _decode_q4(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype,
     if not usable:
         raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, dtype bfloat16, on CPU")
     if config.runtime.numerics == "invariant":
-        from streamkv.native import q4_gemm
+        from streamkv.native import invariant_gemm_bf16_path, q4_gemm
 
         if q4_gemm() is None:  # torch's int4 kernel is not batch-invariant
             if mode == "q4":
                 raise ValueError("decode_weights=q4 with numerics=invariant needs the native 4-bit kernel "
                                  "(AVX512-BF16 CPUs); use numerics=fast or decode_weights=dense")
+            return None
+        if mode == "auto" and invariant_gemm_bf16_path() == "amx":
+            # Measured on a 2-core Intel Xeon with AMX (benchmarks/invariant_kernels.py): the dense
+            # bf16 tile GEMM takes 0.05 / 0.05 / 0.09 / 5.7 ms at 1 / 8 / 32 / 2048 rows of the
+            # 576->1536 projection vs 0.05 / 0.16 / 0.55 / 33 ms for the 4-bit kernel.
             return None
     from streamkv.loading.q4_blocks import read_q4_matrices, read_q8_lm_head
 

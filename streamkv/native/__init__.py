@@ -100,6 +100,7 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int]
     lib.streamkv_inv_gemm_bf16_dot.restype = ctypes.c_int
+    lib.streamkv_inv_gemm_bf16_path.restype = ctypes.c_char_p
     fn = lib.streamkv_inv_attn
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -268,6 +269,14 @@ def invariant_gemm() -> Callable[..., torch.Tensor] | None:
 def invariant_gemm_uses_bf16_dot() -> bool:
     lib = _library()
     return lib is not None and bool(lib.streamkv_inv_gemm_bf16_dot())
+
+
+def invariant_gemm_bf16_path() -> str | None:
+    """What the invariant GEMM runs bf16 weights on here: ``amx`` (tiles; K a multiple of 32),
+    ``avx512bf16`` or ``fma``; None without the native kernels. ``STREAMKV_AMX=0`` (read once per
+    process) forces the AVX-512 path on an AMX CPU."""
+    lib = _library()
+    return None if lib is None else lib.streamkv_inv_gemm_bf16_path().decode()
 
 
 def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,

@@ -13,6 +13,12 @@
  *
  * Columns past N are zero (the last panel's padding) and never stored.
  *
+ * On CPUs with AMX (compiled with -march=native there, and allowed by the kernel) every bf16
+ * GEMM whose K is a multiple of 32 runs on tiles instead, whatever M, so the choice never
+ * depends on the batch: C tiles of 16 rows x 16 columns stay in tile registers over the whole
+ * K, one TDPBF16PS per 32-wide K block in increasing order (the bf16 panels above are the
+ * tiles' VNNI layout). STREAMKV_AMX=0 in the environment forces the AVX-512 path.
+ *
  *   for each block of MB rows:                   (x rows stay in L2 while every panel passes)
  *     parallel over units of UP panels:
  *       for rows in steps of R (6, then the remainder):
@@ -22,6 +28,12 @@
 #include <stdlib.h>
 
 #include "vec16.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define MB 96
 #define UP 8
@@ -154,6 +166,91 @@ static void unit(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
     }
 }
 
+
+#ifdef AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* once per process, before any parallel region: AMX allowed and not switched off */
+static int amx_enabled(void) {
+    static int state = -1;
+    if (state < 0) {
+        const char* env = getenv("STREAMKV_AMX");
+        state = (env && env[0] == '0') ? 0 : syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* tiles 0-3: C (16 x 16 float32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 pairs x 16 columns) */
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) { c.rows[i] = 16; c.colsb[i] = 64; }
+    _tile_loadconfig(&c);
+}
+
+/* C[32 x 32] (cbuf, row stride 32 floats) = rows x[0..32) (row stride ldx bytes) against panels
+ * wp[0], wp[1]; nr row tiles and np panels (1 or 2 each) are used. */
+#define AMX_BLOCK(NR, NP)                                                                        \
+static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, int K, float* cbuf) { \
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                                  \
+    for (int k = 0; k < K; k += 32) {                                                            \
+        _tile_loadd(4, x + k, ldx);                                                              \
+        if (NR == 2) _tile_loadd(5, (const char*)(x + k) + 16 * ldx, ldx);                       \
+        _tile_loadd(6, wp + (int64_t)k * 16, 64);                                                \
+        if (NP == 2) _tile_loadd(7, wp + (int64_t)K * 16 + (int64_t)k * 16, 64);                 \
+        _tile_dpbf16ps(0, 4, 6);                                                                 \
+        if (NP == 2) _tile_dpbf16ps(1, 4, 7);                                                    \
+        if (NR == 2) _tile_dpbf16ps(2, 5, 6);                                                    \
+        if (NR == 2 && NP == 2) _tile_dpbf16ps(3, 5, 7);                                         \
+    }                                                                                            \
+    _tile_stored(0, cbuf, 128);                                                                  \
+    if (NP == 2) _tile_stored(1, cbuf + 16, 128);                                                \
+    if (NR == 2) _tile_stored(2, cbuf + 16 * 32, 128);                                           \
+    if (NR == 2 && NP == 2) _tile_stored(3, cbuf + 16 * 32 + 16, 128);                          \
+}
+AMX_BLOCK(1, 1) AMX_BLOCK(1, 2) AMX_BLOCK(2, 1) AMX_BLOCK(2, 2)
+
+/* rows [m0, m1) x panels [t0, t1) on tiles; a last partial row tile reads a zero-padded copy */
+static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
+    const int K = g->K;
+    float cbuf[32 * 32];
+    uint16_t* pad = NULL;
+    amx_configure();
+    for (int64_t m = m0; m < m1; m += 32) {
+        const int rows = m1 - m < 32 ? (int)(m1 - m) : 32, nr = rows > 16 ? 2 : 1;
+        const uint16_t* x = (const uint16_t*)g->x + m * K;
+        int64_t ldx = (int64_t)K * 2;
+        if (rows % 16) {
+            if (!pad) pad = calloc((size_t)32 * K, 2);
+            memset(pad, 0, (size_t)32 * K * 2);
+            memcpy(pad, x, (size_t)rows * K * 2);
+            x = pad;
+        }
+        for (int t = t0; t < t1; t += 2) {
+            const int np = t1 - t >= 2 ? 2 : 1;
+            const uint16_t* wp = (const uint16_t*)g->wp + (int64_t)t * K * 16;
+            if (nr == 2) { if (np == 2) amx_22(x, ldx, wp, K, cbuf); else amx_21(x, ldx, wp, K, cbuf); }
+            else { if (np == 2) amx_12(x, ldx, wp, K, cbuf); else amx_11(x, ldx, wp, K, cbuf); }
+            for (int r = 0; r < rows; r++)
+                for (int p = 0; p < np; p++) {
+                    int col = 16 * (t + p), ncols = g->N - col < 16 ? g->N - col : 16;
+                    store_out(g->out, g->out_bf16, (m + r) * g->N + col, ncols, v_load(cbuf + r * 32 + 16 * p));
+                }
+        }
+    }
+    free(pad);
+    _tile_release();
+}
+#endif
+
 /* x [M, K] (float32, or bf16 when wbf16) -> out [M, N] (float32, or bf16 when out_bf16). */
 int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16) {
     if (M <= 0 || K <= 0 || N <= 0 || (wbf16 && K % 2 != 0)) return 1;
@@ -168,16 +265,35 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
     }
 #endif
     const int T = (N + 15) / 16, U = (T + UP - 1) / UP;
+    int tiles = 0;
+#ifdef AMX
+    tiles = wbf16 && K % 32 == 0 && amx_enabled();
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t m1 = m0 + MB < M ? m0 + MB : M;
         #pragma omp parallel for schedule(static)
         for (int u = 0; u < U; u++) {
             const int t1 = (u + 1) * UP < T ? (u + 1) * UP : T;
+#ifdef AMX
+            if (tiles) { unit_amx(&g, m0, m1, u * UP, t1); continue; }
+#endif
             unit(&g, m0, m1, u * UP, t1);
         }
     }
     free(wide);
     return 0;
+}
+
+/* what bf16 weights run on: "amx" (tiles, K a multiple of 32), "avx512bf16" or "fma" */
+const char* streamkv_inv_gemm_bf16_path(void) {
+#ifdef AMX
+    if (amx_enabled()) return "amx";
+#endif
+#ifdef BF16_DOT
+    return "avx512bf16";
+#else
+    return "fma";
+#endif
 }
 
 int streamkv_inv_gemm_bf16_dot(void) {
