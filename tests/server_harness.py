@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of a Prometheus metric (no labels) from the server's /metrics."""
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+def idle_steps(url: str, timeout: float = 60.0) -> float:
+    """The engine's step count once it stops changing (three equal reads 0.2 s apart)."""
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        seen = (seen + [metric(url, "streamkv_engine_steps_total")])[-3:]
+        if len(seen) == 3 and seen[0] == seen[-1]:
+            return seen[-1]
+        time.sleep(0.2)
+    raise AssertionError(f"the engine kept stepping: {seen}")
 
 
 class ServerProcess:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from streamkv.client import Client
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, idle_steps, metric
 
 Q1, Q2 = "What is the latest reading?", "Is it rising?"
 
@@ -89,18 +89,19 @@ def test_flash_routes_events_and_hits(server):
         sess.delete()
 
 
-def test_flash_hit_round_trip_is_fast(server):
+def test_flash_hit_needs_no_model_step(server):
+    """A flash hit is answered from the cache without the engine: 30 hits run no model step
+    (asserted in steps, not seconds: machines differ; the benchmark reports latency)."""
     with Client(server.url) as c:
         sess = c.create_session(system="Log.", retention_tokens=500, flash=[{"question": Q1, "max_tokens": 6}])
         sess.push(["reading 1: 10"])
         _wait(lambda: c.request("GET", f"/v1/sessions/{sess.id}/flash")["data"][0]["latest"] is not None)
-        times = []
+        steps, hits = idle_steps(server.url), metric(server.url, "streamkv_flash_hits_total")
         for _ in range(30):
-            t0 = time.perf_counter()
-            assert sess.query(Q1, max_tokens=6).source == "flash"
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        assert times[len(times) // 2] < 0.05  # the benchmark reports the real p50; this guards regressions
+            answer = sess.query(Q1, max_tokens=6)
+            assert answer.source == "flash" and answer.usage["computed_prompt_tokens"] == 0
+        assert metric(server.url, "streamkv_flash_hits_total") == hits + 30
+        assert metric(server.url, "streamkv_engine_steps_total") == steps, "a flash hit ran a model step"
         sess.delete()
 
 

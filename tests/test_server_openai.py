@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import asyncio
-import re
 
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, metric
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -129,26 +128,19 @@ def test_32_concurrent_streams_match_solo(server, model):
     assert outs[8:] == solo_rest
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    assert m, name
-    return float(m.group(1))
-
-
 def test_disconnect_aborts_and_frees_blocks(server, model):
     import time
 
-    idle = _metric(server.url, "streamkv_kv_blocks_used")
+    idle = metric(server.url, "streamkv_kv_blocks_used")
     body = {"model": model, "prompt": "Write a very long story about a dragon.", "max_tokens": 2000,
             "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
                 break
-    assert _metric(server.url, "streamkv_kv_blocks_used") >= idle
+    assert metric(server.url, "streamkv_kv_blocks_used") >= idle
     deadline = time.time() + 20
-    while time.time() < deadline and _metric(server.url, "streamkv_kv_blocks_used") > idle:
+    while time.time() < deadline and metric(server.url, "streamkv_kv_blocks_used") > idle:
         time.sleep(0.2)
-    assert _metric(server.url, "streamkv_kv_blocks_used") == idle
-    assert _metric(server.url, "streamkv_requests_running") == 0
+    assert metric(server.url, "streamkv_kv_blocks_used") == idle
+    assert metric(server.url, "streamkv_requests_running") == 0

@@ -63,6 +63,7 @@ class _EngineCounters:
         e = self.engine
         yield CounterMetricFamily("streamkv_engine_busy_seconds", "wall time the engine spent in model steps",
                                   value=e.stats.busy_s)
+        yield CounterMetricFamily("streamkv_engine_steps", "model steps the engine ran", value=e.stats.steps)
         yield CounterMetricFamily("streamkv_response_cache_hits", "stateless requests answered from the "
                                   "response cache", value=e.responses.hits)
         yield CounterMetricFamily("streamkv_flash_hits", "session queries answered from the flash cache",
