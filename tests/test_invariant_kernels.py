@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from streamkv.models.linear import pack_dense
-from streamkv.native import invariant_attention, invariant_gemm, invariant_isa
+from streamkv.native import invariant_attention, invariant_attention_bf16, invariant_gemm, invariant_isa
 
-gemm, attn = invariant_gemm(), invariant_attention()
+gemm, attn, attn_bf16 = invariant_gemm(), invariant_attention(), invariant_attention_bf16()
 pytestmark = pytest.mark.skipif(gemm is None, reason="no C compiler: the native kernels are not built")
 
 
@@ -113,38 +113,61 @@ def _step(shapes, h, hk, d, dtype, seed):
     return q, kc, vc, torch.tensor(rows), torch.cat(parts)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (8, 1, 32), (4, 4, 128)])
-def test_attention_is_correct_and_every_row_equals_its_decode(dtype, heads):
+# (kernel, cache dtype, tolerance against float64): the bf16 kernel rounds q and the softmax
+# weights to bf16 before its dot products, so it is as close as bf16 inputs allow
+KERNELS = [pytest.param((attn, torch.float32, 1e-5), id="f32-float32"),
+           pytest.param((attn, torch.bfloat16, 1e-5), id="f32-bfloat16"),
+           pytest.param((attn_bf16, torch.bfloat16, 2e-2), id="bf16-bfloat16",
+                        marks=pytest.mark.skipif(attn_bf16 is None, reason="no AVX512-BF16: the bf16 kernel "
+                                                                            "is not built on this CPU"))]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (8, 1, 32), (4, 4, 128), (6, 2, 48)])
+def test_attention_is_correct_and_every_row_equals_its_decode(kernel, heads):
     """A mixed step (decodes, fresh chunks, chunks with context, lengths around the 512-key
-    chunk boundary); then every row alone, as a decode over its own context, gives the same bits."""
+    chunk boundary, decodes long enough to be split by chunk); then every row alone, as a decode
+    over its own context, gives the same bits."""
+    fn, dtype, tol = kernel
     h, hk, d = heads
-    shapes = [(1, 1), (1, 37), (5, 5), (17, 17), (40, 900), (1, 1025), (3, 512), (30, 540)]
+    shapes = [(1, 1), (1, 37), (5, 5), (17, 17), (40, 900), (1, 1025), (1, 1600), (3, 512), (30, 540)]
     q, kc, vc, seqs, slots = _step(shapes, h, hk, d, dtype, seed=d)
-    out = attn(q, kc, vc, seqs, slots, d ** -0.5)
-    torch.testing.assert_close(out.double(), _reference(q, kc, vc, seqs, slots, d ** -0.5), atol=1e-5, rtol=1e-5)
+    out = fn(q, kc, vc, seqs, slots, d ** -0.5)
+    torch.testing.assert_close(out.double(), _reference(q, kc, vc, seqs, slots, d ** -0.5), atol=tol, rtol=tol)
     for row0, nq, off, length in seqs.tolist():
         for i in range(nq):
             lim = length - nq + i + 1
-            alone = attn(q[row0 + i:row0 + i + 1], kc, vc, torch.tensor([(0, 1, 0, lim)]), slots[off:off + lim],
-                         d ** -0.5)
+            alone = fn(q[row0 + i:row0 + i + 1], kc, vc, torch.tensor([(0, 1, 0, lim)]), slots[off:off + lim],
+                       d ** -0.5)
             assert torch.equal(alone[0], out[row0 + i]), f"row {i} of sequence at {row0} differs alone"
 
 
-def test_attention_does_not_depend_on_chunking_or_neighbours():
+@pytest.mark.parametrize("kernel", KERNELS[1:])
+def test_attention_does_not_depend_on_chunking_or_neighbours(kernel):
     """One 70-row prompt prefilled at once, in chunks of 7, and next to other sequences."""
+    fn = kernel[0]
     q, kc, vc, seqs, slots = _step([(70, 600)], 9, 3, 64, torch.bfloat16, seed=5)
-    whole = attn(q, kc, vc, seqs, slots, 0.125)
+    whole = fn(q, kc, vc, seqs, slots, 0.125)
     for cut in (7, 33):
-        parts = [attn(q[i:i + cut], kc, vc, torch.tensor([(0, min(cut, 70 - i), 0, 530 + i + min(cut, 70 - i))]),
-                      slots, 0.125) for i in range(0, 70, cut)]
+        parts = [fn(q[i:i + cut], kc, vc, torch.tensor([(0, min(cut, 70 - i), 0, 530 + i + min(cut, 70 - i))]),
+                    slots, 0.125) for i in range(0, 70, cut)]
         assert torch.equal(torch.cat(parts), whole), f"chunks of {cut} differ"
     q2, kc2, vc2, seqs2, slots2 = _step([(1, 300), (12, 12)], 9, 3, 64, torch.bfloat16, seed=6)
     both = torch.cat([q2[:1], q, q2[1:]])
     seqs_both = torch.tensor([(0, 1, 0, 300), (1, 70, 300, 600), (71, 12, 900, 12)])
     slots_both = torch.cat([slots2[:300], slots, slots2[300:]])
-    out = attn(both, kc, vc, seqs_both, slots_both, 0.125)
+    out = fn(both, kc, vc, seqs_both, slots_both, 0.125)
     assert torch.equal(out[1:71], whole)
+
+
+@pytest.mark.skipif(attn_bf16 is None, reason="no AVX512-BF16: the bf16 kernel is not built on this CPU")
+def test_bf16_attention_rejects_what_it_cannot_serve():
+    q, kc, vc, seqs, slots = _step([(2, 4)], 4, 2, 160, torch.bfloat16, seed=8)
+    with pytest.raises(ValueError, match="rejected"):
+        attn_bf16(q, kc, vc, seqs, slots, 0.1)  # head_dim above 128
+    q, kc, vc, seqs, slots = _step([(2, 4)], 4, 2, 16, torch.bfloat16, seed=8)
+    with pytest.raises(TypeError):
+        attn_bf16(q, kc.float(), vc.float(), seqs, slots, 0.25)
 
 
 def test_attention_rejects_shapes_it_cannot_serve():

@@ -22,10 +22,10 @@ import torch
 
 log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "q4_gemm.c", "page_select.c")]
+_SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c")]
 # The batch-invariant kernels are compiled without -ffast-math: each output element's chain of
 # roundings is written out in the source and the compiler may not reassociate or contract it.
-_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c")]
+_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c")]
 _HEADERS = [_HERE / n for n in ("simd.h", "vec16.h")]
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 _FLAGS = [*_COMMON, "-ffast-math"]
@@ -105,6 +105,11 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+    fn = lib.streamkv_inv_attn_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_float, ctypes.c_void_p]
+    lib.streamkv_inv_attn_bf16_available.restype = ctypes.c_int
     lib.streamkv_inv_isa.restype = ctypes.c_char_p
     fn = lib.streamkv_page_bounds
     fn.restype = None
@@ -326,4 +331,31 @@ def _inv_attn(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch
             seqs.shape[0], slots.data_ptr(), h, kc.shape[1], d, float(scale), out.data_ptr())
     if rc != 0:
         raise ValueError(f"invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
+    return out
+
+
+def invariant_attention_bf16() -> Callable[..., torch.Tensor] | None:
+    """The batch-invariant attention with bf16 dot products (``inv_attn_bf16.c``: bf16 cache, head_dim a
+    multiple of 16 up to 128, AVX512-BF16 CPUs), or None where it is not built."""
+    lib = _library()
+    if lib is None or not lib.streamkv_inv_attn_bf16_available():
+        return None
+    return functools.partial(_inv_attn_bf16, lib.streamkv_inv_attn_bf16)
+
+
+def _inv_attn_bf16(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: torch.Tensor,
+                   slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> out [T, H, D] float32 over a bf16 cache (contract of ``inv_attn_bf16.c``)."""
+    if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16:
+        raise TypeError(f"bf16 invariant attention needs a bfloat16 cache, got {kc.dtype}")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    q = q.float().contiguous()
+    seqs, slots = seqs.contiguous(), slots.contiguous()
+    t, h, d = q.shape
+    out = torch.empty(t, h, d, dtype=torch.float32)
+    rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), seqs.data_ptr(), seqs.shape[0], slots.data_ptr(), h,
+            kc.shape[1], d, float(scale), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"bf16 invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
     return out

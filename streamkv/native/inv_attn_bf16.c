@@ -1,0 +1,328 @@
+/* Batch-invariant attention over a bf16 paged KV cache with bf16 dot products (AVX512-BF16).
+ *
+ * Same contract as inv_attn.c (q [T, H, D] float32, seqs (row0, nq, off, L), out [T, H, D]
+ * float32), for a bf16 cache and D a multiple of 16 up to 128. Every row, decode or prompt, goes
+ * through the same arithmetic, which depends only on the row's query, its context and its
+ * context index i:
+ *
+ *   context index  0 ... 63 | 64 ... 127 | ... 511 | 512 ...            (absolute positions)
+ *                  [ super-block ][ super-block ]    chunk 0 | chunk 1 ...
+ *
+ *   q           rounded to bf16 pairs (q[2p], q[2p + 1])
+ *   score s_j   one chain of vdpbf16ps over the pairs p = 0 .. D/2 - 1, times scale (float32)
+ *   chunk c     (keys [512c, 512c + 512) that the row sees) an online softmax over its 64-key
+ *               super-blocks in order: m' = max(m, block max), a = exp(m - m'),
+ *               p_j = exp(s_j - m') rounded to bf16, l = l a + hsum(p), o = o a + P V where
+ *               P V is one vdpbf16ps chain per element over the key pairs in order
+ *   merge       chunks 0, 1, 2, ... left to right (log-sum-exp, merge() below), out = O / L
+ *
+ * Keys are transposed 16 at a time so that one vector holds one dim pair of 16 keys:
+ *
+ *   K block [16 keys][D/2 pairs]  --transpose-->  Kt[pair][16 keys]       (dword = 2 bf16)
+ *   V block: key pairs interleaved               Vp[keypair][D/16][16]    (dword = 2 bf16)
+ *
+ * Accumulator lanes follow _mm512_unpack{lo,hi}_epi16's interleave (lane_dim() maps them back).
+ *
+ * Work items are (sequence, tile of query rows, kv head, range of chunks). An item that starts
+ * at chunk 0 merges its chunks in place and writes the output; otherwise (long decode contexts,
+ * split for parallelism) it writes one partial per chunk and a second pass merges them in order.
+ * Both call the same merge() on the same per-chunk partials, so the split never changes a bit.
+ * A row skips super-blocks where it sees no key and, in a partly visible block, key pairs it does
+ * not see at all, so a prompt row runs exactly the operations its own decode would.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vec16.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+
+#define CHUNK 512
+#define SB 64            /* keys per super-block: one softmax update */
+#define NB (SB / 16)
+#define MAXDB 4          /* 32-dim blocks: D <= 128 */
+#define ROWS 48          /* query rows (query, head of the kv group) per item */
+#define SPLIT_MIN 2      /* decode rows with more chunks than this are split one item per chunk */
+
+typedef struct { int b, q0, q1, hk, c0, c1; int64_t part; } Item;
+
+typedef struct {
+    const uint16_t* kc;
+    const uint16_t* vc;
+    const int64_t* seqs;
+    const int64_t* slots;
+    const float* q;
+    float* out;
+    float* part;
+    int H, Hk, D, DB;
+    float scale;
+} Ctx;
+
+/* 16x16 dword transpose of r[0..15] in place. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+        r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
+    }
+}
+
+/* 32 bf16 of one key row at dims [32h, 32h + 32), zeros past D */
+static inline __m512i load32(const uint16_t* row, int h, int D) {
+    const int left = D - 32 * h;
+    if (left >= 32) return _mm512_loadu_si512((const void*)(row + 32 * h));
+    return _mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1), row + 32 * h);
+}
+
+/* A 16-key block (n valid keys, the rest zero) of kv head hk: Kt[16 DB] pair-major, Vp[8][2 DB]. */
+static inline void load_block(const Ctx* cx, const int64_t* slots, int n, int hk, __m512i* Kt, __m512i Vp[8][2 * MAXDB]) {
+    const int DB = cx->DB, D = cx->D, Hk = cx->Hk;
+    for (int h = 0; h < DB; h++) {
+        __m512i r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < n ? load32(cx->kc + (slots[i] * Hk + hk) * D, h, D) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int p = 0; p < 16; p++) Kt[16 * h + p] = r[p];
+    }
+    for (int kp = 0; kp < 8; kp++)
+        for (int h = 0; h < DB; h++) {
+            __m512i a = 2 * kp < n ? load32(cx->vc + (slots[2 * kp] * Hk + hk) * D, h, D) : _mm512_setzero_si512();
+            __m512i b = 2 * kp + 1 < n ? load32(cx->vc + (slots[2 * kp + 1] * Hk + hk) * D, h, D)
+                                       : _mm512_setzero_si512();
+            Vp[kp][2 * h] = _mm512_unpacklo_epi16(a, b);
+            Vp[kp][2 * h + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+}
+
+static inline void prefetch_keys(const Ctx* cx, const int64_t* slots, int n, int hk) {
+    for (int i = 0; i < n; i++) {
+        const char* k = (const char*)(cx->kc + (slots[i] * cx->Hk + hk) * cx->D);
+        const char* v = (const char*)(cx->vc + (slots[i] * cx->Hk + hk) * cx->D);
+        for (int o = 0; o < 2 * cx->D; o += 64) { _mm_prefetch(k + o, _MM_HINT_T1); _mm_prefetch(v + o, _MM_HINT_T1); }
+    }
+}
+
+/* accumulator lane -> head dim (the unpack{lo,hi}_epi16 interleave) */
+static inline int lane_dim(int j, int lane) { return 32 * (j >> 1) + 8 * (lane >> 2) + 4 * (j & 1) + (lane & 3); }
+
+/* the log-sum-exp merge of a chunk partial (m, l, o) into the running (M, L, O) */
+static inline void merge(float* M, float* L, v16* O, float m, float l, const v16* o, int nv) {
+    const float mn = m > *M ? m : *M;
+    const float a = *M == -INFINITY ? 0.f : s_exp(*M - mn), e = s_exp(m - mn);
+    *L = *L * a + l * e;
+    for (int i = 0; i < nv; i++) O[i] = v_fma(o[i], v_set1(e), v_mul(O[i], v_set1(a)));
+    *M = mn;
+}
+
+typedef struct {
+    float m, l;
+    v16 o[2 * MAXDB];
+} RowState;
+
+/* One super-block for rows [0, R): scores, softmax update, P V. pos[r] is row r's context index
+ * relative to the super-block's first key. */
+static void super_block(const Ctx* cx, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
+                        __m512i Kt[NB][16 * MAXDB], __m512i Vp[NB][8][2 * MAXDB], RowState* st) {
+    const int P = cx->D / 2, nv = 2 * cx->DB, nb = (nk + 15) / 16;
+    const __m512 vscale = v_set1(cx->scale);
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int rn = R - r0 < 4 ? R - r0 : 4;
+        __m512 acc[4][NB];
+        for (int r = 0; r < rn; r++) for (int x = 0; x < nb; x++) acc[r][x] = _mm512_setzero_ps();
+        for (int p = 0; p < P; p++)
+            for (int r = 0; r < rn; r++) {
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r0 + r][p]);
+                for (int x = 0; x < nb; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], (__m512bh)Kt[x][p], qb);
+            }
+        for (int r = 0; r < rn; r++) {
+            RowState* s = st + r0 + r;
+            const int64_t vis = pos[r0 + r] + 1;           /* keys of this super-block the row sees */
+            if (vis <= 0) continue;
+            const int lim = vis < nk ? (int)vis : nk, rb = (lim + 15) / 16;
+            __m512 sc[NB];
+            __mmask16 valid[NB];
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int x = 0; x < rb; x++) {
+                const int left = lim - 16 * x;
+                valid[x] = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+                sc[x] = _mm512_mask_blend_ps(valid[x], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(acc[r][x], vscale));
+                mx = _mm512_max_ps(mx, sc[x]);
+            }
+            const float bm = v_hmax(mx), mn = bm > s->m ? bm : s->m;
+            const float a = s->m == -INFINITY ? 0.f : s_exp(s->m - mn);
+            uint32_t pp[NB][8];
+            __m512 tot = _mm512_setzero_ps();
+            for (int x = 0; x < rb; x++) {
+                const __m512 pr = _mm512_maskz_mov_ps(valid[x], v_exp(_mm512_sub_ps(sc[x], _mm512_set1_ps(mn))));
+                tot = _mm512_add_ps(tot, pr);
+                _mm256_storeu_si256((__m256i*)pp[x], (__m256i)_mm512_cvtneps_pbh(pr));
+            }
+            s->l = s->l * a + v_hsum(tot);
+            s->m = mn;
+            const __m512 va = _mm512_set1_ps(a);
+            __m512 o[2 * MAXDB];
+            for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(s->o[j], va);
+            for (int x = 0; x < rb; x++) {
+                const int left = lim - 16 * x, npairs = left >= 16 ? 8 : (left + 1) / 2;
+                for (int kp = 0; kp < npairs; kp++) {
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[x][kp]);
+                    for (int j = 0; j < nv; j++) o[j] = _mm512_dpbf16_ps(o[j], (__m512bh)Vp[x][kp][j], w);
+                }
+            }
+            for (int j = 0; j < nv; j++) s->o[j] = o[j];
+        }
+    }
+}
+
+static void store_out(const Ctx* cx, float* dst, const RowState* s) {
+    float t[16];
+    for (int j = 0; j < 2 * cx->DB; j++) {
+        v_store(t, s->o[j]);
+        for (int lane = 0; lane < 16; lane++) {
+            const int d = lane_dim(j, lane);
+            if (d < cx->D) dst[d] = t[lane] / s->l;
+        }
+    }
+}
+
+static void run_item(const Item* it, const Ctx* cx) {
+    const int64_t* sq = cx->seqs + 4 * it->b;
+    const int64_t row0 = sq[0], nq = sq[1], off = sq[2], L = sq[3], start = L - nq;
+    const int H = cx->H, Hk = cx->Hk, D = cx->D, G = H / Hk, nv = 2 * cx->DB;
+    const int R = (it->q1 - it->q0) * G;
+    uint32_t qp[ROWS][64];
+    int64_t ctx[ROWS], rel[ROWS];
+    RowState st[ROWS], run[ROWS];
+    for (int r = 0; r < R; r++) {
+        const int j = it->q0 + r / G, h = it->hk * G + r % G;
+        const float* src = cx->q + ((row0 + j) * H + h) * D;
+        for (int p = 0; p < D / 2; p++)
+            qp[r][p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
+        ctx[r] = start + j;
+        run[r].m = -INFINITY; run[r].l = 0.f;
+        for (int i = 0; i < nv; i++) run[r].o[i] = v_zero();
+    }
+    const int64_t end = start + it->q1;               /* the tile sees context [0, end) */
+    __m512i Kt[NB][16 * MAXDB], Vp[NB][8][2 * MAXDB];
+    for (int c = it->c0; c < it->c1; c++) {
+        const int64_t c0 = (int64_t)c * CHUNK, c1 = c0 + CHUNK < end ? c0 + CHUNK : end;
+        for (int r = 0; r < R; r++) {
+            st[r].m = -INFINITY; st[r].l = 0.f;
+            for (int i = 0; i < nv; i++) st[r].o[i] = v_zero();
+        }
+        for (int64_t k0 = c0; k0 < c1; k0 += SB) {
+            const int nk = c1 - k0 < SB ? (int)(c1 - k0) : SB, nb = (nk + 15) / 16;
+            const int64_t k1 = k0 + SB;
+            if (k1 < c1) prefetch_keys(cx, cx->slots + off + k1, c1 - k1 < SB ? (int)(c1 - k1) : SB, it->hk);
+            for (int x = 0; x < nb; x++) {
+                const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
+                load_block(cx, cx->slots + off + k0 + 16 * x, n, it->hk, Kt[x], Vp[x]);
+            }
+            for (int r = 0; r < R; r++) rel[r] = ctx[r] - k0;
+            super_block(cx, (const uint32_t (*)[64])qp, rel, R, nk, Kt, Vp, st);
+        }
+        for (int r = 0; r < R; r++) {
+            if (st[r].m == -INFINITY) continue;           /* the row sees nothing of this chunk */
+            if (it->part < 0) {
+                merge(&run[r].m, &run[r].l, run[r].o, st[r].m, st[r].l, st[r].o, nv);
+            } else {                                      /* partials at part + ((g * nc) + c) * W */
+                const int64_t nc = (L + CHUNK - 1) / CHUNK;
+                float* p = cx->part + it->part + ((int64_t)(r % G) * nc + c) * (2 + 16 * nv);
+                p[0] = st[r].m; p[1] = st[r].l;
+                for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, st[r].o[i]);
+            }
+        }
+    }
+    if (it->part < 0)
+        for (int r = 0; r < R; r++) {
+            const int j = it->q0 + r / G, h = it->hk * G + r % G;
+            store_out(cx, cx->out + ((row0 + j) * H + h) * D, &run[r]);
+        }
+}
+
+int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
+                           const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
+    if (D % 16 != 0 || D > 32 * MAXDB || Hk <= 0 || H % Hk != 0 || H / Hk > ROWS || B <= 0) return 1;
+    const int G = H / Hk, TQ = ROWS / G, nv = 2 * ((D + 31) / 32), W = 2 + 16 * nv;
+    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale};
+    int64_t nitems = 0, npart = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
+        if (nq <= 0 || nq > L) return 2;
+        const int64_t nc = (L + CHUNK - 1) / CHUNK;
+        if (nq == 1 && nc > SPLIT_MIN) { nitems += Hk * nc; npart += (int64_t)Hk * G * nc * W; }
+        else nitems += Hk * ((nq + TQ - 1) / TQ);
+    }
+    Item* items = malloc(sizeof(Item) * nitems);
+    cx.part = npart ? malloc(sizeof(float) * npart) : NULL;
+    int64_t n = 0, po = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
+        const int nc = (int)((L + CHUNK - 1) / CHUNK);
+        if (nq == 1 && nc > SPLIT_MIN) {
+            for (int hk = 0; hk < Hk; hk++, po += (int64_t)G * nc * W)
+                for (int c = 0; c < nc; c++) items[n++] = (Item){b, 0, 1, hk, c, c + 1, po};
+        } else {
+            for (int q0 = 0; q0 < nq; q0 += TQ)
+                for (int hk = 0; hk < Hk; hk++) {
+                    const int q1 = q0 + TQ < nq ? q0 + TQ : (int)nq;
+                    const int ncs = (int)((L - nq + q1 + CHUNK - 1) / CHUNK);
+                    items[n++] = (Item){b, q0, q1, hk, 0, ncs, -1};
+                }
+        }
+    }
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t t = 0; t < nitems; t++) run_item(&items[t], &cx);
+    /* merge the split decode rows: per (sequence, head), its chunks in order */
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < nitems; t++) {
+        const Item* it = &items[t];
+        if (it->part < 0 || it->c0 != 0) continue;
+        const int64_t* sq = seqs + 4 * it->b;
+        const int nc = (int)((sq[3] + CHUNK - 1) / CHUNK);
+        for (int g = 0; g < G; g++) {
+            RowState s;
+            s.m = -INFINITY; s.l = 0.f;
+            for (int i = 0; i < nv; i++) s.o[i] = v_zero();
+            for (int c = 0; c < nc; c++) {
+                const float* p = cx.part + it->part + ((int64_t)g * nc + c) * W;
+                if (p[0] == -INFINITY) continue;
+                v16 o[2 * MAXDB];
+                for (int i = 0; i < nv; i++) o[i] = v_load(p + 2 + 16 * i);
+                merge(&s.m, &s.l, s.o, p[0], p[1], o, nv);
+            }
+            store_out(&cx, out + (sq[0] * H + it->hk * G + g) * D, &s);
+        }
+    }
+    free(cx.part);
+    free(items);
+    return 0;
+}
+
+int streamkv_inv_attn_bf16_available(void) { return 1; }
+#else
+int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
+                           const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
+    (void)q; (void)kc; (void)vc; (void)seqs; (void)B; (void)slots; (void)H; (void)Hk; (void)D; (void)scale; (void)out;
+    return 3;
+}
+
+int streamkv_inv_attn_bf16_available(void) { return 0; }
+#endif
