@@ -42,29 +42,43 @@ def test_greedy_matches_transformers_on_gguf(smol_fp32, hf_model):
         assert out.token_ids == hf_greedy(hf_model, ids, 32)
 
 
-# A float32 top-2 gap this small is a tie at bfloat16 precision: over these prompts the default
-# (bf16) path's chosen-token log-probabilities differ from float32's by 0.005 (median) / 0.03
-# (p90), and transformers' own bf16 leaves the float32 path at a gap of 0.089. It stays below
-# 0.08, the gap the bf16-rounded LM head used to turn into an exact tie ("L'Étoile" for Paris).
-BF16_TIE_GAP = 0.05
+# bf16 activations move each logit by a few hundredths: over these prompts the default path's
+# chosen-token log-probabilities differ from float32's by 0.005 (median), 0.03 (p90) and 0.08 (max),
+# about what transformers' own bf16 does (its greedy path leaves float32's at a gap of 0.089).
+# A choice float32 makes by a wider margin than BF16_MARGIN (3x that drift) must not change.
+BF16_MARGIN = 0.25
 
 
 def test_default_dtype_greedy_follows_transformers_float32(hf_model):
-    """Default dtype (bf16 where the CPU has bf16 dot products): each prompt's 32 greedy tokens
-    equal transformers float32's choices, teacher-forced on our tokens, up to a first difference
-    that must be a near tie in float32 (gap < BF16_TIE_GAP); measured on the EPYC: 5/6 equal, one
-    differs at token 27 with a gap of 0.0265 (transformers bf16 itself: 4/6)."""
+    """Default dtype (bf16 where the CPU has bf16 dot products): at each of the 6 x 32 greedy steps,
+    teacher-forced on our own tokens, our token is within BF16_MARGIN of transformers float32's best
+    logit, i.e. we only ever differ from float32 at a near tie (measured on the EPYC: 5/6 prompts
+    equal float32's greedy path for all 32 tokens; the sixth leaves it at a gap of 0.07)."""
     llm = LLM(kv_cache_memory=1 << 27)
+    decided = 0
     for text in CHAT_PROMPTS:
         ids = _chat_ids(llm, text)
         ours = llm.generate([ids], GREEDY32)[0].token_ids
         with torch.inference_mode():
             logits = hf_model(torch.tensor([ids + ours])).logits[0, len(ids) - 1:-1].float()
-        ref = logits.argmax(-1).tolist()
-        first = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        if first is not None:
-            gap = float(logits[first, ref[first]] - logits[first, ours[first]])
-            assert gap < BF16_TIE_GAP, f"{text!r}: token {first} differs from float32 by a clear gap {gap:.4f}"
+        top2 = logits.topk(2, dim=-1).values
+        decided += int((top2[:, 0] - top2[:, 1] > BF16_MARGIN).sum())
+        gaps = top2[:, 0] - logits.gather(1, torch.tensor(ours)[:, None])[:, 0]
+        worst = int(gaps.argmax())
+        assert gaps[worst] < BF16_MARGIN, f"{text!r}: token {worst} loses {float(gaps[worst]):.3f} to float32's best"
+    assert decided > 150, "too few clear float32 decisions: the test checked little"
+
+
+def test_logits_are_float32_for_every_sampled_row():
+    """No path rounds logits to 16 bits (a bf16-rounded LM head once turned a 0.08 gap into an exact
+    tie and the demo answered "L'Étoile"): bf16 models, prompt and decode rows, both numerics."""
+    for numerics in ("invariant", "fast"):
+        llm = LLM(dtype="bfloat16", numerics=numerics, kv_cache_memory=1 << 26)
+        model = llm.engine.bundle.runner.model
+        hidden = torch.randn(3, model.arch.hidden_size, generator=torch.Generator().manual_seed(0)) * 4
+        logits = model.compute_logits(hidden)
+        assert logits.dtype == torch.float32
+        assert (logits.bfloat16().float() != logits).float().mean() > 0.9, numerics
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

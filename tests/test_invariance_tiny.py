@@ -8,15 +8,13 @@ import torch
 
 from streamkv import LLM, SamplingParams
 from streamkv.native import q4_gemm
-from tests.tiny_checkpoints import make_tiny_gguf, make_tiny_hf_checkpoint
+from tests.tiny_checkpoints import Q4_LINEARS, make_tiny_gguf, make_tiny_hf_checkpoint
 
 pytest.importorskip("transformers")
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
-Q4_LINEARS = {kind: "Q4_1" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                                         "ffn_down")}
 
 
 @pytest.fixture(scope="module", params=["llama3", "qwen2", "qwen3", "llama-q4_1-gguf"])

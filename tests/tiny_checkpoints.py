@@ -34,6 +34,9 @@ _CORPUS = [
     "Les élèves étudient à l'école. 日本語のテキスト. Ünïcödé 😀 emoji.",
 ] * 20
 TINY_VOCAB = 384
+# make_tiny_gguf's quantization for every linear: a GGUF like the embedded model's (Q4_1 layers)
+Q4_LINEARS = {kind: "Q4_1" for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                         "ffn_down")}
 
 _BASE: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -125,6 +125,8 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory // per_block)
     cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, device)
     backend = make_backend(_backend_name(config, device), cache, arch.head_dim ** -0.5)
+    if config.runtime.numerics == "invariant":
+        model.attach_native(backend)  # every layer of a step in one native call
     log.info("model %s (%s, %s, numerics %s): %d KV blocks x %d tokens = %.0f MiB", arch.architecture,
              ckpt.source, dtype, config.runtime.numerics, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)
     runner = ModelRunner(model, backend, Sampler(device), device)

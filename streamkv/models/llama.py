@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from streamkv.attention.backend import AttentionBackend
 from streamkv.models.config import ArchConfig
 from streamkv.models.linear import Linear, LogitsHead, make_linear
+from streamkv.models.native_layers import NativeLayers
 from streamkv.models.q4_linear import DENSE, PackedQ4, RowSplit
 from streamkv.models.registry import register_model
 from streamkv.models.rope import RotaryEmbedding, apply_rope
@@ -132,6 +133,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LogitsHead(head, packed, numerics)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, max_positions,
                                     device=self.embed.device)
+        self.native: NativeLayers | None = None
+
+    def attach_native(self, backend: AttentionBackend) -> None:
+        """Run every layer of a step in one native call (``models/native_layers.py``) over the
+        invariant backend's cache, with the attention kernel that backend chose."""
+        from streamkv.native import layer_library
+
+        lib = layer_library()
+        if self.numerics != "invariant" or lib is None:
+            raise ValueError("native layers need numerics=invariant and the native kernels")
+        self.native = NativeLayers(lib, self, backend.cache, backend.scale, backend.bf16)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -146,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 meta: Any, rows: RowSplit = DENSE) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (before the last norm)."""
+        if self.native is not None:
+            return self.native.forward(input_ids, positions, backend, meta)
         cos, sin = self.rope.cos_sin(positions, self.dtype)
         x = F.embedding(input_ids, self.embed).float()
         for i, layer in enumerate(self.layers):
@@ -154,4 +168,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32; ``rows`` indexes the N rows."""
+        if self.native is not None:
+            return self.lm_head.forward(self.native.norm(hidden, self.norm), rows)
         return self.lm_head.forward(rms_norm(hidden, self.norm, self.arch.rms_norm_eps).to(self.dtype), rows)

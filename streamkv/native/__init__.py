@@ -25,7 +25,7 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c")]
 # The batch-invariant kernels are compiled without -ffast-math: each output element's chain of
 # roundings is written out in the source and the compiler may not reassociate or contract it.
-_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c")]
+_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "layer.c")]
 _HEADERS = [_HERE / n for n in ("simd.h", "vec16.h")]
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
 _FLAGS = [*_COMMON, "-ffast-math"]
@@ -111,6 +111,19 @@ def _library() -> ctypes.CDLL | None:
                                            ctypes.c_float, ctypes.c_void_p]
     lib.streamkv_inv_attn_bf16_available.restype = ctypes.c_int
     lib.streamkv_inv_isa.restype = ctypes.c_char_p
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    signatures = {  # native/layer.c (the model struct is passed by reference)
+        "streamkv_fwd": [p, p, i64, p, p, p, i32, p, p],
+        "streamkv_fwd_pre": [p, i32, p, i64, p, p, p, p],
+        "streamkv_fwd_attn": [p, i32, p, p, i32, p, p],
+        "streamkv_fwd_post": [p, i32, p, i64, p, p],
+        "streamkv_rms_norm": [p, i64, i32, p, ctypes.c_float, p, i32],
+    }
+    for name, args in signatures.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = ctypes.c_int
+    lib.streamkv_fwd_workspace.argtypes = [p, i64]
+    lib.streamkv_fwd_workspace.restype = ctypes.c_size_t
     fn = lib.streamkv_page_bounds
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -359,3 +372,8 @@ def _inv_attn_bf16(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: 
     if rc != 0:
         raise ValueError(f"bf16 invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
     return out
+
+
+def layer_library() -> ctypes.CDLL | None:
+    """The library with ``native/layer.c`` (whole decoder layers, see ``models/native_layers.py``), or None."""
+    return _library()

@@ -50,6 +50,11 @@ static inline v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
 static inline v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 static inline v16 v_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
 static inline v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+static inline v16 v_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
+/* lane-wise x < 0 ? a : b */
+static inline v16 v_neg_select(v16 x, v16 a, v16 b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a);
+}
 static inline v16 v_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 /* a * 2^n for integral n in [-126, 127] */
 static inline v16 v_ldexp(v16 a, v16 n) {
@@ -80,6 +85,12 @@ static inline v16 v_mul(v16 a, v16 b) { V2(_mm256_mul_ps(a.lo, b.lo), _mm256_mul
 static inline v16 v_add(v16 a, v16 b) { V2(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)); }
 static inline v16 v_sub(v16 a, v16 b) { V2(_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)); }
 static inline v16 v_max(v16 a, v16 b) { V2(_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)); }
+static inline v16 v_div(v16 a, v16 b) { V2(_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)); }
+#define NEG(x) _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ)
+static inline v16 v_neg_select(v16 x, v16 a, v16 b) {
+    V2(_mm256_blendv_ps(b.lo, a.lo, NEG(x.lo)), _mm256_blendv_ps(b.hi, a.hi, NEG(x.hi)));
+}
+#undef NEG
 #define RND(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 static inline v16 v_round(v16 a) { V2(RND(a.lo), RND(a.hi)); }
 static inline __m256 ldexp8(__m256 a, __m256 n) {
@@ -116,6 +127,8 @@ static inline v16 v_mul(v16 a, v16 b) { LANES(a.f[i] * b.f[i]); }
 static inline v16 v_add(v16 a, v16 b) { LANES(a.f[i] + b.f[i]); }
 static inline v16 v_sub(v16 a, v16 b) { LANES(a.f[i] - b.f[i]); }
 static inline v16 v_max(v16 a, v16 b) { LANES(a.f[i] > b.f[i] ? a.f[i] : b.f[i]); }
+static inline v16 v_div(v16 a, v16 b) { LANES(a.f[i] / b.f[i]); }
+static inline v16 v_neg_select(v16 x, v16 a, v16 b) { LANES(x.f[i] < 0.f ? a.f[i] : b.f[i]); }
 static inline v16 v_round(v16 a) { LANES(nearbyintf(a.f[i])); }
 static inline v16 v_ldexp(v16 a, v16 n) { LANES(ldexpf(a.f[i], (int)n.f[i])); }
 static inline float v_hsum(v16 a) {

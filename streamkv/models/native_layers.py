@@ -1,0 +1,140 @@
+"""The decoder layers of the invariant numerics in one native call per step (``native/layer.c``).
+
+Built once per model from its invariant-mode weights (``InvariantLinear``: 4-bit or dense panels),
+its norms and RoPE tables, and the paged KV cache the attention backend owns. A step is then:
+
+    x = embed[ids] (float32)  ──streamkv_fwd──▶  x after every layer        (one ctypes call)
+
+and, when a read policy picks pages from each layer's own queries, per layer:
+
+    streamkv_fwd_pre ──q──▶ selector.for_layer ──▶ streamkv_fwd_attn ──▶ streamkv_fwd_post
+
+Both run the same C functions, so a row's bits do not depend on which of the two ran.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from streamkv.attention.backend import KVCache
+
+
+class SkLinear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("wbf16", ctypes.c_int),
+                ("w", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class SkLayer(ctypes.Structure):
+    _fields_ = [("qkv", SkLinear), ("o", SkLinear), ("gate_up", SkLinear), ("down", SkLinear),
+                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qk_norm", ctypes.c_void_p),
+                ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
+
+
+class SkModel(ctypes.Structure):
+    _fields_ = [("n_layers", ctypes.c_int), ("d", ctypes.c_int), ("H", ctypes.c_int), ("Hk", ctypes.c_int),
+                ("D", ctypes.c_int), ("inter", ctypes.c_int), ("act_bf16", ctypes.c_int), ("kv_bf16", ctypes.c_int),
+                ("attn_bf16", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("cos_t", ctypes.c_void_p), ("sin_t", ctypes.c_void_p), ("layers", ctypes.POINTER(SkLayer))]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeLayers:
+    """Every decoder layer of ``model`` over ``cache``: hidden states in, hidden states out.
+
+    ``attn_bf16`` picks the attention kernel (``inv_attn_bf16.c`` vs ``inv_attn.c``), the same one
+    the attention backend uses, so both paths agree with the backend's own ``forward``.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, model: Any, cache: KVCache, scale: float, attn_bf16: bool) -> None:
+        arch = model.arch
+        d, inter = arch.hidden_size, arch.intermediate_size
+        h, hk, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        if hd % 16 or hd > 256:
+            raise ValueError(f"the native layers need a head_dim that is a multiple of 16 up to 256, got {hd}")
+        self.lib = lib
+        self.keep: list[torch.Tensor] = []  # everything C points at stays alive with this object
+        layers = (SkLayer * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            qk = getattr(layer, "qk_norm", None)
+            layers[i] = SkLayer(self._linear(layer.qkv), self._linear(layer.o_proj), self._linear(layer.gate_up),
+                                self._linear(layer.down), self._f32(layer.attn_norm), self._f32(layer.mlp_norm),
+                                self._f32(qk), _ptr(cache.k[i]), _ptr(cache.v[i]))
+        bf16 = model.dtype == torch.bfloat16
+        rope = model.rope
+        self.model = SkModel(len(model.layers), d, h, hk, hd, inter, int(bf16), int(cache.k.dtype == torch.bfloat16),
+                             int(attn_bf16), arch.rms_norm_eps, scale, self._f32(rope.cos_table),
+                             self._f32(rope.sin_table), layers)
+        self.layers = layers
+        self.embed = model.embed
+        self.hidden, self.heads, self.head_dim = d, h, hd
+        self.act_dtype = torch.bfloat16 if bf16 else torch.float32
+        self.eps = arch.rms_norm_eps
+        self.workspace = torch.empty(0, dtype=torch.uint8)
+
+    def _f32(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        t = t.detach().float().contiguous()
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def _linear(self, lin: Any) -> SkLinear:
+        bias = self._f32(lin.bias)
+        if lin.q4 is not None:
+            packed = lin.q4.packed
+            return SkLinear(1, lin.q4.out_features, packed.shape[1] * 32, 1, packed.data_ptr(),
+                            lin.q4.scales_zeros.data_ptr(), bias)
+        panels = lin.dense.panels
+        wbf16 = panels.dtype == torch.bfloat16
+        k = panels.shape[1] * (2 if wbf16 else 1)
+        return SkLinear(0, lin.dense.out_features, k, int(wbf16), panels.data_ptr(), None, bias)
+
+    def _work(self, rows: int) -> int:
+        need = int(self.lib.streamkv_fwd_workspace(ctypes.addressof(self.model), rows))
+        if self.workspace.numel() < need:
+            self.workspace = torch.empty(need, dtype=torch.uint8)
+        return self.workspace.data_ptr()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: Any, meta: Any) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, d] float32 after the last layer (before the final norm);
+        ``meta``: the invariant backend's step metadata (slot mapping, sequences, context slots)."""
+        x = F.embedding(input_ids, self.embed).float()
+        t = x.shape[0]
+        ws = self._work(t)
+        m = ctypes.addressof(self.model)
+        if meta.selector is None:
+            rc = self.lib.streamkv_fwd(m, _ptr(x), t, _ptr(positions), _ptr(meta.slot_mapping), _ptr(meta.seqs),
+                                       meta.seqs.shape[0], _ptr(meta.slots), ws)
+            self._check(rc, "forward", t)
+            return x
+        q = torch.empty(t, self.heads, self.head_dim, dtype=torch.float32)
+        attn = torch.empty_like(q)
+        for layer in range(len(self.layers)):
+            self._check(self.lib.streamkv_fwd_pre(m, layer, _ptr(x), t, _ptr(positions), _ptr(meta.slot_mapping),
+                                                  _ptr(q), ws), "pre", t)
+            lm = backend.layer_meta(layer, q, meta)
+            self._check(self.lib.streamkv_fwd_attn(m, layer, _ptr(q), _ptr(lm.seqs), lm.seqs.shape[0],
+                                                   _ptr(lm.slots), _ptr(attn)), "attention", t)
+            self._check(self.lib.streamkv_fwd_post(m, layer, _ptr(x), t, _ptr(attn), ws), "post", t)
+        return x
+
+    def norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm, hidden [N, d] float32 -> [N, d] in the GEMM input dtype (same as the layers')."""
+        hidden = hidden.float().contiguous()
+        out = torch.empty(hidden.shape, dtype=self.act_dtype)
+        if hidden.shape[0]:
+            self._check(self.lib.streamkv_rms_norm(_ptr(hidden), hidden.shape[0], self.hidden, _ptr(weight),
+                                                   ctypes.c_float(self.eps), _ptr(out),
+                                                   int(self.act_dtype == torch.bfloat16)), "norm", hidden.shape[0])
+        return out
+
+    @staticmethod
+    def _check(rc: int, what: str, rows: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"native {what} failed on {rows} rows (rc={rc})")

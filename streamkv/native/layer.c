@@ -1,0 +1,243 @@
+/* The decoder layers of the invariant numerics in C: one call per step runs every layer.
+ *
+ * A decode step of a 30-layer model used to be ~1,500 small torch ops (norms, RoPE, casts,
+ * residual adds, KV writes) around the native GEMMs and attention; here each layer is
+ *
+ *   x [T, d] float32 (residual)
+ *   xn  = rms_norm(x, attn_norm)             -> act dtype (bf16 with bf16/4-bit weights, else f32)
+ *   qkv = xn @ Wqkv (+ bias)                 float32 [T, (H + 2 Hk) D]
+ *   q, k = rope(qk_norm(q, k)), per head     float32; k, v -> cache slots (cache dtype)
+ *   a   = attention(q, cache)                float32 [T, H, D] (inv_attn or inv_attn_bf16)
+ *   x  += act(a) @ Wo (+ bias)
+ *   gu  = rms_norm(x, mlp_norm) @ Wgu        float32 [T, 2I]
+ *   x  += act(silu(g) * u) @ Wdown
+ *
+ * Invariance: every op is either one of the batch-invariant kernels (inv_gemm.c, q4_gemm.c,
+ * inv_attn*.c) or works on one row alone in a fixed order (the norm's sum of squares: lane l
+ * adds elements l, l + 16, ... in order, then v_hsum), so a row's bits never depend on T or on
+ * the other rows. The Python side calls streamkv_fwd for a whole step, or streamkv_fwd_pre /
+ * streamkv_fwd_attn / streamkv_fwd_post per layer when a read policy picks pages from each
+ * layer's queries; both run the same functions, so they agree to the bit.
+ *
+ * Threads: GEMMs and attention parallelise inside; the row-wise glue splits rows across threads
+ * only for steps with many rows (which thread handles a row never changes its arithmetic).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vec16.h"
+
+int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16);
+int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
+                     int bf16_out);
+int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
+                      const int64_t* slots, int H, int Hk, int D, float scale, float* out);
+int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
+                           const int64_t* slots, int H, int Hk, int D, float scale, float* out);
+
+typedef struct {
+    int kind;            /* 0: dense panels (inv_gemm.c), 1: GGUF 4-bit (q4_gemm.c) */
+    int N, K, wbf16;     /* wbf16: dense panels are bf16 */
+    const void* w;       /* panels, or packed nibbles */
+    const void* sz;      /* 4-bit: scales and zeros */
+    const float* bias;   /* [N] or NULL */
+} SkLinear;
+
+typedef struct {
+    SkLinear qkv, o, gate_up, down;
+    const float* attn_norm;  /* [d] */
+    const float* mlp_norm;   /* [d] */
+    const float* qk_norm;    /* [H + Hk, D] (Qwen3) or NULL */
+    void* kc;                /* [S, Hk, D] cache dtype */
+    void* vc;
+} SkLayer;
+
+typedef struct {
+    int n_layers, d, H, Hk, D, inter;
+    int act_bf16;            /* GEMM inputs in bf16 */
+    int kv_bf16;             /* cache dtype */
+    int attn_bf16;           /* attention through inv_attn_bf16.c */
+    float eps, scale;
+    const float* cos_t;      /* [positions, D]: cos, and sin with the rotate-half sign folded in */
+    const float* sin_t;
+    const SkLayer* layers;
+} SkModel;
+
+#define PAR_ROWS 32          /* steps with at least this many rows split the glue across threads */
+
+static inline v16 load_n(const float* p, int n) {   /* up to 16 floats, zeros past n */
+    if (n >= 16) return v_load(p);
+    float t[16] = {0};
+    for (int i = 0; i < n; i++) t[i] = p[i];
+    return v_load(t);
+}
+
+static inline void store_act(void* out, int bf16, int64_t at, const float* v, int n) {
+    if (bf16) { uint16_t* o = (uint16_t*)out + at; for (int i = 0; i < n; i++) o[i] = f32_to_bf16(v[i]); }
+    else { float* o = (float*)out + at; for (int i = 0; i < n; i++) o[i] = v[i]; }
+}
+
+/* 1 / sqrt(mean(x[0:n]^2) + eps): lane l sums x[l]^2, x[l + 16]^2, ... in order, then v_hsum */
+static inline float rms_scale(const float* x, int n, float eps) {
+    v16 acc = v_zero();
+    for (int i = 0; i < n; i += 16) { v16 a = load_n(x + i, n - i); acc = v_fma(a, a, acc); }
+    return 1.f / sqrtf(v_hsum(acc) / (float)n + eps);
+}
+
+/* x [T, d] float32 -> out [T, d] = x * rms_scale * w (w may be NULL) in the act dtype */
+int streamkv_rms_norm(const float* x, int64_t T, int d, const float* w, float eps, void* out, int out_bf16) {
+    if (T <= 0 || d <= 0) return 1;
+    #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const float* xr = x + t * d;
+        const float r = rms_scale(xr, d, eps);
+        float y[64];
+        for (int i = 0; i < d; i += 64) {
+            const int k = d - i < 64 ? d - i : 64;
+            for (int j = 0; j < k; j++) y[j] = w ? (xr[i + j] * r) * w[i + j] : xr[i + j] * r;
+            store_act(out, out_bf16, t * d + i, y, k);
+        }
+    }
+    return 0;
+}
+
+static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
+    int rc = l->kind == 1 ? streamkv_q4_gemm((const uint16_t*)x, (int)T, l->K, (const uint8_t*)l->w,
+                                             (const uint16_t*)l->sz, l->N, out, 0)
+                          : streamkv_inv_gemm(x, T, l->K, l->w, l->wbf16, l->N, out, 0);
+    if (rc == 0 && l->bias)
+        for (int64_t t = 0; t < T; t++) for (int n = 0; n < l->N; n++) out[t * l->N + n] += l->bias[n];
+    return rc;
+}
+
+/* Workspace of a step of T rows (bytes): act [T, max(d, H D, I)], f32 [T, max(qkv, 2I, d)],
+ * q and attention output [T, H, D] each. */
+size_t streamkv_fwd_workspace(const SkModel* m, int64_t T) {
+    const int64_t hd = (int64_t)m->H * m->D, nqkv = (int64_t)(m->H + 2 * m->Hk) * m->D;
+    int64_t a = m->d > hd ? m->d : hd, f = nqkv > 2 * (int64_t)m->inter ? nqkv : 2 * (int64_t)m->inter;
+    if (m->inter > a) a = m->inter;
+    if (m->d > f) f = m->d;
+    return (size_t)T * (size_t)(a * (m->act_bf16 ? 2 : 4) + 4 * f + 8 * hd) + 64;
+}
+
+typedef struct { void* act; float* f; float* q; float* attn; } Work;
+
+static Work carve(const SkModel* m, int64_t T, void* ws) {
+    const int64_t hd = (int64_t)m->H * m->D, nqkv = (int64_t)(m->H + 2 * m->Hk) * m->D;
+    int64_t a = m->d > hd ? m->d : hd, f = nqkv > 2 * (int64_t)m->inter ? nqkv : 2 * (int64_t)m->inter;
+    if (m->inter > a) a = m->inter;
+    if (m->d > f) f = m->d;
+    char* p = (char*)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
+    Work w;
+    w.f = (float*)p; p += T * f * 4;
+    w.q = (float*)p; p += T * hd * 4;
+    w.attn = (float*)p; p += T * hd * 4;
+    w.act = p;
+    return w;
+}
+
+/* one head in place: optional per-head RMSNorm, then RoPE at position pos (D a multiple of 16) */
+static inline void head_transform(float* v, int D, const float* norm, float eps, const float* cs, const float* sn) {
+    float rot[256];
+    if (norm) { const float r = rms_scale(v, D, eps); for (int i = 0; i < D; i++) v[i] = (v[i] * r) * norm[i]; }
+    for (int i = 0; i < D; i++) rot[i] = v[(i + D / 2) % D];
+    for (int i = 0; i < D; i += 16)
+        v_store(v + i, v_fma(v_load(rot + i), v_load(sn + i), v_mul(v_load(v + i), v_load(cs + i))));
+}
+
+static inline void cache_write(void* cache, int bf16, int64_t at, const float* v, int n) { store_act(cache, bf16, at, v, n); }
+
+int streamkv_fwd_pre(const SkModel* m, int layer, const float* x, int64_t T, const int64_t* pos,
+                     const int64_t* slot_mapping, float* q_out, void* ws) {
+    const SkLayer* L = m->layers + layer;
+    const int H = m->H, Hk = m->Hk, D = m->D, nqkv = (H + 2 * Hk) * D;
+    Work w = carve(m, T, ws);
+    int rc = streamkv_rms_norm(x, T, m->d, L->attn_norm, m->eps, w.act, m->act_bf16);
+    if (rc == 0) rc = linear(&L->qkv, w.act, T, w.f);
+    if (rc != 0) return rc;
+    #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        float* r = w.f + t * nqkv;
+        const float* cs = m->cos_t + pos[t] * D;
+        const float* sn = m->sin_t + pos[t] * D;
+        for (int h = 0; h < H + Hk; h++)
+            head_transform(r + h * D, D, L->qk_norm ? L->qk_norm + h * D : NULL, m->eps, cs, sn);
+        for (int i = 0; i < H * D; i++) q_out[t * H * D + i] = r[i];
+        const int64_t at = slot_mapping[t] * Hk * D;
+        cache_write(L->kc, m->kv_bf16, at, r + H * D, Hk * D);
+        cache_write(L->vc, m->kv_bf16, at, r + (H + Hk) * D, Hk * D);
+    }
+    return 0;
+}
+
+int streamkv_fwd_attn(const SkModel* m, int layer, const float* q, const int64_t* seqs, int B,
+                      const int64_t* slots, float* out) {
+    const SkLayer* L = m->layers + layer;
+    if (m->attn_bf16)
+        return streamkv_inv_attn_bf16(q, (const uint16_t*)L->kc, (const uint16_t*)L->vc, seqs, B, slots, m->H, m->Hk,
+                                      m->D, m->scale, out);
+    return streamkv_inv_attn(q, L->kc, L->vc, m->kv_bf16, seqs, B, slots, m->H, m->Hk, m->D, m->scale, out);
+}
+
+/* x[t] += y[t] for rows [0, T) of width n */
+static void residual(float* x, const float* y, int64_t T, int n) {
+    #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < n; i += 16) {
+            const int k = n - i < 16 ? n - i : 16;
+            if (k == 16) v_store(x + t * n + i, v_add(v_load(x + t * n + i), v_load(y + t * n + i)));
+            else for (int j = 0; j < k; j++) x[t * n + i + j] += y[t * n + i + j];
+        }
+}
+
+/* act[t] = silu(g) * u in the act dtype, gu [T, 2I] = [g | u] per row; silu(g) = g * sigmoid(g)
+ * with sigmoid from exp(-|g|) (the exp of vec16.h) */
+static void silu_mul(const float* gu, int64_t T, int I, void* act, int bf16) {
+    #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        float y[16];
+        for (int i = 0; i < I; i += 16) {
+            const int k = I - i < 16 ? I - i : 16;
+            const v16 g = load_n(gu + t * 2 * I + i, k), u = load_n(gu + t * 2 * I + I + i, k);
+            const v16 e = v_exp(v_neg_select(g, g, v_sub(v_zero(), g)));        /* exp(-|g|) */
+            const v16 one = v_set1(1.f);
+            const v16 sig = v_div(v_neg_select(g, e, one), v_add(one, e));
+            v_store(y, v_mul(v_mul(g, sig), u));
+            store_act(act, bf16, t * I + i, y, k);
+        }
+    }
+}
+
+int streamkv_fwd_post(const SkModel* m, int layer, float* x, int64_t T, const float* attn, void* ws) {
+    const SkLayer* L = m->layers + layer;
+    const int hd = m->H * m->D, I = m->inter;
+    Work w = carve(m, T, ws);
+    #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
+    for (int64_t t = 0; t < T; t++) store_act(w.act, m->act_bf16, t * hd, attn + t * hd, hd);
+    int rc = linear(&L->o, w.act, T, w.f);
+    if (rc != 0) return rc;
+    residual(x, w.f, T, m->d);
+    rc = streamkv_rms_norm(x, T, m->d, L->mlp_norm, m->eps, w.act, m->act_bf16);
+    if (rc == 0) rc = linear(&L->gate_up, w.act, T, w.f);
+    if (rc != 0) return rc;
+    silu_mul(w.f, T, I, w.act, m->act_bf16);
+    rc = linear(&L->down, w.act, T, w.f);
+    if (rc != 0) return rc;
+    residual(x, w.f, T, m->d);
+    return 0;
+}
+
+/* Every layer of one step: x [T, d] float32 holds the embeddings on entry and the last layer's
+ * residual stream on return. */
+int streamkv_fwd(const SkModel* m, float* x, int64_t T, const int64_t* pos, const int64_t* slot_mapping,
+                 const int64_t* seqs, int B, const int64_t* slots, void* ws) {
+    if (T <= 0 || m->D % 16 != 0 || m->D > 256) return 1;
+    Work w = carve(m, T, ws);
+    for (int l = 0; l < m->n_layers; l++) {
+        int rc = streamkv_fwd_pre(m, l, x, T, pos, slot_mapping, w.q, ws);
+        if (rc == 0) rc = streamkv_fwd_attn(m, l, w.q, seqs, B, slots, w.attn);
+        if (rc == 0) rc = streamkv_fwd_post(m, l, x, T, w.attn, ws);
+        if (rc != 0) return 100 + rc;
+    }
+    return 0;
+}
