@@ -37,7 +37,10 @@ class SkModel(ctypes.Structure):
     _fields_ = [("n_layers", ctypes.c_int), ("d", ctypes.c_int), ("H", ctypes.c_int), ("Hk", ctypes.c_int),
                 ("D", ctypes.c_int), ("inter", ctypes.c_int), ("act_bf16", ctypes.c_int), ("kv_bf16", ctypes.c_int),
                 ("attn_bf16", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("cos_t", ctypes.c_void_p), ("sin_t", ctypes.c_void_p), ("layers", ctypes.POINTER(SkLayer))]
+                ("cos_t", ctypes.c_void_p), ("sin_t", ctypes.c_void_p), ("layers", ctypes.POINTER(SkLayer)),
+                ("prof", ctypes.c_void_p)]
+
+PHASES = ("norm", "gemm", "rope_kv", "attention", "silu", "residual")  # native/layer.c's timed phases
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -69,7 +72,7 @@ class NativeLayers:
         rope = model.rope
         self.model = SkModel(len(model.layers), d, h, hk, hd, inter, int(bf16), int(cache.k.dtype == torch.bfloat16),
                              int(attn_bf16), arch.rms_norm_eps, scale, self._f32(rope.cos_table),
-                             self._f32(rope.sin_table), layers)
+                             self._f32(rope.sin_table), layers, None)
         self.layers = layers
         self.embed = model.embed
         self.hidden, self.heads, self.head_dim = d, h, hd
@@ -94,6 +97,16 @@ class NativeLayers:
         wbf16 = panels.dtype == torch.bfloat16
         k = panels.shape[1] * (2 if wbf16 else 1)
         return SkLinear(0, lin.dense.out_features, k, int(wbf16), panels.data_ptr(), None, bias)
+
+    def profile(self, on: bool) -> torch.Tensor | None:
+        """Start (zeroed) or stop timing the native phases; returns the float64 [len(PHASES)]
+        seconds accumulated so far (the tensor C writes into while on)."""
+        if on:
+            self.timings = torch.zeros(len(PHASES), dtype=torch.float64)
+            self.model.prof = self.timings.data_ptr()
+        else:
+            self.model.prof = None
+        return getattr(self, "timings", None)
 
     def _work(self, rows: int) -> int:
         need = int(self.lib.streamkv_fwd_workspace(ctypes.addressof(self.model), rows))

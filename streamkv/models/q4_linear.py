@@ -20,12 +20,17 @@ import torch.nn.functional as F
 GROUP = 32
 
 
+# the row held by byte j of a pair's 16 bytes (native/q4_gemm.c expands them with one
+# 128-bit broadcast: qword i of it must hold rows 2i and 2i + 1)
+PAIR_ROWS = (0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)
+
+
 def pack_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] int (0..15), scale/zero [N, K/32] -> (w [T, G, 16, 16] uint8, sz [T, G, 2, 16] bf16).
 
     ::
 
-        w[t, g, p, r]  = q[16t + r, 32g + 2p] | q[16t + r, 32g + 2p + 1] << 4
+        w[t, g, p, j]  = q[16t + r, 32g + 2p] | q[16t + r, 32g + 2p + 1] << 4,   r = PAIR_ROWS[j]
         sz[t, g, 0, r] = scale[16t + r, g]      sz[t, g, 1, r] = zero[16t + r, g]
 
     Rows past N (the last tile's padding) are zero and never written out.
@@ -37,7 +42,7 @@ def pack_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tup
     qp = torch.zeros(t * 16, k, dtype=torch.int32)
     qp[:n] = q.to(torch.int32)
     pairs = qp.view(t, 16, g, 16, 2)
-    w = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+    w = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).permute(0, 2, 3, 1)[..., list(PAIR_ROWS)].contiguous()
     sz = torch.zeros(2, t * 16, g, dtype=torch.float32)
     sz[0, :n], sz[1, :n] = scale, zero
     sz = sz.view(2, t, 16, g).permute(1, 3, 0, 2).to(torch.bfloat16).contiguous()

@@ -22,6 +22,7 @@
  * Threads: GEMMs and attention parallelise inside; the row-wise glue splits rows across threads
  * only for steps with many rows (which thread handles a row never changes its arithmetic).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -61,9 +62,16 @@ typedef struct {
     const float* cos_t;      /* [positions, D]: cos, and sin with the rotate-half sign folded in */
     const float* sin_t;
     const SkLayer* layers;
+    double* prof;            /* NULL, or seconds per phase accumulated here (see PHASES) */
 } SkModel;
 
-#define PAR_ROWS 32          /* steps with at least this many rows split the glue across threads */
+/* phases timed when prof is set: norms and casts, GEMMs, qk-norm + RoPE + KV writes, attention,
+ * SiLU, residual adds */
+enum { P_NORM, P_GEMM, P_ROPE, P_ATTN, P_SILU, P_RESID, PHASES };
+#define TIC(m) double tic_ = (m)->prof ? omp_get_wtime() : 0.0
+#define TOC(m, phase) do { if ((m)->prof) { double t_ = omp_get_wtime(); (m)->prof[phase] += t_ - tic_; tic_ = t_; } } while (0)
+
+#define PAR_ROWS 128         /* steps with at least this many rows split the glue across threads */
 
 static inline v16 load_n(const float* p, int n) {   /* up to 16 floats, zeros past n */
     if (n >= 16) return v_load(p);
@@ -72,9 +80,13 @@ static inline v16 load_n(const float* p, int n) {   /* up to 16 floats, zeros pa
     return v_load(t);
 }
 
+/* out[at:at + n] = v in the act dtype (bf16: nearest even, the same bits as f32_to_bf16) */
 static inline void store_act(void* out, int bf16, int64_t at, const float* v, int n) {
-    if (bf16) { uint16_t* o = (uint16_t*)out + at; for (int i = 0; i < n; i++) o[i] = f32_to_bf16(v[i]); }
-    else { float* o = (float*)out + at; for (int i = 0; i < n; i++) o[i] = v[i]; }
+    if (!bf16) { memcpy((float*)out + at, v, sizeof(float) * n); return; }
+    uint16_t* o = (uint16_t*)out + at;
+    int i = 0;
+    for (; i + 16 <= n; i += 16) v_store_bf16(o + i, v_load(v + i));
+    for (; i < n; i++) o[i] = f32_to_bf16(v[i]);
 }
 
 /* 1 / sqrt(mean(x[0:n]^2) + eps): lane l sums x[l]^2, x[l + 16]^2, ... in order, then v_hsum */
@@ -91,10 +103,16 @@ int streamkv_rms_norm(const float* x, int64_t T, int d, const float* w, float ep
     for (int64_t t = 0; t < T; t++) {
         const float* xr = x + t * d;
         const float r = rms_scale(xr, d, eps);
+        const v16 vr = v_set1(r);
         float y[64];
         for (int i = 0; i < d; i += 64) {
             const int k = d - i < 64 ? d - i : 64;
-            for (int j = 0; j < k; j++) y[j] = w ? (xr[i + j] * r) * w[i + j] : xr[i + j] * r;
+            int j = 0;
+            for (; j + 16 <= k; j += 16) {
+                const v16 a = v_mul(v_load(xr + i + j), vr);
+                v_store(y + j, w ? v_mul(a, v_load(w + i + j)) : a);
+            }
+            for (; j < k; j++) y[j] = w ? (xr[i + j] * r) * w[i + j] : xr[i + j] * r;
             store_act(out, out_bf16, t * d + i, y, k);
         }
     }
@@ -139,8 +157,12 @@ static Work carve(const SkModel* m, int64_t T, void* ws) {
 /* one head in place: optional per-head RMSNorm, then RoPE at position pos (D a multiple of 16) */
 static inline void head_transform(float* v, int D, const float* norm, float eps, const float* cs, const float* sn) {
     float rot[256];
-    if (norm) { const float r = rms_scale(v, D, eps); for (int i = 0; i < D; i++) v[i] = (v[i] * r) * norm[i]; }
-    for (int i = 0; i < D; i++) rot[i] = v[(i + D / 2) % D];
+    if (norm) {
+        const v16 r = v_set1(rms_scale(v, D, eps));
+        for (int i = 0; i < D; i += 16) v_store(v + i, v_mul(v_mul(v_load(v + i), r), v_load(norm + i)));
+    }
+    memcpy(rot, v + D / 2, sizeof(float) * (D / 2));  /* rot[i] = v[(i + D/2) % D] */
+    memcpy(rot + D / 2, v, sizeof(float) * (D / 2));
     for (int i = 0; i < D; i += 16)
         v_store(v + i, v_fma(v_load(rot + i), v_load(sn + i), v_mul(v_load(v + i), v_load(cs + i))));
 }
@@ -152,8 +174,11 @@ int streamkv_fwd_pre(const SkModel* m, int layer, const float* x, int64_t T, con
     const SkLayer* L = m->layers + layer;
     const int H = m->H, Hk = m->Hk, D = m->D, nqkv = (H + 2 * Hk) * D;
     Work w = carve(m, T, ws);
+    TIC(m);
     int rc = streamkv_rms_norm(x, T, m->d, L->attn_norm, m->eps, w.act, m->act_bf16);
+    TOC(m, P_NORM);
     if (rc == 0) rc = linear(&L->qkv, w.act, T, w.f);
+    TOC(m, P_GEMM);
     if (rc != 0) return rc;
     #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
     for (int64_t t = 0; t < T; t++) {
@@ -162,21 +187,25 @@ int streamkv_fwd_pre(const SkModel* m, int layer, const float* x, int64_t T, con
         const float* sn = m->sin_t + pos[t] * D;
         for (int h = 0; h < H + Hk; h++)
             head_transform(r + h * D, D, L->qk_norm ? L->qk_norm + h * D : NULL, m->eps, cs, sn);
-        for (int i = 0; i < H * D; i++) q_out[t * H * D + i] = r[i];
+        memcpy(q_out + t * H * D, r, sizeof(float) * H * D);
         const int64_t at = slot_mapping[t] * Hk * D;
         cache_write(L->kc, m->kv_bf16, at, r + H * D, Hk * D);
         cache_write(L->vc, m->kv_bf16, at, r + (H + Hk) * D, Hk * D);
     }
+    TOC(m, P_ROPE);
     return 0;
 }
 
 int streamkv_fwd_attn(const SkModel* m, int layer, const float* q, const int64_t* seqs, int B,
                       const int64_t* slots, float* out) {
     const SkLayer* L = m->layers + layer;
-    if (m->attn_bf16)
-        return streamkv_inv_attn_bf16(q, (const uint16_t*)L->kc, (const uint16_t*)L->vc, seqs, B, slots, m->H, m->Hk,
-                                      m->D, m->scale, out);
-    return streamkv_inv_attn(q, L->kc, L->vc, m->kv_bf16, seqs, B, slots, m->H, m->Hk, m->D, m->scale, out);
+    TIC(m);
+    const int rc = m->attn_bf16
+        ? streamkv_inv_attn_bf16(q, (const uint16_t*)L->kc, (const uint16_t*)L->vc, seqs, B, slots, m->H, m->Hk,
+                                 m->D, m->scale, out)
+        : streamkv_inv_attn(q, L->kc, L->vc, m->kv_bf16, seqs, B, slots, m->H, m->Hk, m->D, m->scale, out);
+    TOC(m, P_ATTN);
+    return rc;
 }
 
 /* x[t] += y[t] for rows [0, T) of width n */
@@ -202,8 +231,9 @@ static void silu_mul(const float* gu, int64_t T, int I, void* act, int bf16) {
             const v16 e = v_exp(v_neg_select(g, g, v_sub(v_zero(), g)));        /* exp(-|g|) */
             const v16 one = v_set1(1.f);
             const v16 sig = v_div(v_neg_select(g, e, one), v_add(one, e));
-            v_store(y, v_mul(v_mul(g, sig), u));
-            store_act(act, bf16, t * I + i, y, k);
+            const v16 out = v_mul(v_mul(g, sig), u);
+            if (k == 16 && bf16) v_store_bf16((uint16_t*)act + t * I + i, out);
+            else { v_store(y, out); store_act(act, bf16, t * I + i, y, k); }
         }
     }
 }
@@ -212,18 +242,27 @@ int streamkv_fwd_post(const SkModel* m, int layer, float* x, int64_t T, const fl
     const SkLayer* L = m->layers + layer;
     const int hd = m->H * m->D, I = m->inter;
     Work w = carve(m, T, ws);
+    TIC(m);
     #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
     for (int64_t t = 0; t < T; t++) store_act(w.act, m->act_bf16, t * hd, attn + t * hd, hd);
+    TOC(m, P_NORM);
     int rc = linear(&L->o, w.act, T, w.f);
+    TOC(m, P_GEMM);
     if (rc != 0) return rc;
     residual(x, w.f, T, m->d);
+    TOC(m, P_RESID);
     rc = streamkv_rms_norm(x, T, m->d, L->mlp_norm, m->eps, w.act, m->act_bf16);
+    TOC(m, P_NORM);
     if (rc == 0) rc = linear(&L->gate_up, w.act, T, w.f);
+    TOC(m, P_GEMM);
     if (rc != 0) return rc;
     silu_mul(w.f, T, I, w.act, m->act_bf16);
+    TOC(m, P_SILU);
     rc = linear(&L->down, w.act, T, w.f);
+    TOC(m, P_GEMM);
     if (rc != 0) return rc;
     residual(x, w.f, T, m->d);
+    TOC(m, P_RESID);
     return 0;
 }
 

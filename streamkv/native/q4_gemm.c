@@ -1,125 +1,251 @@
-/* Small-batch GEMM with 4-bit weights (GGUF Q4_0 / Q4_1 blocks), AVX512-BF16.
+/* GEMM with 4-bit weights (GGUF Q4_0 / Q4_1 blocks), AVX512-BF16; batch-invariant.
  *
  *   out[m, n] = sum_k x[m, k] * w[n, k],   w[n, k] = (q[n, k] - 8) * scale[n, k/32] + zero[n, k/32]
  *
- * computed per 32-column group g as
+ * Every output element runs the same chain of roundings whatever M, its row's place in the
+ * batch, the blocking or the thread count:
  *
- *   out[m, n] += scale[n, g] * sum_{k in g} (q[n, k] - 8) x[m, k]  +  zero[n, g] * sum_{k in g} x[m, k]
+ *   o = 0
+ *   for each 32-column group g, in order:
+ *       s = 0;  s = vdpbf16ps(s, (q - 8) pair p, x pair p)  for p = 0 .. 15       (exact products)
+ *       o = fma(s, scale[n, g], o);  o = fma(zero[n, g], xsum[m, g], o)
  *
- * where (q - 8) is exact in bf16, so the inner sums are exact products accumulated in float32.
+ * (q - 8) is exact in bf16; xsum[m, g] is the group's sum of x in float32 (v_hsum of two
+ * lane-wise halves). Lanes are 16 output rows n, so no horizontal sums are needed.
  *
- * Packed layout (built once at load time by streamkv/models/q4_linear.py), per tile t of 16
- * output rows and group g:
+ * Packed layout (streamkv/models/q4_linear.py: pack_native), per tile t of 16 output rows and
+ * group g:  w [T][G][16 pairs][16 bytes]   byte = q[row][2p] | q[row][2p + 1] << 4
+ *           sz [T][G][2][16] bf16          scale and zero of the 16 rows
+ * with the 16 bytes of a pair in the row order ROWS below, so that one 128-bit broadcast, one
+ * vpmultishiftqb (each 16-bit word picks its nibble) and one vpermw (nibble -> bf16(q - 8))
+ * expand a pair into the 16-lane vector of (q[row][2p] - 8, q[row][2p + 1] - 8) bf16 pairs.
  *
- *   w  [T][G][16 pairs][16 rows] uint8    byte = q[row][2p] | q[row][2p + 1] << 4
- *   sz [T][G][2][16] bf16                 scale and zero of the 16 rows
- *
- * A pair's 16 bytes expand (vpmovzxbd, two 16-entry vpermd tables) into one vector of 16
- * dwords, each the bf16 pair (q[row][2p] - 8, q[row][2p + 1] - 8), which vdpbf16ps multiplies
- * by the broadcast pair (x[m][2p], x[m][2p + 1]): the 16 lanes are the 16 output rows, so no
- * horizontal sums are needed. Rows of x go up to 4 at a time with 4 independent accumulator
- * chains per row (batch-1 decode with a single chain is latency-bound at a third of the memory
- * bandwidth); the chains are the same for every row blocking, so each row's result is
- * independent of how many rows share the call.
+ * Two blockings of the same arithmetic:
+ *   few rows (M < 8):  R rows x P tiles of accumulators in registers, pairs expanded as they
+ *                      are used (decode: bound by the weight bytes, 4 tiles in flight);
+ *   more rows:         a tile's 16 expanded pairs of a group stay in registers while 8 rows at a
+ *                      time stream past them; row blocks of 64 keep x in L2, threads split tiles.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include "vec16.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-static inline __m512 bf16x16_to_f32(const uint16_t* p) {
+#define MB 96   /* rows per block (x stays in L2) */
+
+/* bf16 bits of q - 8 for q = 0..15, twice (vpermw reads 5 index bits; the 5th is don't-care) */
+static inline __m512i q4_table(void) {
+    static const uint16_t t[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                   0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                   0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                   0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+    return _mm512_loadu_si512((const void*)t);
+}
+
+#if defined(__AVX512VBMI__)
+/* qword i of the broadcast holds half (i % 2) of the 16 bytes; its lanes 2i, 2i + 1 are at byte
+ * positions b = i - i % 2 and b + 1 of that half; word 2L takes the low nibble, 2L + 1 the high */
+static inline __m512i shift_ctrl(void) {
+    uint8_t c[64] = {0};
+    for (int i = 0; i < 8; i++) {
+        const int b = i - i % 2;
+        c[8 * i + 0] = (uint8_t)(8 * b);
+        c[8 * i + 2] = (uint8_t)(8 * b + 4);
+        c[8 * i + 4] = (uint8_t)(8 * (b + 1));
+        c[8 * i + 6] = (uint8_t)(8 * (b + 1) + 4);
+    }
+    return _mm512_loadu_si512((const void*)c);
+}
+
+static inline __m512i expand(const uint8_t* p16, __m512i ctrl, __m512i table) {
+    const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p16));
+    return _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(ctrl, v), table);
+}
+#else
+/* without VBMI: widen the 16 bytes, put them back in row order, look both nibbles up */
+static inline __m512i shift_ctrl(void) {
+    return _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);  /* lane -> byte */
+}
+
+static inline __m512i expand(const uint8_t* p16, __m512i ctrl, __m512i table) {
+    const __m512i v = _mm512_permutexvar_epi32(ctrl, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p16)));
+    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0xF)), hi = _mm512_srli_epi32(v, 4);
+    return _mm512_or_si512(_mm512_and_si512(_mm512_permutexvar_epi16(lo, table), _mm512_set1_epi32(0xFFFF)),
+                           _mm512_slli_epi32(_mm512_permutexvar_epi16(hi, table), 16));
+}
+#endif
+
+static inline __m512 bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
 static inline void store_row(void* out, int bf16_out, int64_t at, __mmask16 keep, __m512 v) {
-    if (bf16_out)
-        _mm256_mask_storeu_epi16((uint16_t*)out + at, keep, (__m256i)_mm512_cvtneps_pbh(v));
-    else
+    if (bf16_out) {
+        uint16_t t[16];
+        v_store_bf16(t, v);
+        _mm256_mask_storeu_epi16((uint16_t*)out + at, keep, _mm256_loadu_si256((const __m256i*)t));
+    } else {
         _mm512_mask_storeu_ps((float*)out + at, keep, v);
-}
-
-/* bf16 bits of q - 8 for q = 0..15 */
-#define Q4_TABLE _mm512_setr_epi32(0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, \
-                                   0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0)
-
-/* Group g of rows [m0, m0 + R) of x: o[m] += scale * sum_p (q - 8) x + zero * xsum, with the
- * group's 16 expanded pair vectors W already built. C = 4 chains per row for every R. */
-#define DEFINE_ROWS(NAME, R)                                                                              \
-static inline void NAME(const uint16_t* x, const float* xsum, int m0, int K, int g, const __m512i W[16],   \
-                        __m512 sc, __m512 zr, __m512* o) {                                               \
-    const int G = K / 32;                                                                                \
-    __m512 a[R][4];                                                                                      \
-    for (int m = 0; m < R; m++) for (int c = 0; c < 4; c++) a[m][c] = _mm512_setzero_ps();              \
-    for (int p = 0; p < 16; p += 4)                                                                      \
-        for (int c = 0; c < 4; c++)                                                                      \
-            for (int m = 0; m < R; m++) {                                                                \
-                int32_t xp;                                                                              \
-                memcpy(&xp, x + (int64_t)(m0 + m) * K + 32 * g + 2 * (p + c), 4);                        \
-                a[m][c] = _mm512_dpbf16_ps(a[m][c], (__m512bh)W[p + c], (__m512bh)_mm512_set1_epi32(xp)); \
-            }                                                                                            \
-    for (int m = 0; m < R; m++) {                                                                        \
-        __m512 s = _mm512_add_ps(_mm512_add_ps(a[m][0], a[m][1]), _mm512_add_ps(a[m][2], a[m][3]));      \
-        o[m] = _mm512_fmadd_ps(s, sc, o[m]);                                                             \
-        o[m] = _mm512_fmadd_ps(zr, _mm512_set1_ps(xsum[(int64_t)(m0 + m) * G + g]), o[m]);              \
-    }                                                                                                    \
-}
-
-DEFINE_ROWS(rows4, 4)
-DEFINE_ROWS(rows2, 2)
-DEFINE_ROWS(rows1, 1)
-
-#define MAX_M 64
-
-/* Rows [0, M) (M <= MAX_M) of x against tile t: out[m, 16t .. 16t + 16) (masked to N). Each
- * group's pairs are expanded once and serve every row; a row's arithmetic is the same for
- * every M. */
-static void tile(const uint16_t* x, const float* xsum, int M, int K, const uint8_t* wt, const uint16_t* st,
-                 void* out, int bf16_out, int64_t ldo, int col0, __mmask16 keep) {
-    const int G = K / 32;
-    const __m512i tlo = Q4_TABLE, thi = _mm512_slli_epi32(Q4_TABLE, 16), nib = _mm512_set1_epi32(0xF);
-    __m512 o[MAX_M];
-    __m512i W[16];
-    for (int m = 0; m < M; m++) o[m] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++) {
-        const uint8_t* wg = wt + g * 256;
-        for (int p = 0; p < 16; p++) {
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(wg + 16 * p)));
-            W[p] = _mm512_or_si512(_mm512_permutexvar_epi32(_mm512_and_si512(v, nib), tlo),
-                                   _mm512_permutexvar_epi32(_mm512_srli_epi32(v, 4), thi));
-        }
-        __m512 sc = bf16x16_to_f32(st + g * 32), zr = bf16x16_to_f32(st + g * 32 + 16);
-        int m0 = 0;
-        for (; m0 + 4 <= M; m0 += 4) rows4(x, xsum, m0, K, g, W, sc, zr, o + m0);
-        if (M - m0 >= 2) { rows2(x, xsum, m0, K, g, W, sc, zr, o + m0); m0 += 2; }
-        if (M - m0 >= 1) rows1(x, xsum, m0, K, g, W, sc, zr, o + m0);
     }
-    for (int m = 0; m < M; m++) store_row(out, bf16_out, (int64_t)m * ldo + col0, keep, o[m]);
 }
 
-/* out [M, N]: float32, or bf16 when bf16_out (rounded to nearest even). */
+typedef struct {
+    const uint16_t* x;   /* [M, K] bf16 */
+    const float* xsum;   /* [M, G] */
+    const uint8_t* w;
+    const uint16_t* sz;
+    void* out;
+    int64_t M;
+    int K, G, N, T, bf16_out;
+} Q4;
+
+static inline uint32_t xpair(const Q4* a, int64_t m, int g, int p) {
+    uint32_t v;
+    memcpy(&v, a->x + m * a->K + 32 * g + 2 * p, 4);
+    return v;
+}
+
+static inline __mmask16 keep_of(const Q4* a, int t) {
+    const int n = a->N - 16 * t < 16 ? a->N - 16 * t : 16;
+    return (__mmask16)((1u << n) - 1);
+}
+
+/* few rows: R rows x P tiles [t0, t0 + P), every group, accumulators in registers */
+static inline __attribute__((always_inline)) void small(const Q4* a, const int R, const int P, int64_t m0, int t0) {
+    const __m512i ctrl = shift_ctrl(), table = q4_table();
+    __m512 o[4][4];
+    for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = _mm512_setzero_ps();
+    for (int g = 0; g < a->G; g++) {
+        __m512 s[4][4];
+        for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) s[r][i] = _mm512_setzero_ps();
+        for (int p = 0; p < 16; p++) {
+            __m512i W[4];
+            for (int i = 0; i < P; i++) W[i] = expand(a->w + ((int64_t)(t0 + i) * a->G + g) * 256 + 16 * p, ctrl, table);
+            for (int r = 0; r < R; r++) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xpair(a, m0 + r, g, p));
+                for (int i = 0; i < P; i++) s[r][i] = _mm512_dpbf16_ps(s[r][i], (__m512bh)W[i], xb);
+            }
+        }
+        for (int i = 0; i < P; i++) {
+            const uint16_t* st = a->sz + ((int64_t)(t0 + i) * a->G + g) * 32;
+            const __m512 sc = bf16x16(st), zr = bf16x16(st + 16);
+            for (int r = 0; r < R; r++) {
+                o[r][i] = _mm512_fmadd_ps(s[r][i], sc, o[r][i]);
+                o[r][i] = _mm512_fmadd_ps(zr, _mm512_set1_ps(a->xsum[(m0 + r) * a->G + g]), o[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < P; i++) store_row(a->out, a->bf16_out, (m0 + r) * a->N + 16 * (t0 + i), keep_of(a, t0 + i), o[r][i]);
+}
+
+/* R (1-4) rows against tiles [t0, t1): up to 4 tiles at once for one row (its 16 dpbf16 chains of
+ * a group are dependent: several tiles in flight hide their latency), fewer for more rows */
+static void small_rows(const Q4* a, int R, int64_t m0, int t0, int t1) {
+    for (int t = t0; t < t1;) {
+        const int left = t1 - t, P = left >= 4 && R <= 2 ? 4 : left >= 2 ? 2 : 1;
+#define CASE(RR) case RR: { if (P == 4) small(a, RR, 4, m0, t); else if (P == 2) small(a, RR, 2, m0, t); \
+                            else small(a, RR, 1, m0, t); } break;
+        switch (R) { CASE(1) CASE(2) CASE(3) CASE(4) }
+#undef CASE
+        t += P;
+    }
+}
+
+/* more rows: R rows from m against P tiles whose pairs are expanded in buf [G][16][P] (and their
+ * scales and zeros in sz [G][P][2]); accumulators and outputs in registers across the groups */
+static inline __attribute__((always_inline)) void blk(const Q4* a, const int R, const int P, int64_t m, int t,
+                                                      const __m512i* buf, const __m512* scz) {
+    __m512 o[6][2];
+    for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = _mm512_setzero_ps();
+    for (int g = 0; g < a->G; g++) {
+        __m512 s[6][2];
+        for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) s[r][i] = _mm512_setzero_ps();
+        for (int p = 0; p < 16; p++)
+            for (int r = 0; r < R; r++) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xpair(a, m + r, g, p));
+                for (int i = 0; i < P; i++)
+                    s[r][i] = _mm512_dpbf16_ps(s[r][i], (__m512bh)buf[(g * 16 + p) * P + i], xb);
+            }
+        for (int r = 0; r < R; r++) {
+            const __m512 xs = _mm512_set1_ps(a->xsum[(m + r) * a->G + g]);
+            for (int i = 0; i < P; i++) {
+                o[r][i] = _mm512_fmadd_ps(s[r][i], scz[(g * P + i) * 2], o[r][i]);
+                o[r][i] = _mm512_fmadd_ps(scz[(g * P + i) * 2 + 1], xs, o[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < P; i++) store_row(a->out, a->bf16_out, (m + r) * a->N + 16 * (t + i), keep_of(a, t + i), o[r][i]);
+}
+
+#define BLK_ROWS(R)                                                                                          \
+    static void blk##R(const Q4* a, int P, int64_t m, int t, const __m512i* buf, const __m512* scz) {        \
+        if (P == 2) blk(a, R, 2, m, t, buf, scz); else blk(a, R, 1, m, t, buf, scz);                          \
+    }
+BLK_ROWS(1) BLK_ROWS(2) BLK_ROWS(3) BLK_ROWS(4) BLK_ROWS(5) BLK_ROWS(6)
+
+/* rows [m0, m1) against tiles [t, t + P): expand every group of the P tiles once (buf), then
+ * 6 rows at a time */
+static void big_tiles(const Q4* a, int64_t m0, int64_t m1, int t, int P, __m512i* buf, __m512* scz) {
+    const __m512i ctrl = shift_ctrl(), table = q4_table();
+    for (int g = 0; g < a->G; g++)
+        for (int i = 0; i < P; i++) {
+            const uint8_t* wg = a->w + ((int64_t)(t + i) * a->G + g) * 256;
+            for (int p = 0; p < 16; p++) buf[(g * 16 + p) * P + i] = expand(wg + 16 * p, ctrl, table);
+            const uint16_t* st = a->sz + ((int64_t)(t + i) * a->G + g) * 32;
+            scz[(g * P + i) * 2] = bf16x16(st);
+            scz[(g * P + i) * 2 + 1] = bf16x16(st + 16);
+        }
+    int64_t m = m0;
+    for (; m + 6 <= m1; m += 6) blk6(a, P, m, t, buf, scz);
+    switch (m1 - m) {
+        case 5: blk5(a, P, m, t, buf, scz); break;
+        case 4: blk4(a, P, m, t, buf, scz); break;
+        case 3: blk3(a, P, m, t, buf, scz); break;
+        case 2: blk2(a, P, m, t, buf, scz); break;
+        case 1: blk1(a, P, m, t, buf, scz); break;
+        default: break;
+    }
+}
+
+/* out [M, N]: float32, or bf16 when bf16_out (nearest even) */
 int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
                      int bf16_out) {
     if (K % 32 != 0 || M <= 0 || N <= 0) return 1;
-    const int G = K / 32;
-    float* xsum = malloc(sizeof(float) * M * G);
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            __m512 lo = bf16x16_to_f32(x + (int64_t)m * K + 32 * g);
-            __m512 hi = bf16x16_to_f32(x + (int64_t)m * K + 32 * g + 16);
-            xsum[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    const int G = K / 32, T = (N + 15) / 16;
+    float* xsum = malloc(sizeof(float) * (size_t)M * G);
+    for (int64_t m = 0; m < M; m++)
+        for (int g = 0; g < G; g++)
+            xsum[m * G + g] = v_hsum(v_add(v_load_bf16(x + m * K + 32 * g), v_load_bf16(x + m * K + 32 * g + 16)));
+    const Q4 a = {x, xsum, w, sz, out, M, K, G, N, T, bf16_out};
+    if (M < 8) {
+        /* each thread takes a contiguous range of tiles (balanced to one tile) */
+        #pragma omp parallel
+        {
+            const int nth = omp_get_num_threads(), id = omp_get_thread_num();
+            const int t0 = (int)((int64_t)T * id / nth), t1 = (int)((int64_t)T * (id + 1) / nth);
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) small_rows(&a, 4, m, t0, t1);
+            if (M - m) small_rows(&a, (int)(M - m), m, t0, t1);
         }
-    int T = (N + 15) / 16;
-    size_t esz = bf16_out ? 2 : 4;
-    #pragma omp parallel for schedule(static)
-    for (int t = 0; t < T; t++) {
-        int ncols = N - 16 * t < 16 ? N - 16 * t : 16;
-        __mmask16 keep = (__mmask16)((1u << ncols) - 1);
-        for (int m0 = 0; m0 < M; m0 += MAX_M) {
-            int mc = M - m0 < MAX_M ? M - m0 : MAX_M;
-            tile(x + (int64_t)m0 * K, xsum + (int64_t)m0 * G, mc, K, w + (int64_t)t * G * 256, sz + (int64_t)t * G * 32,
-                 (char*)out + (size_t)m0 * N * esz, bf16_out, N, 16 * t, keep);
+    } else {
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            const int64_t m1 = m0 + MB < M ? m0 + MB : M;
+            #pragma omp parallel
+            {
+                __m512i* buf = aligned_alloc(64, sizeof(__m512i) * 32 * G);
+                __m512* scz = aligned_alloc(64, sizeof(__m512) * 4 * G);
+                #pragma omp for schedule(static)
+                for (int t = 0; t < T; t += 2) big_tiles(&a, m0, m1, t, t + 1 < T ? 2 : 1, buf, scz);
+                free(buf);
+                free(scz);
+            }
         }
     }
     free(xsum);

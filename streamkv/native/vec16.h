@@ -190,6 +190,24 @@ static inline v16 v_exp(v16 x) {
     return v_ldexp(p, n);
 }
 
+/* 16 lanes rounded to bf16 exactly as f32_to_bf16 does (nearest even; NaN stays NaN). */
+#if defined(__AVX512F__)
+static inline void v_store_bf16(uint16_t* p, v16 a) {
+    const __m512i u = _mm512_castps_si512(a), hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
+                                                    _mm512_set1_epi32(0x7fff)));
+    r = _mm512_srli_epi32(r, 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), hi, _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+}
+#else
+static inline void v_store_bf16(uint16_t* p, v16 a) {
+    float t[16];
+    v_store(t, a);
+    for (int i = 0; i < 16; i++) p[i] = f32_to_bf16(t[i]);
+}
+#endif
+
 /* The same exp for one value (lane 0 of the vector function, so scalar and vector agree). */
 static inline float s_exp(float x) {
     float t[16];

@@ -1,0 +1,155 @@
+"""Where the time of one engine step goes: batch-1 decode, 32 concurrent decodes, a 2048-token prefill.
+
+    .venv/bin/python benchmarks/step_profile.py                    # the default engine
+    .venv/bin/python benchmarks/step_profile.py --torch-layers     # the layers as torch ops (before native/layer.c)
+    .venv/bin/python benchmarks/step_profile.py --engine-kwargs '{"numerics": "fast"}'
+
+Per step (20th percentile over the measured steps, repeated --repeat times): the whole ``Engine.step``, the runner's ``execute``,
+the model's forward and, inside it with the native layers, native/layer.c's own phases (GEMMs,
+attention, norms, RoPE + KV writes, SiLU, residual adds; timed in C), the LM head with its norm,
+and the sampler. "overhead" = step - GEMMs - attention - LM head: what is neither a kernel
+doing the model's arithmetic nor reading its weights (Python, dispatch, scheduling, glue).
+Prints the CPU model and flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+
+class Timer:
+    """Wraps obj.name and records each call's wall time under ``key``."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, list[float]] = {}
+
+    def wrap(self, obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t.setdefault(key, []).append(time.perf_counter() - t0)
+        setattr(obj, name, timed)
+
+
+class _TimedCall:
+    """Times calls of a callable object; everything else passes through."""
+
+    def __init__(self, inner, into: list[float]) -> None:
+        self.inner, self.into = inner, into
+
+    def __call__(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self.inner(*a, **k)
+        finally:
+            self.into.append(time.perf_counter() - t0)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def profile(llm, prompts: list[list[int]], max_tokens: int, native_ok: bool) -> dict[str, float]:
+    """Run the prompts together; returns median ms per step of every recorded part, over the
+    steps where every sequence decodes (or the single prefill step when max_tokens == 1)."""
+    from streamkv import SamplingParams
+
+    engine = llm.engine
+    runner = engine.bundle.runner
+    runner.sampler = getattr(runner.sampler, "inner", runner.sampler)
+    for name in ("execute", "compute_logits"):  # undo an earlier call's wrapping
+        for obj in (runner, runner.model):
+            obj.__dict__.pop(name, None)
+    timer = Timer()
+    timer.wrap(runner, "execute", "execute")
+    timer.wrap(runner.model, "compute_logits", "lm_head")
+    runner.sampler = _TimedCall(runner.sampler, timer.t.setdefault("sampler", []))
+    native = getattr(runner.model, "native", None) if native_ok else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"p{i}-{time.monotonic_ns()}", p, params)
+    steps, phases = [], []
+    while engine.has_unfinished():
+        timings = native.profile(True) if native is not None else None
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t0)
+        phases.append(timings.clone() if timings is not None else None)
+        if native is not None:
+            native.profile(False)
+    # the measured steps: all decoding (skip the prefill steps), or the prefill itself
+    n = len(steps)
+    keep = list(range(n - max_tokens + 2, n)) if max_tokens > 1 else [n - 1]
+    # the 20th percentile: this machine's neighbours slow whole runs down by 10-30% at random;
+    # the fast steps are the ones that show what the code costs
+    med = lambda xs: 1000 * statistics.quantiles(xs, n=5)[0] if len(xs) > 1 else 1000 * xs[0]  # noqa: E731
+    out = {"step": med([steps[i] for i in keep])}
+    offset = n - len(timer.t.get("execute", []))
+    for key, vals in timer.t.items():
+        if len(vals) == n - offset:
+            out[key] = med([vals[i - offset] for i in keep if i - offset >= 0])
+    if native is not None:
+        from streamkv.models.native_layers import PHASES
+
+        for j, name in enumerate(PHASES):
+            out["layers." + name] = med([float(phases[i][j]) for i in keep])
+    kernels = out.get("layers.gemm", 0.0) + out.get("layers.attention", 0.0) + out.get("lm_head", 0.0)
+    if native is not None:
+        out["overhead"] = out["step"] - kernels
+    return out
+
+
+def _best(llm, prompts: list[list[int]], max_tokens: int, repeat: int) -> dict[str, float]:
+    """Each key's lowest value over ``repeat`` runs (fresh prompts each time)."""
+    runs = [profile(llm, [[t + 1 + r for t in p] for p in prompts], max_tokens, True) for r in range(repeat)]
+    return {k: min(run[k] for run in runs if k in run) for k in runs[0]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-kwargs", default="{}", help="LLM(...) options as JSON")
+    ap.add_argument("--torch-layers", action="store_true", help="run the layers as torch ops (no native/layer.c)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each case (steps of all runs pooled)")
+    args = ap.parse_args()
+    from streamkv import LLM
+
+    info = common.machine_info(args.threads)
+    print(f"CPU: {info['cpu']['model']} ({', '.join(info['cpu']['flags'])}); torch {info.get('torch')}, "
+          f"{info.get('torch_threads')} threads")
+    llm = LLM(threads=args.threads, **json.loads(args.engine_kwargs))
+    model = llm.engine.bundle.runner.model
+    if args.torch_layers:
+        model.native = None
+    b = llm.engine.bundle
+    print(f"engine: dtype {b.dtype}, decode weights {b.decode_weights}, numerics {llm.engine.config.runtime.numerics}, "
+          f"native layers {getattr(model, 'native', None) is not None}")
+    g = iter(range(10**6))
+    prompt = lambda n: [1000 + (next(g) * 7919 + i) % 40000 for i in range(n)]  # noqa: E731
+    profile(llm, [prompt(64)], 4, True)  # warm-up
+    cases = {"decode b1 (ctx 512)": ([prompt(512)], 64), "decode b32 (ctx 128)": ([prompt(128) for _ in range(32)], 32),
+             "prefill 2048": ([prompt(2048)], 1)}
+    rows, keys = {}, []
+    for name, (prompts, n) in cases.items():
+        rows[name] = _best(llm, prompts, n, args.repeat)
+        keys += [k for k in rows[name] if k not in keys]
+    print()
+    print(common.md_table(["ms per step"] + list(cases),
+                          [[k] + [common.fmt(rows[c].get(k), 2) if k in rows[c] else "" for c in cases] for k in keys]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
