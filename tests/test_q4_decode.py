@@ -73,15 +73,40 @@ def test_invariant_numerics_take_4bit_weights_only_through_the_native_kernel():
         assert model.q4_max_rows == 0  # no row split: one kernel for every row
 
 
-def test_q8_lm_head_splits_exactly_into_two_int4_halves(ckpt):
+def test_q8_lm_head_reads_exactly_and_splits_exactly_into_two_int4_halves(ckpt):
     from streamkv.loading.q4_blocks import read_q8_lm_head
 
-    hi, lo = read_q8_lm_head(default_model_path(), tied=True)
+    head = read_q8_lm_head(default_model_path(), tied=True)
+    torch.testing.assert_close(head.dequantize(), ckpt.weights["embed.weight"], atol=0, rtol=0)
+    hi, lo = head.halves()
     torch.testing.assert_close(hi.dequantize() + lo.dequantize(), ckpt.weights["embed.weight"], atol=0, rtol=0)
     x = torch.randn(2, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
     ref = x.float() @ ckpt.weights["embed.weight"].t()
     out = PackedQ4(hi.q, hi.scale, hi.zero)(x).float() + PackedQ4(lo.q, lo.scale, lo.zero)(x).float()
     assert (out - ref).abs().max() <= 0.01 * ref.abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 33, 100])
+def test_native_q8_kernel_is_exact_to_float32_and_row_invariant(m):
+    """Random Q8_0 weights: every product exact (int8 and bf16 values), sums in float32; each row's
+    bits equal alone and in the batch (every row blocking: 1-4 rows x 1-4 tiles, 6-row blocks)."""
+    from streamkv.models.q4_linear import PackedQ8
+    from streamkv.native import q8_gemm
+
+    if q8_gemm() is None:
+        pytest.skip("no AVX512-BF16 (or no C compiler): the native Q8 kernel is not built")
+    g = torch.Generator().manual_seed(m)
+    n, k = 200, 96
+    q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    d = torch.rand(n, k // 32, generator=g) * 0.01
+    x = torch.randn(m, k, generator=g).bfloat16()
+    head = PackedQ8(q, d)
+    out = head.forward_f32(x)
+    ref = x.double() @ (q.double().view(n, k // 32, 32) * d.double()[..., None]).view(n, k).t()
+    bound = (x.double().abs() @ (q.double().abs() * d.double().repeat_interleave(32, 1)).t()) * 1e-6
+    assert ((out.double() - ref).abs() <= bound + 1e-12).all()
+    for i in range(m):
+        assert torch.equal(head.forward_f32(x[i:i + 1])[0], out[i])
 
 
 

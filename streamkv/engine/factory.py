@@ -76,9 +76,9 @@ def _decode_q4(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype,
         if mode == "q4":
             raise ValueError(f"{source} has no Q4_0/Q4_1 linear weights for decode_weights=q4")
         return None
-    halves = read_q8_lm_head(source, arch.tie_word_embeddings)
-    if halves is not None:
-        q4["lm_head.q8_halves"] = halves
+    head = read_q8_lm_head(source, arch.tie_word_embeddings)
+    if head is not None:
+        q4["lm_head.q8"] = head
     return q4
 
 

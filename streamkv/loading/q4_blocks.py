@@ -9,9 +9,10 @@ GGML blocks cover 32 consecutive input columns of one row::
 Both are returned as ``w = (q - 8) * scale + zero`` (the layout of torch's int4 CPU kernel):
 Q4_1 -> scale d, zero m + 8d; Q4_0 -> scale d, zero 0.
 
-A Q8_0 LM head (``d (f16) | 32 x int8``, ``w = d * q``) is split exactly into two 4-bit
-matrices: with ``q + 128 = 16 h + l`` (h, l in 0..15), ``w = [(h - 8) * 16d] + [(l - 8) * d + 8d]``,
-so ``x @ w.T`` is the sum of two int4 products.
+A Q8_0 LM head (``d (f16) | 32 x int8``, ``w = d * q``) is kept as int8 + float32 scales for the
+native kernel, or split exactly into two 4-bit matrices for torch's int4 kernel: with
+``q + 128 = 16 h + l`` (h, l in 0..15), ``w = [(h - 8) * 16d] + [(l - 8) * d + 8d]``, so ``x @ w.T``
+is the sum of two int4 products.
 """
 from __future__ import annotations
 
@@ -62,18 +63,35 @@ def read_q4_matrices(path: str, arch: ArchConfig, permuted_qk: bool) -> dict[str
     return out
 
 
-def read_q8_lm_head(path: str, tied: bool) -> tuple[Q4Matrix, Q4Matrix] | None:
-    """The LM head (or the tied embedding) as two 4-bit halves, if it is stored as Q8_0."""
+@dataclass(frozen=True)
+class Q8Matrix:
+    """q [N, K] int8; d [N, K // 32] float32 (the file's f16 scales, exact): w = d * q."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // GROUP, GROUP) * self.d[..., None]).view(n, k)
+
+    def halves(self) -> tuple[Q4Matrix, Q4Matrix]:
+        """Two 4-bit matrices whose sum is exactly this one (see the module docstring)."""
+        n, k = self.q.shape
+        q = self.q.to(torch.int32) + 128
+        return (Q4Matrix(q >> 4, 16 * self.d, torch.zeros(n, k // GROUP)),
+                Q4Matrix(q & 15, self.d.clone(), 8 * self.d))
+
+
+def read_q8_lm_head(path: str, tied: bool) -> Q8Matrix | None:
+    """The LM head (or the tied embedding), if it is stored as Q8_0."""
     wanted = "token_embd.weight" if tied else "output.weight"
     for tensor in GGUFFile(path).tensors():
         if tensor.name == wanted and tensor.type_name == "Q8_0":
             n, k = tensor.shape
             blocks = np.asarray(tensor.raw).reshape(n, k // GROUP, _Q8_BYTES)
             d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            q = (blocks[..., 2:].copy().view(np.int8).astype(np.int32) + 128).reshape(n, k)
-            hi = Q4Matrix(torch.from_numpy(q >> 4), torch.from_numpy(16 * d), torch.zeros(n, k // GROUP))
-            lo = Q4Matrix(torch.from_numpy(q & 15), torch.from_numpy(d), torch.from_numpy(8 * d))
-            return hi, lo
+            q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+            return Q8Matrix(torch.from_numpy(q), torch.from_numpy(d))
     return None
 
 

@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from streamkv.models.q4_linear import DENSE, PackedQ4, RowSplit, split_linear, split_rows
+from streamkv.loading.q4_blocks import Q8Matrix
+from streamkv.models.q4_linear import DENSE, PackedQ4, PackedQ8, Q4Halves, RowSplit, split_linear, split_rows
 
 NUMERICS = ("invariant", "fast")
 
@@ -119,30 +120,30 @@ class LogitsHead(nn.Module):
 
     Dense rows go through the invariant GEMM with a float32 result (products of the weights'
     dtype are exact in float32). Without native kernels (fast mode only) a float32 copy of the
-    weight is multiplied in float32. 4-bit halves (a Q8_0 head split exactly in two int4
-    matrices) serve every row in invariant mode and the decode rows in fast mode.
+    weight is multiplied in float32. A Q8_0 head from a GGUF (``q8``) is read as int8 by the
+    native kernel (exact products, float32 sums and scales; every row in invariant mode, the
+    decode rows in fast mode), or without it (fast mode) as two exact int4 halves through
+    torch's int4 kernel.
     """
 
-    def __init__(self, weight: torch.Tensor, halves: tuple[PackedQ4, PackedQ4] | None, numerics: str) -> None:
+    def __init__(self, weight: torch.Tensor, q8: Q8Matrix | None, numerics: str) -> None:
         super().__init__()
+        from streamkv.native import invariant_gemm, q8_gemm
+
         self.numerics = numerics
-        self.halves = nn.ModuleList(halves) if halves else None
-        if numerics == "invariant" and self.halves is not None and not self.halves[0].native:
-            raise ValueError("numerics=invariant takes a 4-bit LM head only through the native q4 kernel")
+        self.packed: nn.Module | None = None
+        if q8 is not None and q8_gemm() is not None:
+            self.packed = PackedQ8(q8.q, q8.d)
+        elif q8 is not None and numerics == "fast":
+            self.packed = Q4Halves(q8.halves(), native=False)
         self.dense: DensePanels | None = None
         self.weight32: torch.Tensor | None = None
-        if numerics == "invariant" and self.halves is not None:
+        if numerics == "invariant" and self.packed is not None:
             return
-        from streamkv.native import invariant_gemm
-
         if numerics == "invariant" or invariant_gemm() is not None:
             self.dense = DensePanels(weight)
         else:
             self.weight32 = weight.detach().float()
-
-    def _q4(self, x: torch.Tensor) -> torch.Tensor:
-        hi, lo = self.halves
-        return hi.forward_f32(x).add_(lo.forward_f32(x))
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None:
@@ -151,5 +152,5 @@ class LogitsHead(nn.Module):
 
     def forward(self, h: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
         if self.numerics == "invariant":
-            return self._q4(h) if self.halves is not None else self._dense(h)
-        return split_rows(h, rows, self._q4 if self.halves is not None else None, self._dense)
+            return self.packed.forward_f32(h) if self.packed is not None else self._dense(h)
+        return split_rows(h, rows, self.packed.forward_f32 if self.packed is not None else None, self._dense)

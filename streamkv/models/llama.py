@@ -128,9 +128,7 @@ class LlamaForCausalLM(nn.Module):
             self.layer_cls(arch, weights, f"layers.{i}.", q4, numerics) for i in range(arch.num_layers))
         self.norm = nn.Parameter(weights["norm.weight"].float(), requires_grad=False)
         head = self.embed if arch.tie_word_embeddings else weights["lm_head.weight"]
-        halves = (q4 or {}).get("lm_head.q8_halves")
-        packed = tuple(PackedQ4(h.q, h.scale, h.zero) for h in halves) if halves else None
-        self.lm_head = LogitsHead(head, packed, numerics)
+        self.lm_head = LogitsHead(head, (q4 or {}).get("lm_head.q8"), numerics)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, max_positions,
                                     device=self.embed.device)
         self.native: NativeLayers | None = None

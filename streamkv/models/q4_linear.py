@@ -98,6 +98,59 @@ class PackedQ4(nn.Module):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
 
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, d [N, K/32] -> (w [T, G, 16, 32] int8, d [T, G, 16] float32) for the Q8
+    path of ``native/q4_gemm.c``: ``w[t, g, p, 2r + e] = q[16t + r, 32g + 2p + e]``."""
+    n, k = q.shape
+    if k % GROUP != 0:
+        raise ValueError(f"Q8 weights need a multiple of {GROUP} columns, got {k}")
+    t, g = -(-n // 16), k // GROUP
+    qp = torch.zeros(t * 16, k, dtype=torch.int8)
+    qp[:n] = q
+    w = qp.view(t, 16, g, 16, 2).permute(0, 2, 3, 1, 4).reshape(t, g, 16, 32).contiguous()
+    dp = torch.zeros(t * 16, g, dtype=torch.float32)
+    dp[:n] = d
+    return w, dp.view(t, 16, g).permute(0, 2, 1).contiguous()
+
+
+class PackedQ8(nn.Module):
+    """A Q8_0 matrix for the native kernel (exact int8 -> bf16 pairs, float32 scales):
+    x [M, K] -> [M, N] float32."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
+        super().__init__()
+        from streamkv.native import q8_gemm
+
+        self.kernel = q8_gemm()
+        if self.kernel is None:
+            raise RuntimeError("the native Q8 kernel needs an AVX512-BF16 CPU and a C compiler")
+        self.out_features = q.shape[0]
+        w, dp = pack_q8(q, d)
+        self.register_buffer("packed", w, persistent=False)
+        self.register_buffer("scales", dp, persistent=False)
+
+    native = True
+
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x.to(torch.bfloat16), self.packed, self.scales, self.out_features)
+
+
+class Q4Halves(nn.Module):
+    """A Q8_0 matrix as two 4-bit halves (torch's int4 kernel, or the native one): their sum."""
+
+    def __init__(self, halves: tuple, native: bool) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(PackedQ4(h.q, h.scale, h.zero, native=native) for h in halves)
+
+    @property
+    def native(self) -> bool:
+        return self.parts[0].native
+
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        hi, lo = self.parts
+        return hi.forward_f32(x).add_(lo.forward_f32(x))
+
+
 @dataclass(frozen=True)
 class RowSplit:
     """Which rows of a step's batch take the packed 4-bit weights.

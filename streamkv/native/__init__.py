@@ -89,6 +89,10 @@ def _library() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int]
     lib.streamkv_q4_available.restype = ctypes.c_int
+    fn = lib.streamkv_q8_gemm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p]
     fn = lib.streamkv_page_select
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
@@ -216,6 +220,26 @@ def _q4(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor
     rc = fn(x.data_ptr(), m, k, w.data_ptr(), sz.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16))
     if rc != 0:
         raise ValueError(f"q4 GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    return out
+
+
+def q8_gemm() -> Callable[..., torch.Tensor] | None:
+    """The Q8_0 GEMM of ``q4_gemm.c`` (AVX512-BF16; float32 output), or None when unavailable."""
+    lib = _library()
+    if lib is None or not lib.streamkv_q4_available():
+        return None
+    return functools.partial(_q8, lib.streamkv_q8_gemm)
+
+
+def _q8(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] bf16 @ the packed [n, K] int8 weight -> [M, n] float32 (layout in ``q4_gemm.c``)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise TypeError(f"q8 GEMM needs a 2-D bfloat16 input, got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m and fn(x.data_ptr(), m, k, w.data_ptr(), d.data_ptr(), n, out.data_ptr()) != 0:
+        raise ValueError(f"q8 GEMM rejected x {tuple(x.shape)} for {n} outputs")
     return out
 
 

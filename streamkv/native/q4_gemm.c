@@ -1,4 +1,5 @@
-/* GEMM with 4-bit weights (GGUF Q4_0 / Q4_1 blocks), AVX512-BF16; batch-invariant.
+/* GEMM with GGUF block-quantized weights (Q4_0 / Q4_1, and Q8_0 for LM heads), AVX512-BF16;
+ * batch-invariant.
  *
  *   out[m, n] = sum_k x[m, k] * w[n, k],   w[n, k] = (q[n, k] - 8) * scale[n, k/32] + zero[n, k/32]
  *
@@ -19,6 +20,10 @@
  * with the 16 bytes of a pair in the row order ROWS below, so that one 128-bit broadcast, one
  * vpmultishiftqb (each 16-bit word picks its nibble) and one vpermw (nibble -> bf16(q - 8))
  * expand a pair into the 16-lane vector of (q[row][2p] - 8, q[row][2p + 1] - 8) bf16 pairs.
+ *
+ * Q8_0 (w = d * q, q int8): the same chain with the int8 pairs widened exactly to bf16 and no
+ * zero term (o = fma(s, d[n, g], o)); packed w [T][G][16 pairs][32 bytes] (row r's pair at bytes
+ * 2r, 2r + 1), d [T][G][16] float32 (the file's f16 scales, exact).
  *
  * Two blockings of the same arithmetic:
  *   few rows (M < 8):  R rows x P tiles of accumulators in registers, pairs expanded as they
@@ -80,6 +85,13 @@ static inline __m512i expand(const uint8_t* p16, __m512i ctrl, __m512i table) {
 }
 #endif
 
+/* Q8_0: 16 rows' pair p (32 int8, row-major pairs) -> 16 lanes of 2 bf16, exact */
+static inline __m512i expand8(const int8_t* p32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p32)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p32 + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
 static inline __m512 bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -96,13 +108,39 @@ static inline void store_row(void* out, int bf16_out, int64_t at, __mmask16 keep
 
 typedef struct {
     const uint16_t* x;   /* [M, K] bf16 */
-    const float* xsum;   /* [M, G] */
+    const float* xsum;   /* [M, G] (Q4 only) */
     const uint8_t* w;
-    const uint16_t* sz;
+    const void* sz;      /* Q4: scale and zero bf16 [T][G][2][16]; Q8: d float32 [T][G][16] */
     void* out;
     int64_t M;
     int K, G, N, T, bf16_out;
 } Q4;
+
+/* pair p of group g of tile t, expanded (Q8: compile-time constant) */
+static inline __attribute__((always_inline)) __m512i wvec(const Q4* a, const int Q8, int t, int g, int p,
+                                                          __m512i ctrl, __m512i table) {
+    if (Q8) return expand8((const int8_t*)a->w + (((int64_t)t * a->G + g) * 16 + p) * 32);
+    return expand(a->w + ((int64_t)t * a->G + g) * 256 + 16 * p, ctrl, table);
+}
+
+static inline __attribute__((always_inline)) void group_scale(const Q4* a, const int Q8, int t, int g, __m512* sc,
+                                                              __m512* zr) {
+    if (Q8) {
+        *sc = _mm512_loadu_ps((const float*)a->sz + ((int64_t)t * a->G + g) * 16);
+        *zr = _mm512_setzero_ps();
+        return;
+    }
+    const uint16_t* st = (const uint16_t*)a->sz + ((int64_t)t * a->G + g) * 32;
+    *sc = bf16x16(st);
+    *zr = bf16x16(st + 16);
+}
+
+/* o = fma(s, scale, o), then (Q4) o = fma(zero, xsum, o) */
+static inline __attribute__((always_inline)) __m512 group_end(const Q4* a, const int Q8, __m512 s, __m512 sc,
+                                                              __m512 zr, int64_t m, int g, __m512 o) {
+    o = _mm512_fmadd_ps(s, sc, o);
+    return Q8 ? o : _mm512_fmadd_ps(zr, _mm512_set1_ps(a->xsum[m * a->G + g]), o);
+}
 
 static inline uint32_t xpair(const Q4* a, int64_t m, int g, int p) {
     uint32_t v;
@@ -116,7 +154,8 @@ static inline __mmask16 keep_of(const Q4* a, int t) {
 }
 
 /* few rows: R rows x P tiles [t0, t0 + P), every group, accumulators in registers */
-static inline __attribute__((always_inline)) void small(const Q4* a, const int R, const int P, int64_t m0, int t0) {
+static inline __attribute__((always_inline)) void small(const Q4* a, const int Q8, const int R, const int P,
+                                                        int64_t m0, int t0) {
     const __m512i ctrl = shift_ctrl(), table = q4_table();
     __m512 o[4][4];
     for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = _mm512_setzero_ps();
@@ -125,19 +164,16 @@ static inline __attribute__((always_inline)) void small(const Q4* a, const int R
         for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) s[r][i] = _mm512_setzero_ps();
         for (int p = 0; p < 16; p++) {
             __m512i W[4];
-            for (int i = 0; i < P; i++) W[i] = expand(a->w + ((int64_t)(t0 + i) * a->G + g) * 256 + 16 * p, ctrl, table);
+            for (int i = 0; i < P; i++) W[i] = wvec(a, Q8, t0 + i, g, p, ctrl, table);
             for (int r = 0; r < R; r++) {
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xpair(a, m0 + r, g, p));
                 for (int i = 0; i < P; i++) s[r][i] = _mm512_dpbf16_ps(s[r][i], (__m512bh)W[i], xb);
             }
         }
         for (int i = 0; i < P; i++) {
-            const uint16_t* st = a->sz + ((int64_t)(t0 + i) * a->G + g) * 32;
-            const __m512 sc = bf16x16(st), zr = bf16x16(st + 16);
-            for (int r = 0; r < R; r++) {
-                o[r][i] = _mm512_fmadd_ps(s[r][i], sc, o[r][i]);
-                o[r][i] = _mm512_fmadd_ps(zr, _mm512_set1_ps(a->xsum[(m0 + r) * a->G + g]), o[r][i]);
-            }
+            __m512 sc, zr;
+            group_scale(a, Q8, t0 + i, g, &sc, &zr);
+            for (int r = 0; r < R; r++) o[r][i] = group_end(a, Q8, s[r][i], sc, zr, m0 + r, g, o[r][i]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -146,21 +182,27 @@ static inline __attribute__((always_inline)) void small(const Q4* a, const int R
 
 /* R (1-4) rows against tiles [t0, t1): up to 4 tiles at once for one row (its 16 dpbf16 chains of
  * a group are dependent: several tiles in flight hide their latency), fewer for more rows */
-static void small_rows(const Q4* a, int R, int64_t m0, int t0, int t1) {
-    for (int t = t0; t < t1;) {
-        const int left = t1 - t, P = left >= 4 && R <= 2 ? 4 : left >= 2 ? 2 : 1;
-#define CASE(RR) case RR: { if (P == 4) small(a, RR, 4, m0, t); else if (P == 2) small(a, RR, 2, m0, t); \
-                            else small(a, RR, 1, m0, t); } break;
-        switch (R) { CASE(1) CASE(2) CASE(3) CASE(4) }
-#undef CASE
-        t += P;
+#define SMALL_ROWS(NAME, Q8)                                                                                   \
+    static void NAME(const Q4* a, int R, int64_t m0, int t0, int t1) {                                         \
+        for (int t = t0; t < t1;) {                                                                            \
+            const int left = t1 - t, P = left >= 4 && R <= 2 ? 4 : left >= 2 ? 2 : 1;                           \
+            switch (R * 8 + P) {                                                                               \
+                case 12: small(a, Q8, 1, 4, m0, t); break;  case 10: small(a, Q8, 1, 2, m0, t); break;         \
+                case 9: small(a, Q8, 1, 1, m0, t); break;   case 20: small(a, Q8, 2, 4, m0, t); break;         \
+                case 18: small(a, Q8, 2, 2, m0, t); break;  case 17: small(a, Q8, 2, 1, m0, t); break;         \
+                case 26: small(a, Q8, 3, 2, m0, t); break;  case 25: small(a, Q8, 3, 1, m0, t); break;         \
+                case 34: small(a, Q8, 4, 2, m0, t); break;  default: small(a, Q8, 4, 1, m0, t); break;         \
+            }                                                                                                  \
+            t += P;                                                                                            \
+        }                                                                                                      \
     }
-}
+SMALL_ROWS(small_rows_q4, 0)
+SMALL_ROWS(small_rows_q8, 1)
 
 /* more rows: R rows from m against P tiles whose pairs are expanded in buf [G][16][P] (and their
  * scales and zeros in sz [G][P][2]); accumulators and outputs in registers across the groups */
-static inline __attribute__((always_inline)) void blk(const Q4* a, const int R, const int P, int64_t m, int t,
-                                                      const __m512i* buf, const __m512* scz) {
+static inline __attribute__((always_inline)) void blk(const Q4* a, const int Q8, const int R, const int P, int64_t m,
+                                                      int t, const __m512i* buf, const __m512* scz) {
     __m512 o[6][2];
     for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = _mm512_setzero_ps();
     for (int g = 0; g < a->G; g++) {
@@ -172,58 +214,54 @@ static inline __attribute__((always_inline)) void blk(const Q4* a, const int R, 
                 for (int i = 0; i < P; i++)
                     s[r][i] = _mm512_dpbf16_ps(s[r][i], (__m512bh)buf[(g * 16 + p) * P + i], xb);
             }
-        for (int r = 0; r < R; r++) {
-            const __m512 xs = _mm512_set1_ps(a->xsum[(m + r) * a->G + g]);
-            for (int i = 0; i < P; i++) {
-                o[r][i] = _mm512_fmadd_ps(s[r][i], scz[(g * P + i) * 2], o[r][i]);
-                o[r][i] = _mm512_fmadd_ps(scz[(g * P + i) * 2 + 1], xs, o[r][i]);
-            }
-        }
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < P; i++)
+                o[r][i] = group_end(a, Q8, s[r][i], scz[(g * P + i) * 2], scz[(g * P + i) * 2 + 1], m + r, g, o[r][i]);
     }
     for (int r = 0; r < R; r++)
         for (int i = 0; i < P; i++) store_row(a->out, a->bf16_out, (m + r) * a->N + 16 * (t + i), keep_of(a, t + i), o[r][i]);
 }
 
 #define BLK_ROWS(R)                                                                                          \
-    static void blk##R(const Q4* a, int P, int64_t m, int t, const __m512i* buf, const __m512* scz) {        \
-        if (P == 2) blk(a, R, 2, m, t, buf, scz); else blk(a, R, 1, m, t, buf, scz);                          \
+    static void blk##R(const Q4* a, int q8, int P, int64_t m, int t, const __m512i* buf, const __m512* scz) { \
+        if (q8) { if (P == 2) blk(a, 1, R, 2, m, t, buf, scz); else blk(a, 1, R, 1, m, t, buf, scz); }       \
+        else { if (P == 2) blk(a, 0, R, 2, m, t, buf, scz); else blk(a, 0, R, 1, m, t, buf, scz); }          \
     }
 BLK_ROWS(1) BLK_ROWS(2) BLK_ROWS(3) BLK_ROWS(4) BLK_ROWS(5) BLK_ROWS(6)
 
 /* rows [m0, m1) against tiles [t, t + P): expand every group of the P tiles once (buf), then
  * 6 rows at a time */
-static void big_tiles(const Q4* a, int64_t m0, int64_t m1, int t, int P, __m512i* buf, __m512* scz) {
+static void big_tiles(const Q4* a, int q8, int64_t m0, int64_t m1, int t, int P, __m512i* buf, __m512* scz) {
     const __m512i ctrl = shift_ctrl(), table = q4_table();
     for (int g = 0; g < a->G; g++)
         for (int i = 0; i < P; i++) {
-            const uint8_t* wg = a->w + ((int64_t)(t + i) * a->G + g) * 256;
-            for (int p = 0; p < 16; p++) buf[(g * 16 + p) * P + i] = expand(wg + 16 * p, ctrl, table);
-            const uint16_t* st = a->sz + ((int64_t)(t + i) * a->G + g) * 32;
-            scz[(g * P + i) * 2] = bf16x16(st);
-            scz[(g * P + i) * 2 + 1] = bf16x16(st + 16);
+            for (int p = 0; p < 16; p++)
+                buf[(g * 16 + p) * P + i] = q8 ? wvec(a, 1, t + i, g, p, ctrl, table) : wvec(a, 0, t + i, g, p, ctrl, table);
+            if (q8) group_scale(a, 1, t + i, g, &scz[(g * P + i) * 2], &scz[(g * P + i) * 2 + 1]);
+            else group_scale(a, 0, t + i, g, &scz[(g * P + i) * 2], &scz[(g * P + i) * 2 + 1]);
         }
     int64_t m = m0;
-    for (; m + 6 <= m1; m += 6) blk6(a, P, m, t, buf, scz);
+    for (; m + 6 <= m1; m += 6) blk6(a, q8, P, m, t, buf, scz);
     switch (m1 - m) {
-        case 5: blk5(a, P, m, t, buf, scz); break;
-        case 4: blk4(a, P, m, t, buf, scz); break;
-        case 3: blk3(a, P, m, t, buf, scz); break;
-        case 2: blk2(a, P, m, t, buf, scz); break;
-        case 1: blk1(a, P, m, t, buf, scz); break;
+        case 5: blk5(a, q8, P, m, t, buf, scz); break;
+        case 4: blk4(a, q8, P, m, t, buf, scz); break;
+        case 3: blk3(a, q8, P, m, t, buf, scz); break;
+        case 2: blk2(a, q8, P, m, t, buf, scz); break;
+        case 1: blk1(a, q8, P, m, t, buf, scz); break;
         default: break;
     }
 }
 
-/* out [M, N]: float32, or bf16 when bf16_out (nearest even) */
-int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
-                     int bf16_out) {
+static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* sz, int N, void* out, int bf16_out,
+                int q8) {
     if (K % 32 != 0 || M <= 0 || N <= 0) return 1;
     const int G = K / 32, T = (N + 15) / 16;
-    float* xsum = malloc(sizeof(float) * (size_t)M * G);
-    for (int64_t m = 0; m < M; m++)
+    float* xsum = q8 ? NULL : malloc(sizeof(float) * (size_t)M * G);
+    for (int64_t m = 0; !q8 && m < M; m++)
         for (int g = 0; g < G; g++)
             xsum[m * G + g] = v_hsum(v_add(v_load_bf16(x + m * K + 32 * g), v_load_bf16(x + m * K + 32 * g + 16)));
     const Q4 a = {x, xsum, w, sz, out, M, K, G, N, T, bf16_out};
+    void (*small_rows)(const Q4*, int, int64_t, int, int) = q8 ? small_rows_q8 : small_rows_q4;
     if (M < 8) {
         /* each thread takes a contiguous range of tiles (balanced to one tile) */
         #pragma omp parallel
@@ -242,7 +280,7 @@ int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const ui
                 __m512i* buf = aligned_alloc(64, sizeof(__m512i) * 32 * G);
                 __m512* scz = aligned_alloc(64, sizeof(__m512) * 4 * G);
                 #pragma omp for schedule(static)
-                for (int t = 0; t < T; t += 2) big_tiles(&a, m0, m1, t, t + 1 < T ? 2 : 1, buf, scz);
+                for (int t = 0; t < T; t += 2) big_tiles(&a, q8, m0, m1, t, t + 1 < T ? 2 : 1, buf, scz);
                 free(buf);
                 free(scz);
             }
@@ -252,11 +290,27 @@ int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const ui
     return 0;
 }
 
+/* out [M, N]: float32, or bf16 when bf16_out (nearest even) */
+int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
+                     int bf16_out) {
+    return gemm(x, M, K, w, sz, N, out, bf16_out, 0);
+}
+
+/* Q8_0 weights, out [M, N] float32 */
+int streamkv_q8_gemm(const uint16_t* x, int M, int K, const int8_t* w, const float* d, int N, float* out) {
+    return gemm(x, M, K, (const uint8_t*)w, d, N, out, 0, 1);
+}
+
 int streamkv_q4_available(void) { return 1; }
 #else
 int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
                      int bf16_out) {
     (void)x; (void)M; (void)K; (void)w; (void)sz; (void)N; (void)out; (void)bf16_out;
+    return 2;
+}
+
+int streamkv_q8_gemm(const uint16_t* x, int M, int K, const int8_t* w, const float* d, int N, float* out) {
+    (void)x; (void)M; (void)K; (void)w; (void)d; (void)N; (void)out;
     return 2;
 }
 
