@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     add_engine_flags(gen)
+    info = sub.add_parser("info", help="the machine, the native kernels and the kernel choice for a model "
+                                       "(measured and cached at first start)")
+    info.add_argument("--retune", action="store_true", help="measure the kernel candidates again")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_engine_flags(info)
     from streamkv.server.config import ServerConfig
 
     serve = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible HTTP API")
@@ -83,6 +88,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_info(args: argparse.Namespace) -> int:
+    import json
+
+    from streamkv.engine.info import machine_and_kernels, render
+
+    report = machine_and_kernels(EngineConfig.from_flat(**engine_options(args)), retune=args.retune)
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from streamkv.server.config import ServerConfig
     from streamkv.server.run import serve
@@ -96,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "serve": cmd_serve}[args.command](args)
+        return {"generate": cmd_generate, "serve": cmd_serve, "info": cmd_info}[args.command](args)
     except (StreamKVError, ValueError) as exc:
         print(f"streamkv: error: {exc}", file=sys.stderr)
         return 2

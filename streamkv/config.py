@@ -91,7 +91,15 @@ class RuntimeConfig:
                 "is chunked, with or without prefix hits or preemption; fast = torch's GEMMs and SDPA "
                 "(their blocking depends on the batch shape)"})
 
+    kernels: str = field(default="auto", metadata={
+        "help": "auto | KIND=PATH,...: kernels are chosen by measurement at first start and cached per CPU "
+                "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense, gemm=amx|avx512, "
+                "lm_head=q8|dense, attention=bf16|f32, prefill_attention=native|sdpa"})
+
     def __post_init__(self) -> None:
+        from streamkv.native.tuning import parse_kernels
+
+        parse_kernels(self.kernels)  # ValueError naming the problem
         if self.numerics not in ("invariant", "fast"):
             raise ValueError(f"numerics must be invariant or fast, got {self.numerics!r}")
         if self.numerics == "invariant" and self.attention_backend == "torch":

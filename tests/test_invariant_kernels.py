@@ -3,15 +3,12 @@ bits do not depend on the rows around it, their number, the thread count, or, fo
 on whether the row is a decode or part of a prefill chunk of any split)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from streamkv.models.linear import pack_dense
-from streamkv.native import invariant_attention, invariant_attention_bf16, invariant_gemm, invariant_isa
+from streamkv.native import (invariant_attention, invariant_attention_bf16, invariant_gemm, invariant_gemm_bf16_path,
+                             invariant_isa)
 
 gemm, attn, attn_bf16 = invariant_gemm(), invariant_attention(), invariant_attention_bf16()
 pytestmark = pytest.mark.skipif(gemm is None, reason="no C compiler: the native kernels are not built")
@@ -59,23 +56,28 @@ def test_gemm_does_not_depend_on_the_thread_count():
     assert torch.equal(one, many)
 
 
-def test_gemm_without_amx_tiles_is_invariant_too():
-    """On an AMX CPU bf16 GEMMs run on tiles; STREAMKV_AMX=0 forces the AVX-512 path (read once
-    per process, hence a subprocess). Elsewhere both runs take the same path."""
-    code = ("import torch; from streamkv.native import invariant_gemm, invariant_gemm_bf16_path as p; "
-            "from streamkv.models.linear import pack_dense; g = invariant_gemm(); "
-            "w = torch.randn(300, 576, generator=torch.Generator().manual_seed(0)).bfloat16(); "
-            "x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1)).bfloat16(); wp = pack_dense(w); "
-            "full = g(x, wp, 300, torch.float32); "
-            "ok = all(torch.equal(g(x[i:i + m], wp, 300, torch.float32), full[i:i + m]) for m in (1, 3, 17, 33) "
-            "for i in (0, 40 - m)); "
-            "err = (full.double() - x.double() @ w.double().t()).abs().max().item(); print(p(), ok, err < 1e-3)")
-    for env in ({}, {"STREAMKV_AMX": "0"}):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, **env})
-        path, ok, close = out.stdout.split()
-        assert ok == "True" and close == "True", (env, out.stdout, out.stderr)
-        assert path in ("amx", "avx512bf16", "fma") and (path != "amx" or not env)
+@pytest.mark.skipif(invariant_gemm_bf16_path() != "amx", reason="no AMX on this CPU: the tile path is not compiled")
+def test_gemm_on_amx_tiles_is_correct_and_row_invariant():
+    """AMX CPUs: bf16 GEMMs on tiles (K a multiple of 32), checked like the AVX-512 path."""
+    w = torch.randn(300, 576, generator=_gen(0)).bfloat16()
+    x = torch.randn(40, 576, generator=_gen(1)).bfloat16()
+    wp = pack_dense(w)
+    full = gemm(x, wp, 300, torch.float32, True)
+    exact = x.double() @ w.double().t()
+    bound = (x.double().abs() @ w.double().abs().t()) * 576 * torch.finfo(torch.float32).eps
+    assert ((full.double() - exact).abs() <= bound).all()
+    for m in (1, 3, 17, 33):
+        for i in (0, 40 - m):
+            assert torch.equal(gemm(x[i:i + m], wp, 300, torch.float32, True), full[i:i + m])
+
+
+def test_gemm_tiles_flag_is_ignored_without_amx():
+    """Elsewhere the per-call tiles flag changes nothing (the same AVX-512 / FMA chains)."""
+    if invariant_gemm_bf16_path() == "amx":
+        pytest.skip("AMX CPU: the flag selects the tile path here (tested above)")
+    wp = pack_dense(torch.randn(64, 96, generator=_gen(4)).bfloat16())
+    x = torch.randn(5, 96, generator=_gen(5)).bfloat16()
+    assert torch.equal(gemm(x, wp, 64, torch.float32, True), gemm(x, wp, 64, torch.float32))
 
 
 def test_gemm_rejects_bad_input():

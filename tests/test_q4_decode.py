@@ -56,17 +56,16 @@ def test_invariant_numerics_take_4bit_weights_only_through_the_native_kernel():
     """torch's int4 kernel is not batch-invariant: without the native one, invariant numerics
     refuse an explicit q4 and ``auto`` falls back to dense weights; with it, every row (prompt
     chunks too) takes the 4-bit weights, so a recomputed prompt row equals its decode."""
-    from streamkv.native import invariant_gemm_bf16_path, q4_gemm
+    from streamkv.native import q4_gemm
 
+    auto = LLM(dtype="bfloat16", kv_cache_memory=1 << 26)
+    # auto takes what the kernel measurement chose (native/tuning.py), 4-bit only with the native kernel
+    assert auto.engine.bundle.decode_weights == auto.engine.bundle.kernels.get("linear")
     if q4_gemm() is None:
         with pytest.raises(ValueError, match="native 4-bit kernel"):
             LLM(dtype="bfloat16", decode_weights="q4", kv_cache_memory=1 << 26)
-        auto = LLM(dtype="bfloat16", kv_cache_memory=1 << 26)
         assert auto.engine.bundle.decode_weights == "dense"
     else:
-        auto = LLM(dtype="bfloat16", kv_cache_memory=1 << 26)
-        # on AMX CPUs the dense tile GEMM beats the 4-bit kernel at every batch size (measured)
-        assert auto.engine.bundle.decode_weights == ("dense" if invariant_gemm_bf16_path() == "amx" else "q4")
         q4 = LLM(dtype="bfloat16", kv_cache_memory=1 << 26, decode_weights="q4")
         model = q4.engine.bundle.runner.model
         assert all(layer.qkv.q4 is not None and layer.qkv.dense is None for layer in model.layers)
@@ -117,7 +116,7 @@ def test_packed_kernels_match_the_dequantized_product(native, m):
     """Random 4-bit weights, every row-blocking path of the native kernel (8 / 4 / 2 / 1 rows),
     natively with a row count that leaves a partial 16-row tile (torch's kernel needs a
     multiple of 16)."""
-    from streamkv.native import invariant_gemm_bf16_path, q4_gemm
+    from streamkv.native import q4_gemm
 
     if native and q4_gemm() is None:
         pytest.skip("no AVX512-BF16 (or no C compiler): the native 4-bit kernel is not built")
@@ -143,18 +142,51 @@ def test_packed_kernels_match_the_dequantized_product(native, m):
 def test_native_kernel_rows_do_not_depend_on_the_batch():
     """A row's result is bit-identical alone and inside batches of every blocking (4 / 2 / 1
     rows, and past 64 rows), so a decode token does not depend on what shares its step."""
-    from streamkv.native import invariant_gemm_bf16_path, q4_gemm
+    from streamkv.native import q4_gemm
 
     if q4_gemm() is None:
         pytest.skip("no AVX512-BF16 (or no C compiler): the native 4-bit kernel is not built")
     g = torch.Generator().manual_seed(7)
-    n, k = 40, 256
+    n, k = 72, 256  # 5 tiles: runs of 4 tiles + 1 (few rows), pairs + 1 (more rows)
     layer = PackedQ4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32),
                      torch.rand(n, k // 32, generator=g) * 0.1, torch.randn(n, k // 32, generator=g) * 0.2)
-    x = torch.randn(70, k, generator=g).bfloat16()
-    alone = torch.cat([layer.forward_f32(x[i:i + 1]) for i in range(70)])
-    for m in (2, 3, 5, 13, 64, 70):
+    x = torch.randn(110, k, generator=g).bfloat16()
+    alone = torch.cat([layer.forward_f32(x[i:i + 1]) for i in range(110)])
+    for m in (2, 3, 5, 7, 8, 13, 64, 97, 110):  # 97+: two 96-row blocks
         assert torch.equal(layer.forward_f32(x[:m]), alone[:m])
+
+
+_FALLBACK = """
+import sys, torch
+from streamkv.models.q4_linear import PackedQ4
+g = torch.Generator().manual_seed(11)
+layer = PackedQ4(torch.randint(0, 16, (72, 256), generator=g, dtype=torch.int32),
+                 torch.rand(72, 8, generator=g) * 0.1, torch.randn(72, 8, generator=g) * 0.2)
+x = torch.randn(20, 256, generator=g).bfloat16()
+assert layer.native
+torch.save(torch.cat([layer.forward_f32(x[:1]), layer.forward_f32(x)]), sys.argv[1])
+"""
+
+
+def test_4bit_expansion_without_vbmi_gives_the_same_bits(tmp_path):
+    """The 4-bit pairs are expanded with VBMI (vpmultishiftqb + vpermw) where the CPU has it and by
+    widening elsewhere (e.g. Cooper Lake): a build without VBMI on this CPU must give the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    from streamkv.native import q4_gemm
+    from streamkv.native.cpu import has_flag
+
+    if q4_gemm() is None or not has_flag("avx512vbmi"):
+        pytest.skip("needs the native 4-bit kernel and a VBMI CPU (to build both expansions here)")
+    outs = []
+    for name, flags in (("vbmi", ""), ("widen", "-mno-avx512vbmi")):
+        env = {**os.environ, "STREAMKV_NATIVE_FLAGS": flags, "STREAMKV_CACHE_DIR": str(tmp_path / name)}
+        subprocess.run([sys.executable, "-c", _FALLBACK, str(tmp_path / f"{name}.pt")], check=True, env=env,
+                       timeout=300)
+        outs.append(torch.load(tmp_path / f"{name}.pt"))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_decode_rows_take_the_same_path_whatever_shares_the_step():

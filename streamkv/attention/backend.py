@@ -6,6 +6,7 @@ plug in here with the same two methods.
 """
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -105,12 +106,15 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
     return wrap
 
 
-def make_backend(name: str, cache: KVCache, scale: float) -> AttentionBackend:
+def make_backend(name: str, cache: KVCache, scale: float, **options: Any) -> AttentionBackend:
+    """The backend ``name``; ``options`` (the kernel choice: ``bf16`` for cpu_invariant, ``paged`` for
+    cpu) are passed to the backends that take them and ignored by the others."""
     import streamkv.attention.cpu_invariant  # noqa: F401  (registration)
     import streamkv.attention.cpu_native  # noqa: F401
     import streamkv.attention.torch_ref  # noqa: F401
 
-    try:
-        return BACKENDS[name](cache, scale)
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(BACKENDS)}") from None
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(BACKENDS)}")
+    cls = BACKENDS[name]
+    accepted = inspect.signature(cls).parameters
+    return cls(cache, scale, **{k: v for k, v in options.items() if k in accepted})

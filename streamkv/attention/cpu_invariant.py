@@ -33,18 +33,22 @@ class InvariantMeta(RefMeta):
 class InvariantCpuBackend(TorchReferenceBackend):
     meta_type = InvariantMeta
 
-    def __init__(self, cache: KVCache, scale: float) -> None:
+    def __init__(self, cache: KVCache, scale: float, bf16: bool | None = None) -> None:
+        """``bf16``: the bf16 dot-product kernel (the measured ``attention`` choice); None = it
+        wherever it fits (bf16 cache, head_dim a multiple of 16 up to 128, AVX512-BF16)."""
         super().__init__(cache, scale)
         from streamkv.native import invariant_attention, invariant_attention_bf16
 
-        kernel = invariant_attention()
+        kernel, bf16_kernel = invariant_attention(), invariant_attention_bf16()
         if kernel is None:
             raise RuntimeError("the native invariant attention kernel is unavailable (no C compiler?)")
-        bf16 = invariant_attention_bf16()
         d = cache.k.shape[-1]
-        # bf16 dot products: 2.6x the float32 kernel on a 2048-token prefill (AMD EPYC Zen 4)
-        self.bf16 = bf16 is not None and cache.k.dtype == torch.bfloat16 and d % 16 == 0 and d <= 128
-        self.kernel = bf16 if self.bf16 else kernel
+        fits = bf16_kernel is not None and cache.k.dtype == torch.bfloat16 and d % 16 == 0 and d <= 128
+        if bf16 and not fits:
+            raise ValueError("the bf16 attention kernel needs a bf16 cache, head_dim a multiple of 16 up to 128 "
+                             "and an AVX512-BF16 CPU")
+        self.bf16 = fits if bf16 is None else bf16
+        self.kernel = bf16_kernel if self.bf16 else kernel
 
     def _build(self, spans: list[SeqSpan], slots: list[torch.Tensor], mapping: torch.Tensor) -> InvariantMeta:
         offsets = accumulate((span.ctx_len for span in spans), initial=0)

@@ -8,19 +8,13 @@ emulated bf16 matmuls are slower than float32.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from streamkv.native.cpu import has_flag
 
-@functools.lru_cache(maxsize=1)
+
 def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return has_flag("avx512_bf16") or has_flag("amx_bf16")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -11,6 +11,8 @@ import torch
 from streamkv.attention.backend import KVCache, make_backend
 from streamkv.config import EngineConfig
 from streamkv.engine.dtype import resolve_dtype
+from streamkv.loading.q4_blocks import quant_summary
+from streamkv.native.tuning import KernelChoice, ModelShapes, choose, parse_kernels
 from streamkv.models.registry import model_class
 from streamkv.runner.model_runner import ModelRunner
 from streamkv.sampling.sampler import Sampler
@@ -44,42 +46,51 @@ class ModelBundle:
     dtype: torch.dtype = torch.float32
     model_name: str = "model"
     decode_weights: str = "dense"  # resolved: "dense" or "q4"
+    kernels: KernelChoice = field(default_factory=KernelChoice)  # what was measured / forced (``streamkv info``)
 
 
-def _decode_q4(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype,
-               device: torch.device) -> dict[str, Any] | None:
-    """Packed 4-bit decode weights, when asked for (or ``auto``) and available."""
+def kernel_choice(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype, device: torch.device,
+                  retune: bool = False) -> KernelChoice:
+    """The kernel paths for this model on this CPU: forced by ``--kernels`` / ``--decode-weights``,
+    else measured once and cached (``native/tuning.py``; ``retune`` measures again)."""
+    forced = parse_kernels(config.runtime.kernels)
     mode = config.model.decode_weights
-    usable = source.endswith(".gguf") and dtype == torch.bfloat16 and device.type == "cpu"
-    if mode == "dense" or (mode == "auto" and not usable):
-        return None
-    if not usable:
+    if mode != "auto":
+        if forced.get("linear", mode) != mode:
+            raise ValueError(f"decode_weights={mode} contradicts kernels linear={forced['linear']}")
+        forced["linear"] = mode
+    if device.type != "cpu":
+        if forced:
+            raise ValueError("kernels and decode_weights choose CPU kernels: use them with device=cpu")
+        return KernelChoice()
+    bf16 = dtype == torch.bfloat16
+    q4, q8 = quant_summary(source, arch.tie_word_embeddings) if bf16 and source.endswith(".gguf") else (False, False)
+    if forced.get("linear") == "q4" and not q4:
         raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, dtype bfloat16, on CPU")
-    if config.runtime.numerics == "invariant":
-        from streamkv.native import invariant_gemm_bf16_path, q4_gemm
+    shapes = ModelShapes(arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                         arch.vocab_size, arch.num_layers, config.runtime.numerics, bf16, q4, q8)
+    try:
+        return choose(shapes, forced, retune)
+    except ValueError as exc:
+        if forced.get("linear") == "q4" and config.runtime.numerics == "invariant":
+            raise ValueError("decode_weights=q4 with numerics=invariant needs the native 4-bit kernel "
+                             "(AVX512-BF16 CPUs); use numerics=fast or decode_weights=dense") from exc
+        raise
 
-        if q4_gemm() is None:  # torch's int4 kernel is not batch-invariant
-            if mode == "q4":
-                raise ValueError("decode_weights=q4 with numerics=invariant needs the native 4-bit kernel "
-                                 "(AVX512-BF16 CPUs); use numerics=fast or decode_weights=dense")
-            return None
-        if mode == "auto" and invariant_gemm_bf16_path() == "amx":
-            # Measured on a 2-core Intel Xeon with AMX (benchmarks/invariant_kernels.py): the dense
-            # bf16 tile GEMM takes 0.05 / 0.05 / 0.09 / 5.7 ms at 1 / 8 / 32 / 2048 rows of the
-            # 576->1536 projection vs 0.05 / 0.16 / 0.55 / 33 ms for the 4-bit kernel.
-            return None
+
+def _packed_weights(kernels: KernelChoice, source: str, arch: Any) -> dict[str, Any] | None:
+    """The GGUF's own 4-bit layers and int8 LM head, where the kernel choice takes them."""
     from streamkv.loading.q4_blocks import read_q4_matrices, read_q8_lm_head
 
-    q4: dict[str, Any] = dict(read_q4_matrices(
-        source, arch, permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM")))
-    if not q4:
-        if mode == "q4":
-            raise ValueError(f"{source} has no Q4_0/Q4_1 linear weights for decode_weights=q4")
-        return None
-    head = read_q8_lm_head(source, arch.tie_word_embeddings)
-    if head is not None:
-        q4["lm_head.q8"] = head
-    return q4
+    out: dict[str, Any] = {}
+    if kernels.get("linear") == "q4":
+        out.update(read_q4_matrices(source, arch,
+                                    permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM")))
+    if kernels.get("lm_head") == "q8":
+        head = read_q8_lm_head(source, arch.tie_word_embeddings)
+        if head is not None:
+            out["lm_head.q8"] = head
+    return out or None
 
 
 def _backend_name(config: EngineConfig, device: torch.device) -> str:
@@ -102,6 +113,15 @@ def _backend_name(config: EngineConfig, device: torch.device) -> str:
     return "cpu" if decode_attention() is not None else "torch"
 
 
+def _backend_options(kernels: KernelChoice) -> dict[str, Any]:
+    """The attention kernels the choice names, as backend constructor options."""
+    if "attention" in kernels.paths:
+        return {"bf16": kernels.paths["attention"] == "bf16"}
+    if "prefill_attention" in kernels.paths:
+        return {"paged": kernels.paths["prefill_attention"] == "native"}
+    return {}
+
+
 def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBundle:
     from streamkv.loading import load_checkpoint
 
@@ -117,19 +137,23 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
                              f"trained context ({max_len})")
         max_len = config.model.max_model_len
     weights = {k: v.to(device) for k, v in ckpt.weights.items()}
-    q4 = _decode_q4(config, ckpt.source, arch, dtype, device)
-    model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics).eval()
+    kernels = kernel_choice(config, ckpt.source, arch, dtype, device)
+    log.info("kernels: %s", kernels.describe())
+    q4 = _packed_weights(kernels, ckpt.source, arch)
+    model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics,
+                              tiles=kernels.get("gemm") == "amx").eval()
     cc = config.cache
     kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cc.kv_cache_dtype, dtype)
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype)
     num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory // per_block)
     cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, device)
-    backend = make_backend(_backend_name(config, device), cache, arch.head_dim ** -0.5)
+    backend = make_backend(_backend_name(config, device), cache, arch.head_dim ** -0.5, **_backend_options(kernels))
     if config.runtime.numerics == "invariant":
         model.attach_native(backend)  # every layer of a step in one native call
     log.info("model %s (%s, %s, numerics %s): %d KV blocks x %d tokens = %.0f MiB", arch.architecture,
              ckpt.source, dtype, config.runtime.numerics, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)
     runner = ModelRunner(model, backend, Sampler(device), device)
     name = os.path.basename(ckpt.source.rstrip("/")) or "model"
+    linear_q4 = any(k.endswith("proj.weight") for k in (q4 or {}))
     return ModelBundle(runner, ckpt.tokenizer, max_len, arch.vocab_size, num_blocks, dtype, name,
-                       "q4" if q4 else "dense")
+                       "q4" if linear_q4 else "dense", kernels)

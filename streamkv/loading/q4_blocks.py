@@ -45,6 +45,17 @@ class Q4Matrix:
         return w.view(n, k)
 
 
+def quant_summary(path: str, tied: bool) -> tuple[bool, bool]:
+    """(any Q4_0 / Q4_1 linear weight, a Q8_0 LM head) in a GGUF file, from its tensor table only."""
+    head = "token_embd.weight" if tied else "output.weight"
+    q4 = q8 = False
+    for tensor in GGUFFile(path).tensors():
+        name = canonical_from_gguf(tensor.name)
+        q4 = q4 or (tensor.type_name in _BLOCK_BYTES and name is not None and name.endswith("proj.weight"))
+        q8 = q8 or (tensor.name == head and tensor.type_name == "Q8_0")
+    return q4, q8
+
+
 def read_q4_matrices(path: str, arch: ArchConfig, permuted_qk: bool) -> dict[str, Q4Matrix]:
     """Canonical name -> Q4Matrix for every Q4_0 / Q4_1 linear weight of a GGUF file."""
     gguf = GGUFFile(path)

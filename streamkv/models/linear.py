@@ -59,16 +59,19 @@ def _invariant_kernel() -> Callable[..., torch.Tensor]:
 
 
 class DensePanels(nn.Module):
-    """A dense weight in the invariant GEMM's panel layout: x [M, K] -> [M, N] in ``out_dtype``."""
+    """A dense weight in the invariant GEMM's panel layout: x [M, K] -> [M, N] in ``out_dtype``;
+    ``tiles``: bf16 on AMX tiles where the CPU has them (one path for every M either way)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, tiles: bool = False) -> None:
         super().__init__()
         self.kernel = _invariant_kernel()
         self.out_features = weight.shape[0]
+        self.tiles = tiles
         self.register_buffer("panels", pack_dense(weight.detach()), persistent=False)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.kernel(x.to(self.panels.dtype), self.panels, self.out_features, out_dtype or self.panels.dtype)
+        return self.kernel(x.to(self.panels.dtype), self.panels, self.out_features, out_dtype or self.panels.dtype,
+                           self.tiles)
 
 
 class Linear(nn.Module, ABC):
@@ -93,15 +96,17 @@ class SplitLinear(Linear):
 
 
 class InvariantLinear(Linear):
-    """Invariant mode: one batch-invariant kernel for every row (4-bit when given, else dense)."""
+    """Invariant mode: one batch-invariant kernel for every row (4-bit when given, else dense;
+    ``tiles``: dense bf16 on AMX tiles)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None,
+                 tiles: bool = False) -> None:
         super().__init__()
         if q4 is not None and not q4.native:
             raise ValueError("numerics=invariant takes 4-bit weights only through the native q4 kernel")
         self.dtype = weight.dtype
         self.q4 = q4
-        self.dense = DensePanels(weight) if q4 is None else None
+        self.dense = DensePanels(weight, tiles) if q4 is None else None
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
@@ -109,10 +114,13 @@ class InvariantLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
-def make_linear(numerics: str, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None) -> Linear:
+def make_linear(numerics: str, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None,
+                tiles: bool = False) -> Linear:
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-    return (InvariantLinear if numerics == "invariant" else SplitLinear)(weight, bias, q4)
+    if numerics == "invariant":
+        return InvariantLinear(weight, bias, q4, tiles)
+    return SplitLinear(weight, bias, q4)
 
 
 class LogitsHead(nn.Module):
@@ -126,7 +134,7 @@ class LogitsHead(nn.Module):
     torch's int4 kernel.
     """
 
-    def __init__(self, weight: torch.Tensor, q8: Q8Matrix | None, numerics: str) -> None:
+    def __init__(self, weight: torch.Tensor, q8: Q8Matrix | None, numerics: str, tiles: bool = False) -> None:
         super().__init__()
         from streamkv.native import invariant_gemm, q8_gemm
 
@@ -141,7 +149,7 @@ class LogitsHead(nn.Module):
         if numerics == "invariant" and self.packed is not None:
             return
         if numerics == "invariant" or invariant_gemm() is not None:
-            self.dense = DensePanels(weight)
+            self.dense = DensePanels(weight, tiles)
         else:
             self.weight32 = weight.detach().float()
 

@@ -63,7 +63,7 @@ def _pack(q4: dict[str, Any] | None, names: list[str]) -> PackedQ4 | None:
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 q4: dict[str, Any] | None = None, numerics: str = "invariant") -> None:
+                 q4: dict[str, Any] | None = None, numerics: str = "invariant", tiles: bool = False) -> None:
         super().__init__()
         w = lambda name: weights[prefix + name]  # noqa: E731
 
@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
 
         def linear(names: list[str]) -> Linear:
             packed = _pack(q4, [prefix + n + ".weight" for n in names])
-            return make_linear(numerics, cat(names, "weight"), cat(names, "bias"), packed)
+            return make_linear(numerics, cat(names, "weight"), cat(names, "bias"), packed, tiles)
 
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
@@ -117,18 +117,19 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 q4: dict[str, Any] | None = None, numerics: str = "invariant") -> None:
-        """``q4``: optional canonical name -> Q4Matrix (``loading/q4_blocks.py``); ``numerics``:
-        ``invariant`` or ``fast`` (see ``models/linear.py``)."""
+                 q4: dict[str, Any] | None = None, numerics: str = "invariant", tiles: bool = False) -> None:
+        """``q4``: optional canonical name -> Q4Matrix, and ``lm_head.q8`` -> Q8Matrix
+        (``loading/q4_blocks.py``); ``numerics``: ``invariant`` or ``fast`` (see ``models/linear.py``);
+        ``tiles``: dense bf16 GEMMs on AMX tiles (the measured ``gemm`` kernel choice)."""
         super().__init__()
         self.arch = arch
         self.numerics = numerics
         self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            self.layer_cls(arch, weights, f"layers.{i}.", q4, numerics) for i in range(arch.num_layers))
+            self.layer_cls(arch, weights, f"layers.{i}.", q4, numerics, tiles) for i in range(arch.num_layers))
         self.norm = nn.Parameter(weights["norm.weight"].float(), requires_grad=False)
         head = self.embed if arch.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = LogitsHead(head, (q4 or {}).get("lm_head.q8"), numerics)
+        self.lm_head = LogitsHead(head, (q4 or {}).get("lm_head.q8"), numerics, tiles)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, max_positions,
                                     device=self.embed.device)
         self.native: NativeLayers | None = None

@@ -24,7 +24,7 @@ from streamkv.attention.backend import KVCache
 
 class SkLinear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("wbf16", ctypes.c_int),
-                ("w", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("tiles", ctypes.c_int), ("w", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
 class SkLayer(ctypes.Structure):
@@ -91,12 +91,12 @@ class NativeLayers:
         bias = self._f32(lin.bias)
         if lin.q4 is not None:
             packed = lin.q4.packed
-            return SkLinear(1, lin.q4.out_features, packed.shape[1] * 32, 1, packed.data_ptr(),
+            return SkLinear(1, lin.q4.out_features, packed.shape[1] * 32, 1, 0, packed.data_ptr(),
                             lin.q4.scales_zeros.data_ptr(), bias)
         panels = lin.dense.panels
         wbf16 = panels.dtype == torch.bfloat16
         k = panels.shape[1] * (2 if wbf16 else 1)
-        return SkLinear(0, lin.dense.out_features, k, int(wbf16), panels.data_ptr(), None, bias)
+        return SkLinear(0, lin.dense.out_features, k, int(wbf16), int(lin.dense.tiles), panels.data_ptr(), None, bias)
 
     def profile(self, on: bool) -> torch.Tensor | None:
         """Start (zeroed) or stop timing the native phases; returns the float64 [len(PHASES)]

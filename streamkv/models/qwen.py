@@ -18,8 +18,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3DecoderLayer(DecoderLayer):
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 q4: dict[str, Any] | None = None, numerics: str = "invariant") -> None:
-        super().__init__(arch, weights, prefix, q4, numerics)
+                 q4: dict[str, Any] | None = None, numerics: str = "invariant", tiles: bool = False) -> None:
+        super().__init__(arch, weights, prefix, q4, numerics, tiles)
         q_norm, k_norm = weights[prefix + "q_norm.weight"], weights[prefix + "k_norm.weight"]
         # one weight row per head of the joint q|k tensor: [H + Hkv, D]
         self.qk_norm = nn.Parameter(torch.cat([q_norm.expand(self.num_heads, -1),

@@ -27,7 +27,9 @@ _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c"
 # roundings is written out in the source and the compiler may not reassociate or contract it.
 _EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "layer.c")]
 _HEADERS = [_HERE / n for n in ("simd.h", "vec16.h")]
-_COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC"]
+# STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
+# CPU that would not take it; tests do this in a subprocess with their own cache directory)
+_COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", *os.environ.get("STREAMKV_NATIVE_FLAGS", "").split()]
 _FLAGS = [*_COMMON, "-ffast-math"]
 _EXACT_FLAGS = [*_COMMON, "-fno-fast-math", "-ffp-contract=off"]
 
@@ -37,14 +39,23 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+
+
+@functools.lru_cache(maxsize=1)
+def build_tag() -> str:
+    """A hash of the kernels' sources, the compiler and the flags: names the built library."""
+    source = b"".join(src.read_bytes() for src in [*_SOURCES, *_EXACT_SOURCES, *_HEADERS])
+    return hashlib.sha256(source + " ".join([str(_compiler()), *_FLAGS, *_EXACT_FLAGS]).encode()).hexdigest()[:16]
+
+
 def _build() -> Path | None:
-    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    cc = _compiler()
     if cc is None:
         log.info("no C compiler found: native CPU kernels disabled")
         return None
-    source = b"".join(src.read_bytes() for src in [*_SOURCES, *_EXACT_SOURCES, *_HEADERS])
-    tag = hashlib.sha256(source + " ".join([cc, *_FLAGS, *_EXACT_FLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"kernels-{tag}.so"
+    target = _cache_dir() / f"kernels-{build_tag()}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +113,7 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.streamkv_inv_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.streamkv_inv_gemm_bf16_dot.restype = ctypes.c_int
     lib.streamkv_inv_gemm_bf16_path.restype = ctypes.c_char_p
     fn = lib.streamkv_inv_attn
@@ -314,18 +325,18 @@ def invariant_gemm_uses_bf16_dot() -> bool:
 
 
 def invariant_gemm_bf16_path() -> str | None:
-    """What the invariant GEMM runs bf16 weights on here: ``amx`` (tiles; K a multiple of 32),
-    ``avx512bf16`` or ``fma``; None without the native kernels. ``STREAMKV_AMX=0`` (read once per
-    process) forces the AVX-512 path on an AMX CPU."""
+    """What the invariant GEMM can run bf16 weights on here: ``amx`` (tiles, when asked per call;
+    K a multiple of 32), else ``avx512bf16`` or ``fma``; None without the native kernels."""
     lib = _library()
     return None if lib is None else lib.streamkv_inv_gemm_bf16_path().decode()
 
 
 def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, tiles: bool = False) -> torch.Tensor:
     """x [M, K] @ the packed weight (``models/linear.py: pack_dense``) -> [M, n] in ``out_dtype``.
 
-    x float32 with float32 panels, or bfloat16 with bfloat16 panels; out float32 or bfloat16.
+    x float32 with float32 panels, or bfloat16 with bfloat16 panels; out float32 or bfloat16;
+    ``tiles``: bf16 on AMX tiles where the CPU has them (ignored elsewhere).
     """
     wbf16 = wp.dtype == torch.bfloat16
     if x.dim() != 2 or x.dtype != wp.dtype or wp.dtype not in (torch.float32, torch.bfloat16):
@@ -338,7 +349,8 @@ def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,
     out = torch.empty(m, n, dtype=out_dtype)
     if m == 0:
         return out
-    rc = fn(x.data_ptr(), m, k, wp.data_ptr(), int(wbf16), n, out.data_ptr(), int(out_dtype == torch.bfloat16))
+    rc = fn(x.data_ptr(), m, k, wp.data_ptr(), int(wbf16), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
+            int(tiles))
     if rc != 0:
         raise ValueError(f"invariant GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
     return out

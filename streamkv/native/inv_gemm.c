@@ -17,7 +17,8 @@
  * GEMM whose K is a multiple of 32 runs on tiles instead, whatever M, so the choice never
  * depends on the batch: C tiles of 16 rows x 16 columns stay in tile registers over the whole
  * K, one TDPBF16PS per 32-wide K block in increasing order (the bf16 panels above are the
- * tiles' VNNI layout). STREAMKV_AMX=0 in the environment forces the AVX-512 path.
+ * tiles' VNNI layout). The caller chooses per call (tiles = 1; the choice is measured at first start,
+ * streamkv/native/tuning.py); without AMX the flag is ignored.
  *
  *   for each block of MB rows:                   (x rows stay in L2 while every panel passes)
  *     parallel over units of UP panels:
@@ -171,13 +172,11 @@ static void unit(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-/* once per process, before any parallel region: AMX allowed and not switched off */
+/* AMX tile data allowed for this process (asked once, before any parallel region; the kernel's
+ * answer never changes afterwards) */
 static int amx_enabled(void) {
     static int state = -1;
-    if (state < 0) {
-        const char* env = getenv("STREAMKV_AMX");
-        state = (env && env[0] == '0') ? 0 : syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
+    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return state;
 }
 
@@ -251,8 +250,10 @@ static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
 }
 #endif
 
-/* x [M, K] (float32, or bf16 when wbf16) -> out [M, N] (float32, or bf16 when out_bf16). */
-int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16) {
+/* x [M, K] (float32, or bf16 when wbf16) -> out [M, N] (float32, or bf16 when out_bf16); with
+ * use_tiles, bf16 weights with K a multiple of 32 run on AMX tiles where the CPU has them. */
+int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
+                      int use_tiles) {
     if (M <= 0 || K <= 0 || N <= 0 || (wbf16 && K % 2 != 0)) return 1;
     Gemm g = {x, K, N, wbf16, out_bf16, wp, out};
     float* wide = NULL;
@@ -267,7 +268,9 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
     const int T = (N + 15) / 16, U = (T + UP - 1) / UP;
     int tiles = 0;
 #ifdef AMX
-    tiles = wbf16 && K % 32 == 0 && amx_enabled();
+    tiles = use_tiles && wbf16 && K % 32 == 0 && amx_enabled();
+#else
+    (void)use_tiles;
 #endif
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
         const int64_t m1 = m0 + MB < M ? m0 + MB : M;
@@ -284,7 +287,7 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
     return 0;
 }
 
-/* what bf16 weights run on: "amx" (tiles, K a multiple of 32), "avx512bf16" or "fma" */
+/* what bf16 weights can run on: "amx" (tiles available, K a multiple of 32), else "avx512bf16" or "fma" */
 const char* streamkv_inv_gemm_bf16_path(void) {
 #ifdef AMX
     if (amx_enabled()) return "amx";

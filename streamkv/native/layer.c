@@ -28,7 +28,8 @@
 
 #include "vec16.h"
 
-int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16);
+int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
+                      int use_tiles);
 int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
                      int bf16_out);
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
@@ -39,6 +40,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
 typedef struct {
     int kind;            /* 0: dense panels (inv_gemm.c), 1: GGUF 4-bit (q4_gemm.c) */
     int N, K, wbf16;     /* wbf16: dense panels are bf16 */
+    int tiles;           /* dense bf16: AMX tiles (where the CPU has them) */
     const void* w;       /* panels, or packed nibbles */
     const void* sz;      /* 4-bit: scales and zeros */
     const float* bias;   /* [N] or NULL */
@@ -122,7 +124,7 @@ int streamkv_rms_norm(const float* x, int64_t T, int d, const float* w, float ep
 static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
     int rc = l->kind == 1 ? streamkv_q4_gemm((const uint16_t*)x, (int)T, l->K, (const uint8_t*)l->w,
                                              (const uint16_t*)l->sz, l->N, out, 0)
-                          : streamkv_inv_gemm(x, T, l->K, l->w, l->wbf16, l->N, out, 0);
+                          : streamkv_inv_gemm(x, T, l->K, l->w, l->wbf16, l->N, out, 0, l->tiles);
     if (rc == 0 && l->bias)
         for (int64_t t = 0; t < T; t++) for (int n = 0; n < l->N; n++) out[t * l->N + n] += l->bias[n];
     return rc;

@@ -1,0 +1,39 @@
+"""The CPU this process runs on, as /proc/cpuinfo tells it (model name, vector / matrix flags)."""
+from __future__ import annotations
+
+import functools
+import platform
+
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vbmi", "avx512_bf16", "avx512_vnni", "amx_tile",
+                "amx_bf16", "amx_int8")
+
+
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    model, flags = platform.processor() or "unknown", frozenset()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model in ("unknown", platform.processor()):
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = frozenset(value.split())
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_model() -> str:
+    return _cpuinfo()[0]
+
+
+def cpu_flags() -> list[str]:
+    """The flags of VECTOR_FLAGS this CPU has (what decides which kernels can run)."""
+    have = _cpuinfo()[1]
+    return [f for f in VECTOR_FLAGS if f in have]
+
+
+def has_flag(flag: str) -> bool:
+    return flag in _cpuinfo()[1]

@@ -1,0 +1,182 @@
+"""The measurements behind ``native/tuning.py``: each candidate path of a kind, timed at the
+model's shapes on random data (the kernels' speed does not depend on the values).
+
+Small row counts are bound by weight bytes, so the linear candidates cycle through enough
+distinct copies of a layer's weights (up to the model's layer count) to stream ~48 MB, as a
+real decode step streams the whole model instead of re-reading one warm layer. Every time is
+the best of a few repetitions (other tenants of a shared machine only ever slow a run down).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+STREAM_BYTES = 48 << 20
+ROWS = {"decode x1": 1, "decode x8": 8, "decode x32": 32, "prompt x256": 256}
+
+
+def _best(fn: Callable[[], object], budget_s: float = 0.03, tries: int = 3) -> float:
+    """Milliseconds per call: the best of ``tries`` runs of about ``budget_s`` each."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, min(200, int(budget_s / once)))
+    best = math.inf
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best * 1e3
+
+
+def _layer_shapes(s) -> list[tuple[int, int]]:
+    """(N, K) of a decoder layer's four fused linears."""
+    return [((s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden), (s.hidden, s.heads * s.head_dim),
+            (2 * s.inter, s.hidden), (s.hidden, s.inter)]
+
+
+def _copies(bytes_per_layer: int, layers: int) -> int:
+    return max(1, min(layers, math.ceil(STREAM_BYTES / max(bytes_per_layer, 1))))
+
+
+def _q4_layer(shapes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Random packed 4-bit weights in q4_gemm.c's layout: (w [T, G, 16, 16] u8, sz [T, G, 2, 16] bf16, N)."""
+    out = []
+    for n, k in shapes:
+        t, g = -(-n // 16), k // 32
+        w = torch.randint(0, 256, (t, g, 16, 16), dtype=torch.uint8)
+        sz = (torch.rand(t, g, 2, 16) * 0.01).to(torch.bfloat16)
+        out.append((w, sz, n))
+    return out
+
+
+def _dense_layer(shapes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, int]]:
+    """Random bf16 panels in inv_gemm.c's layout: ([T, K/2, 16, 2], N)."""
+    return [((torch.randn(-(-n // 16), k // 2, 16, 2) * 0.02).to(torch.bfloat16), n) for n, k in shapes]
+
+
+def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
+    from streamkv.native import invariant_gemm, q4_gemm
+
+    shapes = _layer_shapes(s)
+    q4k, dense = q4_gemm(), invariant_gemm()
+    tiles = chosen.get("gemm") == "amx"
+    params = sum(n * k for n, k in shapes)
+    q4_layers = [_q4_layer(shapes) for _ in range(_copies(params * 5 // 8, s.layers))]
+    dense_layers = [_dense_layer(shapes) for _ in range(_copies(params * 2, s.layers))]
+    out: dict[str, dict[str, float]] = {"q4": {}, "dense": {}}
+    for label, m in ROWS.items():
+        xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
+
+        def run_q4() -> None:
+            for layer in q4_layers:
+                for (w, sz, n), (_, k) in zip(layer, shapes):
+                    q4k(xs[k], w, sz, n, torch.bfloat16)
+
+        def run_dense() -> None:
+            for layer in dense_layers:
+                for (wp, n), (_, k) in zip(layer, shapes):
+                    dense(xs[k], wp, n, torch.bfloat16, tiles)
+
+        out["q4"][label] = _best(run_q4) / len(q4_layers)
+        out["dense"][label] = _best(run_dense) / len(dense_layers)
+    return out
+
+
+def _gemm(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
+    from streamkv.native import invariant_gemm
+
+    shapes = _layer_shapes(s)
+    dense = invariant_gemm()
+    layers = [_dense_layer(shapes) for _ in range(_copies(sum(n * k for n, k in shapes) * 2, s.layers))]
+    out: dict[str, dict[str, float]] = {"amx": {}, "avx512": {}}
+    for label, m in ROWS.items():
+        xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
+        for path in out:
+            def run(tiles: bool = path == "amx") -> None:
+                for layer in layers:
+                    for (wp, n), (_, k) in zip(layer, shapes):
+                        dense(xs[k], wp, n, torch.bfloat16, tiles)
+            out[path][label] = _best(run) / len(layers)
+    return out
+
+
+def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
+    from streamkv.native import invariant_gemm, q8_gemm
+
+    n, k = s.vocab, s.hidden
+    t, g = -(-n // 16), k // 32
+    w8 = torch.randint(-128, 128, (t, g, 16, 32), dtype=torch.int8)
+    d8 = torch.rand(t, g, 16) * 0.01
+    wp = (torch.randn(t, k // 2, 16, 2) * 0.02).to(torch.bfloat16)
+    q8k, dense = q8_gemm(), invariant_gemm()
+    tiles = chosen.get("gemm") == "amx"
+    out: dict[str, dict[str, float]] = {"q8": {}, "dense": {}}
+    for label, m in list(ROWS.items())[:3]:  # sampled rows: one per sequence
+        x = torch.randn(m, k).to(torch.bfloat16)
+        out["q8"][label] = _best(lambda: q8k(x, w8, d8, n))
+        out["dense"][label] = _best(lambda: dense(x, wp, n, torch.float32, tiles))
+    return out
+
+
+def _attention_case(s, rows: list[tuple[int, int]]):
+    """A step of sequences (query rows, context length) over a scattered bf16 cache."""
+    slots_total = 2 * sum(length for _, length in rows) + 16
+    kc = (torch.randn(slots_total, s.kv_heads, s.head_dim) * 0.5).to(torch.bfloat16)
+    vc = torch.randn(slots_total, s.kv_heads, s.head_dim).to(torch.bfloat16)
+    seqs, parts, r0, off = [], [], 0, 0
+    perm = torch.randperm(slots_total)
+    for nq, length in rows:
+        seqs.append((r0, nq, off, length))
+        parts.append(perm[off:off + length])
+        r0, off = r0 + nq, off + length
+    q = torch.randn(r0, s.heads, s.head_dim)
+    return q, kc, vc, torch.tensor(seqs), torch.cat(parts)
+
+
+ATTENTION_CASES = {"prompt 512": [(512, 512)], "decode ctx 2048": [(1, 2048)], "decode 8 x ctx 512": [(1, 512)] * 8}
+
+
+def _attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
+    from streamkv.native import invariant_attention, invariant_attention_bf16
+
+    kernels = {"bf16": invariant_attention_bf16(), "f32": invariant_attention()}
+    out: dict[str, dict[str, float]] = {p: {} for p in kernels}
+    for label, rows in ATTENTION_CASES.items():
+        q, kc, vc, seqs, slots = _attention_case(s, rows)
+        for path, fn in kernels.items():
+            out[path][label] = _best(lambda f=fn: f(q, kc, vc, seqs, slots, s.head_dim ** -0.5))
+    return out
+
+
+def _prefill_attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
+    from streamkv.native import paged_attention
+
+    paged = paged_attention()
+    q, kc, vc, seqs, slots = _attention_case(s, [(512, 512)])
+    qb = q.to(torch.bfloat16)
+    g = s.heads // s.kv_heads
+    q4 = qb.transpose(0, 1)[None]
+
+    def sdpa() -> torch.Tensor:  # the torch backend's path: gather the context, then SDPA
+        k4 = kc[slots].transpose(0, 1).repeat_interleave(g, 0)[None]
+        v4 = vc[slots].transpose(0, 1).repeat_interleave(g, 0)[None]
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
+    return {"native": {"prompt 512": _best(lambda: paged(qb, kc, vc, seqs, slots, s.head_dim ** -0.5))},
+            "sdpa": {"prompt 512": _best(sdpa)}}
+
+
+MEASURES = {"linear": _linear, "gemm": _gemm, "lm_head": _lm_head, "attention": _attention,
+            "prefill_attention": _prefill_attention}
+
+
+def measure(kind: str, shapes, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
+    """{path: {shape: ms}} for every path of ``kind``; ``chosen`` holds the kinds decided so far."""
+    with torch.inference_mode():
+        return MEASURES[kind](shapes, chosen)

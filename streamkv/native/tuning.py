@@ -1,0 +1,210 @@
+"""Kernels chosen by measurement: at first start, time each candidate path at the model's real
+shapes on this CPU, keep the fastest, and cache the choice.
+
+Kinds and their paths (a kind only exists where more than one path can run):
+
+    kind               paths            what it decides
+    linear             q4 | dense       GGUF 4-bit layers (bf16): the 4-bit kernel or dense bf16 weights
+    gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on AVX-512 (AMX CPUs only)
+    lm_head            q8 | dense       a Q8_0 LM head read as int8, or dense
+    attention          bf16 | f32       invariant attention: bf16 dot products or float32
+    prefill_attention  native | sdpa    fast numerics: the paged prefill kernel or torch's SDPA
+
+With the default invariant numerics one path serves every row of every step (a row's bits must
+not depend on the batch), so a kind is scored over its whole range of row counts: the geometric
+mean of each path's time relative to the fastest path at every shape (decode rows 1, 8 and 32,
+prompt chunks of 256 rows). ``--kernels KIND=PATH,...`` forces any of them; ``--kernels auto``
+measures the rest. The choice is cached under ``~/.cache/streamkv/kernels`` (``STREAMKV_CACHE_DIR``),
+keyed by the CPU model and flags, torch's version and threads, the kernels' sources and the model's
+shapes; another process starting meanwhile waits for the first one's measurement (a file lock), so
+all of them run the same kernels. ``streamkv info`` prints the machine, the timings and the choice.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+import torch
+
+log = logging.getLogger(__name__)
+
+KINDS: dict[str, tuple[str, ...]] = {
+    "linear": ("q4", "dense"),
+    "gemm": ("amx", "avx512"),
+    "lm_head": ("q8", "dense"),
+    "attention": ("bf16", "f32"),
+    "prefill_attention": ("native", "sdpa"),
+}
+CACHE_VERSION = 1
+
+
+def parse_kernels(spec: str) -> dict[str, str]:
+    """``auto`` -> {}; ``linear=q4,attention=bf16`` -> {kind: path} (ValueError naming the problem)."""
+    spec = (spec or "auto").strip()
+    if spec == "auto":
+        return {}
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        kind, sep, path = part.strip().partition("=")
+        if not sep or kind not in KINDS:
+            raise ValueError(f"kernels: expected auto or KIND=PATH,... with KIND one of {sorted(KINDS)}, got {part!r}")
+        if path not in KINDS[kind]:
+            raise ValueError(f"kernels: {kind} takes one of {KINDS[kind]}, got {path!r}")
+        if kind in out:
+            raise ValueError(f"kernels: {kind} given twice")
+        out[kind] = path
+    return out
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the measurements need to know about the model and the engine."""
+
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layers: int
+    numerics: str
+    bf16: bool           # bf16 weights and cache
+    q4: bool             # GGUF Q4_0/Q4_1 layers usable by the 4-bit kernel
+    q8_head: bool        # a Q8_0 LM head usable by the int8 kernel
+
+
+@dataclass
+class KernelChoice:
+    """kind -> path for every kind that exists here; timings[kind][path][shape] in ms."""
+
+    paths: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    source: dict[str, str] = field(default_factory=dict)  # kind -> measured | cached | forced
+
+    def get(self, kind: str, default: str | None = None) -> str | None:
+        return self.paths.get(kind, default)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v} ({self.source.get(k, '?')})" for k, v in self.paths.items()) or "no choices here"
+
+
+def runnable(s: ModelShapes) -> dict[str, list[str]]:
+    """kind -> the paths that can run on this CPU for this model, in KINDS order (the first is the
+    default when a kind is not measured); kinds that do not apply are absent."""
+    from streamkv import native
+
+    fast, amx = s.numerics == "fast", native.invariant_gemm_bf16_path() == "amx"
+    fits = s.bf16 and s.head_dim % 16 == 0 and s.head_dim <= 128
+    ok = {
+        ("linear", "q4"): s.bf16 and s.q4 and (fast or native.q4_gemm() is not None),
+        ("linear", "dense"): True,
+        ("gemm", "amx"): s.bf16 and amx,
+        ("gemm", "avx512"): True,
+        ("lm_head", "q8"): s.bf16 and s.q8_head and (fast or native.q8_gemm() is not None),
+        ("lm_head", "dense"): True,
+        ("attention", "bf16"): not fast and fits and native.invariant_attention_bf16() is not None,
+        ("attention", "f32"): not fast,
+        ("prefill_attention", "native"): fast and s.bf16 and s.head_dim == 64 and native.paged_attention() is not None,
+        ("prefill_attention", "sdpa"): fast,
+    }
+    out = {k: [p for p in paths if ok[(k, p)]] for k, paths in KINDS.items()}
+    return {k: v for k, v in out.items() if v}
+
+
+def _measurable(kind: str) -> bool:
+    """Whether kernel_bench can time every path of the kind here (the 4-bit and int8 paths are
+    timed through the native kernels only)."""
+    from streamkv import native
+
+    if kind == "linear":
+        return native.q4_gemm() is not None and native.invariant_gemm() is not None
+    if kind == "lm_head":
+        return native.q8_gemm() is not None and native.invariant_gemm() is not None
+    return True
+
+
+def pick(times: dict[str, dict[str, float]]) -> str:
+    """The path whose geometric mean of (time / fastest time) over the shapes is lowest."""
+    shapes = set.intersection(*(set(t) for t in times.values()))
+    best = {sh: min(t[sh] for t in times.values()) for sh in shapes}
+
+    def score(path: str) -> float:
+        return math.exp(sum(math.log(times[path][sh] / best[sh]) for sh in shapes) / len(shapes))
+    return min(times, key=score)
+
+
+def _cache_key(s: ModelShapes, forced: dict[str, str]) -> str:
+    from streamkv.native import build_tag
+    from streamkv.native.cpu import cpu_flags, cpu_model
+
+    key = {"v": CACHE_VERSION, "cpu": cpu_model(), "flags": cpu_flags(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "native": build_tag(), "shapes": asdict(s),
+           "forced": sorted(forced.items())}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STREAMKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "streamkv")
+    return Path(root) / "kernels"
+
+
+def choose(s: ModelShapes, forced: dict[str, str], retune: bool = False) -> KernelChoice:
+    """Forced paths; then, for every kind with a choice, the cached measurement, else measure now
+    (and cache it); a kind with one path takes it."""
+    paths = runnable(s)
+    for kind, path in forced.items():
+        if path not in paths.get(kind, []):
+            raise ValueError(f"kernels: {kind}={path} cannot run here (this model and CPU allow {paths})")
+    todo = [k for k in order(paths) if k not in forced and len(paths[k]) > 1 and _measurable(k)]
+    choice = _measured(s, todo, forced, retune) if todo else KernelChoice()
+    for kind, options in paths.items():
+        if kind in forced:
+            choice.paths[kind], choice.source[kind] = forced[kind], "forced"
+        elif kind not in choice.paths:
+            choice.paths[kind], choice.source[kind] = options[0], "only path" if len(options) == 1 else "default"
+    return choice
+
+
+def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: bool) -> KernelChoice:
+    path = _cache_dir() / f"{_cache_key(s, forced)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent start waits, then reads this measurement
+        cached = None if retune else _read(path)
+        if cached is not None and all(k in cached.paths for k in kinds):
+            cached.paths = {k: cached.paths[k] for k in kinds}
+            cached.source = {k: "cached" for k in kinds}
+            return cached
+        t0 = time.perf_counter()
+        from streamkv.native.kernel_bench import measure
+
+        choice = KernelChoice()
+        for kind in kinds:  # gemm first: the dense candidates of the other kinds use its choice
+            choice.timings[kind] = measure(kind, s, {**forced, **choice.paths})
+            choice.paths[kind] = pick(choice.timings[kind])
+            choice.source[kind] = "measured"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings}, indent=1))
+        os.replace(tmp, path)
+        log.info("kernels measured in %.1f s: %s", time.perf_counter() - t0, choice.describe())
+        return choice
+
+
+def _read(path: Path) -> KernelChoice | None:
+    try:
+        data = json.loads(path.read_text())
+        return KernelChoice(dict(data["paths"]), dict(data["timings"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or unreadable: measure again
+
+
+def order(kinds: dict) -> list[str]:
+    """Measurement order: gemm before the kinds whose dense candidate runs on it."""
+    return sorted(kinds, key=lambda k: (k != "gemm", list(KINDS).index(k)))
+

@@ -1,0 +1,125 @@
+"""Kernels chosen by measurement (native/tuning.py): the flag, the scoring, the per-CPU cache,
+forced choices, and that every path that can run here keeps the outputs invariant."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from streamkv import LLM, SamplingParams
+from streamkv.cli import main as cli_main
+from streamkv.config import RuntimeConfig
+from streamkv.native import invariant_gemm
+from streamkv.native.tuning import KINDS, ModelShapes, choose, parse_kernels, pick, runnable
+from tests.tiny_checkpoints import Q4_LINEARS, make_tiny_gguf, make_tiny_hf_checkpoint
+
+pytestmark = pytest.mark.skipif(invariant_gemm() is None, reason="no C compiler: the native kernels are not built")
+TINY = ModelShapes(hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16, vocab=384, layers=2,
+                   numerics="invariant", bf16=True, q4=True, q8_head=True)
+
+
+def test_the_flag_parses_and_rejects_what_it_cannot_mean():
+    assert parse_kernels("auto") == {} and parse_kernels("") == {}
+    assert parse_kernels("linear=q4, attention=f32") == {"linear": "q4", "attention": "f32"}
+    for bad, msg in (("linear", "KIND=PATH"), ("lin=q4", "KIND=PATH"), ("linear=q5", "one of"),
+                     ("linear=q4,linear=dense", "twice")):
+        with pytest.raises(ValueError, match=msg):
+            parse_kernels(bad)
+    with pytest.raises(ValueError, match="one of"):
+        RuntimeConfig(kernels="attention=fast")
+    assert set(KINDS) == {"linear", "gemm", "lm_head", "attention", "prefill_attention"}
+
+
+def test_the_score_is_the_geometric_mean_of_each_paths_slowdown():
+    # a: 2x slower at one shape of three, equal elsewhere; b: 1.5x slower at two shapes
+    times = {"a": {"x": 2.0, "y": 1.0, "z": 1.0}, "b": {"x": 1.0, "y": 1.5, "z": 1.5}}
+    assert pick(times) == "a"  # 2^(1/3) = 1.26 < 1.5^(2/3) = 1.31
+    times["a"]["x"] = 2.5
+    assert pick(times) == "b"  # 2.5^(1/3) = 1.36
+
+
+def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    first = choose(TINY, {})
+    measured = [k for k, how in first.source.items() if how == "measured"]
+    assert measured, "nothing was measured on this CPU"
+    for kind in measured:
+        assert first.paths[kind] == pick(first.timings[kind])
+        assert set(first.timings[kind]) == set(runnable(TINY)[kind])
+    files = list((tmp_path / "kernels").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["paths"] == {k: first.paths[k] for k in measured}
+    again = choose(TINY, {})
+    assert again.paths == first.paths and all(again.source[k] == "cached" for k in measured)
+    files[0].write_text("{not json")  # a damaged cache is measured again, not trusted
+    third = choose(TINY, {})
+    assert all(third.source[k] == "measured" for k in measured), (third.source, measured)
+
+
+def test_forced_paths_are_not_measured_and_impossible_ones_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    forced = {kind: paths[-1] for kind, paths in runnable(TINY).items()}
+    choice = choose(TINY, forced)
+    assert choice.paths == forced and set(choice.source.values()) == {"forced"} and not choice.timings
+    assert not list((tmp_path / "kernels").glob("*.json"))
+    with pytest.raises(ValueError, match="cannot run here"):
+        choose(TINY, {"prefill_attention": "native"})  # a fast-numerics kind under invariant numerics
+    f32 = ModelShapes(**{**TINY.__dict__, "bf16": False})
+    with pytest.raises(ValueError, match="cannot run here"):
+        choose(f32, {"linear": "q4"})  # 4-bit layers serve bf16 models only
+    if "gemm" not in runnable(TINY) or "amx" not in runnable(TINY)["gemm"]:
+        with pytest.raises(ValueError, match="cannot run here"):
+            choose(TINY, {"gemm": "amx"})
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama3"), "llama3")
+    # Q4_1 layers and a Q8_0 (tied) embedding: every 4-bit and int8 path has something to read
+    return str(make_tiny_gguf(path / "q4.gguf", path, {**Q4_LINEARS, "token_embd": "Q8_0"}))
+
+
+def _combos(path: str) -> list[str]:
+    """Forced --kernels values that together run every path this model and CPU allow."""
+    from streamkv.loading.q4_blocks import quant_summary
+
+    q4, q8 = quant_summary(path, tied=True)
+    kinds = runnable(ModelShapes(**{**TINY.__dict__, "q4": q4, "q8_head": q8}))
+    width = max(len(v) for v in kinds.values())
+    return [",".join(f"{k}={v[min(i, len(v) - 1)]}" for k, v in kinds.items()) for i in range(width)]
+
+
+def test_every_path_that_can_run_here_keeps_outputs_invariant(tiny_gguf):
+    """Each forced path (4-bit or dense layers, int8 or dense head, bf16 or f32 attention, tiles or
+    AVX-512 where AMX exists): alone = batched = chunked = preempted, to the bit."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 384, (int(n),), generator=g).tolist() for n in (3, 9, 22, 31)]
+
+    def run(llm, batch):
+        return [(o.token_ids, [(lp.token_id, lp.logprob) for lp in o.logprobs]) for o in llm.generate(batch, params)]
+
+    combos = _combos(tiny_gguf)
+    assert len(combos) >= 2 or all("=" in c for c in combos)
+    for combo in combos:
+        llm = LLM(model=tiny_gguf, dtype="bfloat16", num_blocks=128, block_size=4, kernels=combo)
+        assert set(llm.engine.bundle.kernels.source.values()) <= {"forced"}, combo
+        solo = []
+        for p in prompts:
+            llm.engine.pool.reset_prefix_cache()
+            solo += run(llm, [p])
+        assert run(llm, prompts) == solo, combo
+        chunked = LLM(model=tiny_gguf, dtype="bfloat16", num_blocks=128, block_size=4, kernels=combo,
+                      max_chunk_tokens=5)
+        assert run(chunked, prompts) == solo, combo
+        tight = LLM(model=tiny_gguf, dtype="bfloat16", num_blocks=24, block_size=4, kernels=combo)
+        assert run(tight, prompts) == solo and tight.engine.scheduler.num_preemptions > 0, combo
+
+
+def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
+    assert cli_main(["info", "--model", tiny_gguf, "--dtype", "bfloat16", "--kernels", "linear=dense"]) == 0
+    text = capsys.readouterr().out
+    assert "CPU:" in text and "kernel choice:" in text and "linear             dense   (forced)" in text
+    assert cli_main(["info", "--model", tiny_gguf, "--json", "--kernels", "linear=dense"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["kernels"]["linear"] == {"path": "dense", "how": "forced"} and report["flags"] is not None
