@@ -43,9 +43,18 @@ step_llamacpp() {
     log "llama-cpp-python 0.3.36 already in $v"; return
   fi
   make_venv $v
-  log "building llama-cpp-python==0.3.36 from source (native CPU, OpenMP; 3-8 min)"
-  # no BLAS: ggml's own AVX-512 kernels are what llama.cpp users get on CPU
-  pipf env CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF -DLLAMA_CURL=OFF" \
+  # no BLAS: ggml's own AVX-512 kernels are what llama.cpp users get on CPU. On AMX CPUs a native
+  # build (GGML_NATIVE=ON, which turns AMX on) died with SIGILL on its first prefill (Intel Xeon,
+  # 2026-11-22): build the AVX-512 kernels explicitly there, without AMX.
+  local cmake="-DGGML_NATIVE=ON -DGGML_OPENMP=ON -DGGML_BLAS=OFF -DLLAMA_CURL=OFF"
+  if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    cmake="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"
+    cmake+=" -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_OPENMP=ON"
+    cmake+=" -DGGML_BLAS=OFF -DLLAMA_CURL=OFF"
+    log "AMX CPU: building llama.cpp without AMX (its native build crashed with SIGILL here)"
+  fi
+  log "building llama-cpp-python==0.3.36 from source (OpenMP; 3-8 min): $cmake"
+  pipf env CMAKE_ARGS="$cmake" \
     CMAKE_BUILD_PARALLEL_LEVEL=2 $v/bin/python -m pip install "${PIP_QUIET[@]}" --no-cache-dir \
       --no-binary llama-cpp-python llama-cpp-python==0.3.36
   $v/bin/python -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)" | tee -a "$LOG"
