@@ -76,6 +76,16 @@ def build_workload(args, gguf: Path) -> dict:
     }
 
 
+def _target_table(issue: str, targets: list, report: dict) -> list[str]:
+    """Markdown lines of a target table; each (label, value, needed) also goes to report["targets"]."""
+    rows = []
+    for label, v, need in targets:
+        ok = None if v is None or need is None else v >= need
+        report["targets"].append({"issue": issue, "target": label, "value": v, "needed": need, "pass": ok})
+        rows.append([label, fmt(v), fmt(need), "n/a" if ok is None else ("PASS" if ok else "FAIL")])
+    return ["", f"## Targets ({issue})", "", md_table(["target", "streamkv", "needed", "result"], rows)]
+
+
 # --------------------------------------------------------------------------- engine runs
 def engine_configs(args) -> list[dict]:
     env = {"OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
@@ -258,12 +268,15 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
     targets = [("prefill@2048 >= 1.25x best transformers", s("prefill@2048"), 1.25 * max(tf) if tf else None),
                ("batch-1 decode >= 0.7x llama.cpp", s("decode@"), 0.7 * ll if ll else None),
                ("aggregate@32 >= 4x llama.cpp batch-1", s("agg@32"), 4 * ll if ll else None)]
-    trows = []
-    for label, v, need in targets:
-        ok = None if v is None or need is None else v >= need
-        report["targets"].append({"target": label, "value": v, "needed": need, "pass": ok})
-        trows.append([label, fmt(v), fmt(need), "n/a" if ok is None else ("PASS" if ok else "FAIL")])
-    out += ["", "## Targets (issue 2)", "", md_table(["target", "streamkv", "needed", "result"], trows)]
+    out += _target_table("issue 2", targets, report)
+    # issue-12 targets: against the best peer of each kind in this run
+    best = [metric(res[n], "prefill@2048") for n in names if n.startswith(("transformers", "vLLM"))]
+    best = [v for v in best if v]
+    vb = next((metric(res[n], "agg@32") for n in names if n.startswith("vLLM bfloat16")), None)
+    targets = [("prefill@2048 >= 1.25x best transformers/vLLM", s("prefill@2048"), 1.25 * max(best) if best else None),
+               ("batch-1 decode >= 1.5x llama.cpp Q4_1", s("decode@"), 1.5 * ll if ll else None),
+               ("aggregate@32 >= 1.25x vLLM bfloat16", s("agg@32"), 1.25 * vb if vb else None)]
+    out += _target_table("issue 12", targets, report)
 
     # machine and ceilings
     m = machine
