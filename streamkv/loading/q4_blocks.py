@@ -45,20 +45,26 @@ class Q4Matrix:
         return w.view(n, k)
 
 
-def quant_summary(path: str, tied: bool) -> tuple[bool, bool]:
+def _parsed(gguf: GGUFFile | str) -> GGUFFile:
+    """A parsed file (parsing the metadata of a model with a large vocabulary takes seconds: callers
+    that read several things from one file pass it parsed)."""
+    return GGUFFile(gguf) if isinstance(gguf, str) else gguf
+
+
+def quant_summary(gguf: GGUFFile | str, tied: bool) -> tuple[bool, bool]:
     """(any Q4_0 / Q4_1 linear weight, a Q8_0 LM head) in a GGUF file, from its tensor table only."""
     head = "token_embd.weight" if tied else "output.weight"
     q4 = q8 = False
-    for tensor in GGUFFile(path).tensors():
+    for tensor in _parsed(gguf).tensors():
         name = canonical_from_gguf(tensor.name)
         q4 = q4 or (tensor.type_name in _BLOCK_BYTES and name is not None and name.endswith("proj.weight"))
         q8 = q8 or (tensor.name == head and tensor.type_name == "Q8_0")
     return q4, q8
 
 
-def read_q4_matrices(path: str, arch: ArchConfig, permuted_qk: bool) -> dict[str, Q4Matrix]:
+def read_q4_matrices(gguf: GGUFFile | str, arch: ArchConfig, permuted_qk: bool) -> dict[str, Q4Matrix]:
     """Canonical name -> Q4Matrix for every Q4_0 / Q4_1 linear weight of a GGUF file."""
-    gguf = GGUFFile(path)
+    gguf = _parsed(gguf)
     out: dict[str, Q4Matrix] = {}
     for tensor in gguf.tensors():
         name = canonical_from_gguf(tensor.name)
@@ -67,7 +73,7 @@ def read_q4_matrices(path: str, arch: ArchConfig, permuted_qk: bool) -> dict[str
         q, scale, zero = _unpack(np.asarray(tensor.raw), tensor.type_name, tensor.shape)
         if permuted_qk and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
-            q, scale, zero = (unpermute_qk(a, heads, path, tensor.name) for a in (q, scale, zero))
+            q, scale, zero = (unpermute_qk(a, heads, gguf.path, tensor.name) for a in (q, scale, zero))
         out[name] = Q4Matrix(torch.from_numpy(np.ascontiguousarray(q)).to(torch.int32),
                              torch.from_numpy(np.ascontiguousarray(scale)),
                              torch.from_numpy(np.ascontiguousarray(zero)))
@@ -93,10 +99,10 @@ class Q8Matrix:
                 Q4Matrix(q & 15, self.d.clone(), 8 * self.d))
 
 
-def read_q8_lm_head(path: str, tied: bool) -> Q8Matrix | None:
+def read_q8_lm_head(gguf: GGUFFile | str, tied: bool) -> Q8Matrix | None:
     """The LM head (or the tied embedding), if it is stored as Q8_0."""
     wanted = "token_embd.weight" if tied else "output.weight"
-    for tensor in GGUFFile(path).tensors():
+    for tensor in _parsed(gguf).tensors():
         if tensor.name == wanted and tensor.type_name == "Q8_0":
             n, k = tensor.shape
             blocks = np.asarray(tensor.raw).reshape(n, k // GROUP, _Q8_BYTES)
