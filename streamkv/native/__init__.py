@@ -26,7 +26,7 @@ _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c"
 # The batch-invariant kernels are compiled without -ffast-math: each output element's chain of
 # roundings is written out in the source and the compiler may not reassociate or contract it.
 _EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "layer.c")]
-_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h")]
+_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h")]
 # STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
 # CPU that would not take it; tests do this in a subprocess with their own cache directory)
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", *os.environ.get("STREAMKV_NATIVE_FLAGS", "").split()]
@@ -356,6 +356,16 @@ def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,
     return out
 
 
+def _attn_args(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: torch.Tensor, slots: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The invariant attention kernels' arguments: q [T, H, D] as contiguous float32, seqs and slots
+    contiguous, and the output [T, H, D] float32 to fill. The cache must already be contiguous."""
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    q = q.float().contiguous()
+    return q, seqs.contiguous(), slots.contiguous(), torch.empty(q.shape, dtype=torch.float32)
+
+
 def invariant_attention() -> Callable[..., torch.Tensor] | None:
     """The batch-invariant paged attention kernel (``inv_attn.c``) wrapped for tensors, or None."""
     lib = _library()
@@ -370,12 +380,8 @@ def _inv_attn(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch
     """
     if kc.dtype not in (torch.bfloat16, torch.float32) or kc.dtype != vc.dtype:
         raise TypeError(f"invariant attention supports bfloat16/float32 caches, got {kc.dtype}")
-    if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise ValueError("the KV cache must be contiguous")
-    q = q.float().contiguous()
-    seqs, slots = seqs.contiguous(), slots.contiguous()
+    q, seqs, slots, out = _attn_args(q, kc, vc, seqs, slots)
     t, h, d = q.shape
-    out = torch.empty(t, h, d, dtype=torch.float32)
     rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), seqs.data_ptr(),
             seqs.shape[0], slots.data_ptr(), h, kc.shape[1], d, float(scale), out.data_ptr())
     if rc != 0:
@@ -397,12 +403,8 @@ def _inv_attn_bf16(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: 
     """q [T, H, D] -> out [T, H, D] float32 over a bf16 cache (contract of ``inv_attn_bf16.c``)."""
     if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16:
         raise TypeError(f"bf16 invariant attention needs a bfloat16 cache, got {kc.dtype}")
-    if not (kc.is_contiguous() and vc.is_contiguous()):
-        raise ValueError("the KV cache must be contiguous")
-    q = q.float().contiguous()
-    seqs, slots = seqs.contiguous(), slots.contiguous()
+    q, seqs, slots, out = _attn_args(q, kc, vc, seqs, slots)
     t, h, d = q.shape
-    out = torch.empty(t, h, d, dtype=torch.float32)
     rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), seqs.data_ptr(), seqs.shape[0], slots.data_ptr(), h,
             kc.shape[1], d, float(scale), out.data_ptr())
     if rc != 0:

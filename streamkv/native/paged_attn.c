@@ -30,39 +30,13 @@
 #include <immintrin.h>
 
 #include "simd.h"
+#include "transpose16.h"
 
 #define ROWS_MAX 288  /* query rows (query, head) per item */
 #define QK_GROUP 16    /* rows whose scores share one pass over the transposed keys */
 #define NB 4          /* 16-key blocks per super-block (one softmax update per row) */
 
 typedef struct { int64_t b, q0, q1, c0, c1, prow; } Item;
-
-/* 16x16 dword transpose of r[0..15] in place. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    /* r[4i + j] now holds, in 128-bit lane L, column j of rows 4i..4i+3 at row group L. */
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-        }
-    for (int j = 0; j < 4; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-        r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
-        r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
-    }
-}
 
 /* Load a 16-key block (n valid keys) of head hk: Kt[32] (pair-major) and Vp[8][4]. */
 static inline void load_block(const uint16_t* kc, const uint16_t* vc, const int64_t* slots, int n, int Hk,
