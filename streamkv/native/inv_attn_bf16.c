@@ -27,11 +27,17 @@
  * at chunk 0 merges its chunks in place and writes the output; otherwise (long decode contexts,
  * split for parallelism) it writes one partial per chunk and a second pass merges them in order.
  * Both call the same merge() on the same per-chunk partials, so the split never changes a bit.
+ * A split decode item covers one chunk and every kv head (run_heads()): per super-block it first
+ * copies the block's cache rows, all heads, in address order into a staging buffer, then runs each
+ * head from there. The rows are then read as one sequential stream (a per-head gather reads 128
+ * of every 384 bytes and streamed at ~12 GB/s on the EPYC, vs ~28 GB/s for the copy), and each
+ * head's rows still run exactly a per-head item's operations.
  * A row skips super-blocks where it sees no key and, in a partly visible block, key pairs it does
  * not see at all, so a prompt row runs exactly the operations its own decode would.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vec16.h"
 #include "transpose16.h"
@@ -43,7 +49,11 @@
 #define NB (SB / 16)
 #define MAXDB 4          /* 32-dim blocks: D <= 128 */
 #define ROWS 48          /* query rows (query, head of the kv group) per item */
-#define SPLIT_MIN 2      /* decode rows with more chunks than this are split one item per chunk */
+#define SPLIT_MIN 2      /* a lone decode row with more chunks than this is split one item per chunk */
+/* Decode rows run as one item per chunk over every kv head (run_heads) when there are several of
+ * them or the row is long; a lone short one keeps one item per kv head (better balanced on few
+ * threads). Only the work split differs: the bits are the same either way. */
+#define SPLIT(nq, nc) ((nq) == 1 && H <= ROWS && (ndec > 1 || (nc) > SPLIT_MIN))
 
 typedef struct { int b, q0, q1, hk, c0, c1; int64_t part; } Item;
 
@@ -232,17 +242,63 @@ static void run_item(const Item* it, const Ctx* cx) {
         }
 }
 
+/* A split decode item (it->hk < 0): chunk it->c0 of one decode row, every kv head, partials out.
+ * stage holds SB cache rows of K and of V (every head): 2 * SB * Hk * D bf16. */
+static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
+    const int64_t* sq = cx->seqs + 4 * it->b;
+    const int64_t row0 = sq[0], off = sq[2], L = sq[3];
+    const int H = cx->H, Hk = cx->Hk, D = cx->D, G = H / Hk, nv = 2 * cx->DB, row = Hk * D;
+    uint32_t qp[ROWS][64];
+    int64_t rel[ROWS], iota[SB];
+    RowState st[ROWS];
+    for (int h = 0; h < H; h++) {
+        const float* src = cx->q + (row0 * H + h) * D;
+        for (int p = 0; p < D / 2; p++)
+            qp[h][p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
+        st[h].m = -INFINITY; st[h].l = 0.f;
+        for (int i = 0; i < nv; i++) st[h].o[i] = v_zero();
+    }
+    for (int i = 0; i < SB; i++) iota[i] = i;
+    Ctx sc = *cx;                                     /* the staged rows: slot i = the block's key i */
+    sc.kc = stage; sc.vc = stage + (size_t)SB * row;
+    const int64_t c0 = (int64_t)it->c0 * CHUNK, c1 = c0 + CHUNK < L ? c0 + CHUNK : L;
+    __m512i Kt[NB][16 * MAXDB], Vp[NB][8][2 * MAXDB];
+    for (int64_t k0 = c0; k0 < c1; k0 += SB) {
+        const int nk = c1 - k0 < SB ? (int)(c1 - k0) : SB, nb = (nk + 15) / 16;
+        const int64_t* sl = cx->slots + off + k0;
+        for (int i = 0; i < nk; i++) memcpy((uint16_t*)sc.kc + (size_t)i * row, cx->kc + sl[i] * row, (size_t)row * 2);
+        for (int i = 0; i < nk; i++) memcpy((uint16_t*)sc.vc + (size_t)i * row, cx->vc + sl[i] * row, (size_t)row * 2);
+        for (int r = 0; r < G; r++) rel[r] = L - 1 - k0;
+        for (int hk = 0; hk < Hk; hk++) {
+            for (int x = 0; x < nb; x++) {
+                const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
+                load_block(&sc, iota + 16 * x, n, hk, Kt[x], Vp[x]);
+            }
+            super_block(cx, (const uint32_t (*)[64])qp[hk * G], rel, G, nk, Kt, Vp, st + hk * G);
+        }
+    }
+    const int64_t nc = (L + CHUNK - 1) / CHUNK;     /* partials at part + (h * nc + c) * W */
+    for (int h = 0; h < H; h++) {
+        if (st[h].m == -INFINITY) continue;
+        float* p = cx->part + it->part + ((int64_t)h * nc + it->c0) * (2 + 16 * nv);
+        p[0] = st[h].m; p[1] = st[h].l;
+        for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, st[h].o[i]);
+    }
+}
+
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
                            const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
     if (D % 16 != 0 || D > 32 * MAXDB || Hk <= 0 || H % Hk != 0 || H / Hk > ROWS || B <= 0) return 1;
     const int G = H / Hk, TQ = ROWS / G, nv = 2 * ((D + 31) / 32), W = 2 + 16 * nv;
     Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale};
     int64_t nitems = 0, npart = 0;
+    int ndec = 0;
+    for (int b = 0; b < B; b++) ndec += seqs[4 * b + 1] == 1;
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         if (nq <= 0 || nq > L) return 2;
         const int64_t nc = (L + CHUNK - 1) / CHUNK;
-        if (nq == 1 && nc > SPLIT_MIN) { nitems += Hk * nc; npart += (int64_t)Hk * G * nc * W; }
+        if (SPLIT(nq, nc)) { nitems += nc; npart += (int64_t)H * nc * W; }
         else nitems += Hk * ((nq + TQ - 1) / TQ);
     }
     Item* items = malloc(sizeof(Item) * nitems);
@@ -251,9 +307,9 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         const int nc = (int)((L + CHUNK - 1) / CHUNK);
-        if (nq == 1 && nc > SPLIT_MIN) {
-            for (int hk = 0; hk < Hk; hk++, po += (int64_t)G * nc * W)
-                for (int c = 0; c < nc; c++) items[n++] = (Item){b, 0, 1, hk, c, c + 1, po};
+        if (SPLIT(nq, nc)) {
+            for (int c = 0; c < nc; c++) items[n++] = (Item){b, 0, 1, -1, c, c + 1, po};
+            po += (int64_t)H * nc * W;
         } else {
             for (int q0 = 0; q0 < nq; q0 += TQ)
                 for (int hk = 0; hk < Hk; hk++) {
@@ -263,8 +319,22 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
                 }
         }
     }
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t t = 0; t < nitems; t++) run_item(&items[t], &cx);
+    if (npart == 0) {
+        #pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t t = 0; t < nitems; t++) run_item(&items[t], &cx);
+    } else {
+        #pragma omp parallel
+        {
+            const size_t bytes = ((size_t)2 * SB * Hk * D * sizeof(uint16_t) + 63) / 64 * 64;  /* K and V rows */
+            uint16_t* stage = aligned_alloc(64, bytes);
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < nitems; t++) {
+                if (items[t].hk < 0) run_heads(&items[t], &cx, stage);
+                else run_item(&items[t], &cx);
+            }
+            free(stage);
+        }
+    }
     /* merge the split decode rows: per (sequence, head), its chunks in order */
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < nitems; t++) {
@@ -272,18 +342,18 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         if (it->part < 0 || it->c0 != 0) continue;
         const int64_t* sq = seqs + 4 * it->b;
         const int nc = (int)((sq[3] + CHUNK - 1) / CHUNK);
-        for (int g = 0; g < G; g++) {
+        for (int h = 0; h < H; h++) {                 /* split items cover every head */
             RowState s;
             s.m = -INFINITY; s.l = 0.f;
             for (int i = 0; i < nv; i++) s.o[i] = v_zero();
             for (int c = 0; c < nc; c++) {
-                const float* p = cx.part + it->part + ((int64_t)g * nc + c) * W;
+                const float* p = cx.part + it->part + ((int64_t)h * nc + c) * W;
                 if (p[0] == -INFINITY) continue;
                 v16 o[2 * MAXDB];
                 for (int i = 0; i < nv; i++) o[i] = v_load(p + 2 + 16 * i);
                 merge(&s.m, &s.l, s.o, p[0], p[1], o, nv);
             }
-            store_out(&cx, out + (sq[0] * H + it->hk * G + g) * D, &s);
+            store_out(&cx, out + (sq[0] * H + h) * D, &s);
         }
     }
     free(cx.part);
