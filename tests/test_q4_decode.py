@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from streamkv import LLM, SamplingParams
-from streamkv.loading import default_model_path, load_checkpoint
+from streamkv.loading import load_checkpoint
 from streamkv.loading.q4_blocks import read_q4_matrices
 from streamkv.models.q4_linear import PackedQ4
 
@@ -16,7 +16,7 @@ def ckpt():
 
 
 def test_blocks_equal_the_dequantized_weights(ckpt):
-    q4 = read_q4_matrices(default_model_path(), ckpt.arch, permuted_qk=True)
+    q4 = read_q4_matrices(ckpt.gguf, ckpt.arch, permuted_qk=True)
     assert len(q4) == 7 * ckpt.arch.num_layers  # every projection of the embedded model is Q4_1
     for name in ("layers.0.q_proj.weight", "layers.0.k_proj.weight", "layers.17.v_proj.weight",
                  "layers.29.down_proj.weight"):
@@ -24,7 +24,7 @@ def test_blocks_equal_the_dequantized_weights(ckpt):
 
 
 def test_int4_kernel_matches_dense_product(ckpt):
-    q4 = read_q4_matrices(default_model_path(), ckpt.arch, permuted_qk=True)["layers.5.gate_proj.weight"]
+    q4 = read_q4_matrices(ckpt.gguf, ckpt.arch, permuted_qk=True)["layers.5.gate_proj.weight"]
     x = torch.randn(3, q4.q.shape[1], generator=torch.Generator().manual_seed(0)).bfloat16()
     ref = x.float() @ q4.dequantize().t()
     out = PackedQ4(q4.q, q4.scale, q4.zero)(x).float()
@@ -75,7 +75,7 @@ def test_invariant_numerics_take_4bit_weights_only_through_the_native_kernel():
 def test_q8_lm_head_reads_exactly_and_splits_exactly_into_two_int4_halves(ckpt):
     from streamkv.loading.q4_blocks import read_q8_lm_head
 
-    head = read_q8_lm_head(default_model_path(), tied=True)
+    head = read_q8_lm_head(ckpt.gguf, tied=True)
     torch.testing.assert_close(head.dequantize(), ckpt.weights["embed.weight"], atol=0, rtol=0)
     hi, lo = head.halves()
     torch.testing.assert_close(hi.dequantize() + lo.dequantize(), ckpt.weights["embed.weight"], atol=0, rtol=0)

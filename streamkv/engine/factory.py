@@ -11,6 +11,7 @@ import torch
 from streamkv.attention.backend import KVCache, make_backend
 from streamkv.config import EngineConfig
 from streamkv.engine.dtype import resolve_dtype
+from streamkv.loading.checkpoint import LoadedCheckpoint
 from streamkv.loading.gguf_file import GGUFFile
 from streamkv.loading.q4_blocks import quant_summary
 from streamkv.native.tuning import KernelChoice, ModelShapes, choose, parse_kernels
@@ -50,8 +51,8 @@ class ModelBundle:
     kernels: KernelChoice = field(default_factory=KernelChoice)  # what was measured / forced (``streamkv info``)
 
 
-def kernel_choice(config: EngineConfig, source: str, arch: Any, dtype: torch.dtype, device: torch.device,
-                  retune: bool = False, gguf: GGUFFile | None = None) -> KernelChoice:
+def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
+                  retune: bool = False) -> KernelChoice:
     """The kernel paths for this model on this CPU: forced by ``--kernels`` / ``--decode-weights``,
     else measured once and cached (``native/tuning.py``; ``retune`` measures again)."""
     forced = parse_kernels(config.runtime.kernels)
@@ -64,9 +65,8 @@ def kernel_choice(config: EngineConfig, source: str, arch: Any, dtype: torch.dty
         if forced:
             raise ValueError("kernels and decode_weights choose CPU kernels: use them with device=cpu")
         return KernelChoice()
-    bf16 = dtype == torch.bfloat16
-    is_gguf = source.endswith(".gguf")
-    q4, q8 = quant_summary(gguf or source, arch.tie_word_embeddings) if bf16 and is_gguf else (False, False)
+    arch, bf16 = ckpt.arch, dtype == torch.bfloat16
+    q4, q8 = quant_summary(ckpt.gguf, arch.tie_word_embeddings) if bf16 and ckpt.gguf is not None else (False, False)
     if forced.get("linear") == "q4" and not q4:
         raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, dtype bfloat16, on CPU")
     shapes = ModelShapes(arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
@@ -84,9 +84,9 @@ def _packed_weights(kernels: KernelChoice, gguf: GGUFFile | None, arch: Any) -> 
     """The GGUF's own 4-bit layers and int8 LM head, where the kernel choice takes them."""
     from streamkv.loading.q4_blocks import read_q4_matrices, read_q8_lm_head
 
-    out: dict[str, Any] = {}
     if gguf is None:
         return None
+    out: dict[str, Any] = {}
     if kernels.get("linear") == "q4":
         out.update(read_q4_matrices(gguf, arch,
                                     permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM")))
@@ -141,11 +141,9 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
                              f"trained context ({max_len})")
         max_len = config.model.max_model_len
     weights = {k: v.to(device) for k, v in ckpt.weights.items()}
-    # parsed once for the kernel choice and the packed weights (each parse takes seconds)
-    gguf = GGUFFile(ckpt.source) if dtype == torch.bfloat16 and ckpt.source.endswith(".gguf") else None
-    kernels = kernel_choice(config, ckpt.source, arch, dtype, device, gguf=gguf)
+    kernels = kernel_choice(config, ckpt, dtype, device)
     log.info("kernels: %s", kernels.describe())
-    q4 = _packed_weights(kernels, gguf, arch)
+    q4 = _packed_weights(kernels, ckpt.gguf, arch)
     model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics,
                               tiles=kernels.get("gemm") == "amx").eval()
     cc = config.cache

@@ -21,7 +21,7 @@ def machine_and_kernels(config: EngineConfig, retune: bool = False) -> dict[str,
     torch.set_num_threads(config.runtime.threads or os.cpu_count() or 1)
     dtype = resolve_dtype(config.model.dtype, device)
     ckpt = load_checkpoint(config.model.model, dtype=dtype)
-    choice = kernel_choice(config, ckpt.source, ckpt.arch, dtype, device, retune=retune)
+    choice = kernel_choice(config, ckpt, dtype, device, retune=retune)
     return {
         "cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from streamkv.errors import ModelLoadError
+from streamkv.loading.gguf_file import GGUFFile
 from streamkv.loading.tokenizer import Tokenizer
 from streamkv.models.config import ArchConfig
 
@@ -29,12 +30,15 @@ class LoadedCheckpoint:
             (names listed in :mod:`streamkv.models.config`).
         tokenizer: the model's tokenizer and chat template.
         source: the resolved path the checkpoint was read from.
+        gguf: the parsed GGUF file (None for a Hugging Face directory), for readers of its
+            packed blocks: parsing a large vocabulary's metadata takes seconds, so once.
     """
 
     arch: ArchConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str
+    gguf: GGUFFile | None = None
 
 
 def default_model_path() -> str:
@@ -76,6 +80,7 @@ def load_checkpoint(path: str | os.PathLike[str] | None, dtype: torch.dtype = to
     if not resolved.exists():
         raise ModelLoadError(f"model path {str(resolved)!r} does not exist")
     resolved = _single_gguf_in(resolved.resolve())
+    gguf = None
     if resolved.is_dir():
         from streamkv.loading.hf_loader import load_hf_dir
 
@@ -83,11 +88,12 @@ def load_checkpoint(path: str | os.PathLike[str] | None, dtype: torch.dtype = to
     elif _looks_like_gguf(resolved):
         from streamkv.loading.gguf_loader import load_gguf
 
-        arch, weights, tokenizer = load_gguf(str(resolved), dtype, show_progress)
+        gguf = GGUFFile(str(resolved))
+        arch, weights, tokenizer = load_gguf(gguf, dtype, show_progress)
     else:
         raise ModelLoadError(
             f"{resolved}: not a GGUF file (bad magic bytes) nor a Hugging Face model directory")
-    return LoadedCheckpoint(arch=arch, weights=weights, tokenizer=tokenizer, source=str(resolved))
+    return LoadedCheckpoint(arch=arch, weights=weights, tokenizer=tokenizer, source=str(resolved), gguf=gguf)
 
 
 def _single_gguf_in(path: Path) -> Path:

@@ -18,10 +18,10 @@ from streamkv.loading.tokenizer_gguf import tokenizer_from_gguf
 from streamkv.models.config import ArchConfig
 
 
-def load_gguf(path: str, dtype: torch.dtype, show_progress: bool = False,
+def load_gguf(gguf: GGUFFile, dtype: torch.dtype, show_progress: bool = False,
               ) -> tuple[ArchConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Read ``path`` and return its architecture, canonical weights and tokenizer."""
-    gguf = GGUFFile(path)
+    """Read a parsed GGUF file: its architecture, canonical weights and tokenizer."""
+    path = gguf.path
     gguf_arch = str(gguf.require("general.architecture"))
     architecture = architecture_from_gguf(gguf_arch, path)
     tensors = {t.name: t for t in gguf.tensors()}

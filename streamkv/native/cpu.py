@@ -10,19 +10,20 @@ VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vbmi", "avx512_bf16
 
 @functools.lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, frozenset[str]]:
-    model, flags = platform.processor() or "unknown", frozenset()
+    """(the first processor's model name, its flags); the model falls back to ``platform``."""
+    model, flags = None, frozenset()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and model in ("unknown", platform.processor()):
+                if key.strip() == "model name" and model is None:
                     model = value.strip()
                 elif key.strip() == "flags":
                     flags = frozenset(value.split())
                     break
     except OSError:
         pass
-    return model, flags
+    return model or platform.processor() or "unknown", flags
 
 
 def cpu_model() -> str:
