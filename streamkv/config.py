@@ -63,9 +63,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget per step"})
     max_chunk_tokens: int | None = field(default=None, metadata={"help": "largest prefill chunk of one "
                                                                           "sequence per step (default: budget)"})
-    queue_policy: str = field(default="fcfs", metadata={"help": "fcfs | mcps"})
+    queue_policy: str = field(default="fcfs", metadata={
+        "help": "fifo | fcfs | mcps | lcas: order within a priority class; all but fifo rank requests whose "
+                "input is complete above streaming-input requests still receiving it (two tiers); fcfs = "
+                "arrival, mcps = most computed tokens first, lcas = most recent input chunk first"})
+    max_wait_s: float | None = field(default=None, metadata={
+        "help": "aging bound: a sequence with work that has not run for this long rises to the top of its "
+                "tier (removes LCAS starvation); default off"})
 
     def __post_init__(self) -> None:
+        from streamkv.sched.policies import make_queue_policy
+
+        make_queue_policy(self.queue_policy, self.max_wait_s)  # ValueError naming the problem
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -136,12 +145,28 @@ class SessionConfig:
 
 
 @dataclass(frozen=True)
+class InputStreamConfig:
+    max_input_streams: int = field(default=256, metadata={
+        "help": "streaming-input requests open (input not finished) at most; more are refused (429)"})
+    input_stream_ttl_s: float = field(default=300.0, metadata={
+        "help": "a streaming-input request whose input got no append/update/finish for this long is "
+                "aborted and its KV freed"})
+
+    def __post_init__(self) -> None:
+        if self.max_input_streams < 1:
+            raise ValueError(f"max_input_streams must be >= 1, got {self.max_input_streams}")
+        if not self.input_stream_ttl_s > 0:
+            raise ValueError(f"input_stream_ttl_s must be positive, got {self.input_stream_ttl_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
+    inputs: InputStreamConfig = field(default_factory=InputStreamConfig)
 
     @classmethod
     def from_flat(cls, **kwargs: object) -> "EngineConfig":

@@ -36,3 +36,14 @@ class QueueFullError(StreamKVError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class InputStreamNotFoundError(StreamKVError, KeyError):
+    """No open streaming-input request has this id (never opened, or expired)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "input stream not found"
+
+
+class InputStreamClosedError(StreamKVError):
+    """The streaming-input request's input is finished (or it was aborted): no more changes."""

@@ -75,3 +75,69 @@ def fake_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 1
     runner = FakeRunner(block_size, eos_after=eos_after)
     bundle = ModelBundle(runner, FakeTokenizer(), max_model_len, VOCAB, num_blocks)
     return Engine(config, bundle), runner
+
+
+class FakeKVOps:
+    """Slot-level KV moves for :class:`SlotFakeRunner` (what ``runner.kv_ops`` does to tensors)."""
+
+    def __init__(self, slots: dict[int, tuple[int, int]], num_blocks: int, block_size: int) -> None:
+        from types import SimpleNamespace
+
+        self.slots = slots
+        self.copies = 0
+        self.cache = SimpleNamespace(nbytes=num_blocks * block_size * 64, num_blocks=num_blocks,
+                                     block_size=block_size)  # 64 "bytes" per token
+
+    def copy(self, src, dst, shift: int = 0) -> None:
+        moved = [self.slots.get(int(s)) for s in src.tolist()]
+        for d, entry in zip(dst.tolist(), moved):
+            if entry is None:
+                self.slots.pop(d, None)
+            else:
+                self.slots[d] = (entry[0] + shift, entry[1])
+        self.copies += 1
+
+    def export(self, slots):
+        return [self.slots.get(int(s)) for s in slots.tolist()], None
+
+    def load(self, slots, k, v) -> None:
+        for d, entry in zip(slots.tolist(), k):
+            self.slots[d] = entry
+
+
+class SlotFakeRunner(FakeRunner):
+    """A FakeRunner whose KV lives in slots: every row written is ``(position, token)`` at its
+    block-table slot, and every sampling step reads back all earlier rows through the block
+    table. A block shared by mistake, a missing copy-on-write or a stale row fails an assert."""
+
+    def __init__(self, block_size: int, num_blocks: int, vocab: int = VOCAB) -> None:
+        super().__init__(block_size, vocab)
+        self.slots: dict[int, tuple[int, int]] = {}
+        self.kv_ops = FakeKVOps(self.slots, num_blocks, block_size)
+
+    def _slot(self, table, pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        for item in plan.seqs:
+            end = item.start + item.num_tokens
+            for p in range(item.start):
+                got = self.slots.get(self._slot(item.block_table, p))
+                assert got == (p, item.history[p]), f"seq {item.seq_id}: row {p} holds {got}"
+            for p in range(item.start, end):
+                self.slots[self._slot(item.block_table, p)] = (p, item.history[p])
+        return super().execute(plan)
+
+
+def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_model_len: int = 512,
+                chunk: int | None = None, queue_policy: str = "fcfs", max_wait_s: float | None = None,
+                **inputs: object) -> tuple[Engine, SlotFakeRunner]:
+    from streamkv.config import InputStreamConfig
+
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=chunk,
+                                                    queue_policy=queue_policy, max_wait_s=max_wait_s),
+                          inputs=InputStreamConfig(**inputs))  # type: ignore[arg-type]
+    runner = SlotFakeRunner(block_size, num_blocks)
+    bundle = ModelBundle(runner, FakeTokenizer(), max_model_len, VOCAB, num_blocks)
+    return Engine(config, bundle), runner

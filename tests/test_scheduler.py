@@ -163,8 +163,8 @@ def test_a_read_policy_covers_only_the_fork_own_rows_even_after_preemption():
     from streamkv.policies import QuestPolicy
 
     engine, runner = fake_engine(num_blocks=64, block_size=4, budget=16)
-    stream = engine.streams.open([1 + i % 60 for i in range(40)])  # whole blocks: no partial-block copy
-    while not engine.streams.is_idle(stream):
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(40)])  # whole blocks: no partial-block copy
+    while not engine.seq_ops.is_idle(stream):
         engine.step()
     policy = QuestPolicy(budget_tokens=16, sink_tokens=4, recent_tokens=4)
     fork = engine.add_fork_request("q", stream, 40, [5, 6, 7], GREEDY, read=policy)

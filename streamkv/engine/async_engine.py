@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence as Seq
 
+from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.engine import Engine
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import EngineDeadError, QueueFullError
@@ -65,6 +66,7 @@ class AsyncEngine:
         self.num_queued = 0  # submitted, no output yet (owned by the event loop that calls generate)
         self.accepting = True
         self.last_step_time = 0.0
+        self._inputs: dict[str, AsyncInputStream] = {}  # open on the event loop side, by request id
 
     @property
     def alive(self) -> bool:
@@ -120,6 +122,29 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def open_input(self, request_id: str, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                         params: SamplingParams | None = None, priority: int = 0) -> AsyncInputStream:
+        """Open a streaming-input request (see ``streamkv.inputs``); raises its validation error."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead}")
+        if not self.accepting:
+            raise EngineDeadError("server is shutting down")
+        await self.call(lambda engine: engine.inputs.open(request_id, prompt, messages, params, priority))
+        handle = AsyncInputStream(self, request_id)
+        self._inputs[request_id] = handle
+        return handle
+
+    def attach_sink(self, request_id: str, loop: asyncio.AbstractEventLoop, sink: asyncio.Queue) -> None:
+        """Route ``request_id``'s outputs to ``sink`` (engine thread only)."""
+        self._sinks[request_id] = (loop, sink)
+
+    def input_stream(self, request_id: str) -> AsyncInputStream | None:
+        """The handle of an input opened through :meth:`open_input` (None once it is gone)."""
+        return self._inputs.get(request_id)
+
+    def forget_input(self, request_id: str) -> None:
+        self._inputs.pop(request_id, None)
+
     async def call(self, fn: Any) -> Any:
         """Run ``fn(engine)`` on the engine thread (for stats and state queries)."""
         loop = asyncio.get_running_loop()
@@ -159,6 +184,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
                 self.engine.sessions.maintain()
+                self.engine.inputs.maintain()
                 if self.engine.has_unfinished():
                     t = time.perf_counter()
                     outputs = self.engine.step()
@@ -199,6 +225,7 @@ class AsyncEngine:
         elif isinstance(cmd, _Abort):
             if self.engine.abort(cmd.request_id):
                 self._sinks.pop(cmd.request_id, None)
+                self._inputs.pop(cmd.request_id, None)
         elif isinstance(cmd, _Call):
             result: Any = None
             error: Exception | None = None
@@ -218,6 +245,8 @@ class AsyncEngine:
                 pass
 
     def _deliver(self, request_id: str, item: Any, last: bool) -> None:
+        if last:
+            self._inputs.pop(request_id, None)
         target = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
         if target is not None:
             loop, sink = target

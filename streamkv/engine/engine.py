@@ -17,12 +17,12 @@ from streamkv.config import EngineConfig
 from streamkv.engine.factory import ModelBundle, build_bundle
 from streamkv.engine.outputs import RequestOutput
 from streamkv.engine.response_cache import ResponseCache
-from streamkv.engine.streams import Streams
 from streamkv.errors import InvalidRequestError
-from streamkv.kv.block_pool import BlockPool, OutOfBlocksError
+from streamkv.inputs.manager import InputStreams
+from streamkv.kv.block_pool import BlockPool
 from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadPolicy
-from streamkv.runner.kv_ops import slots_of
+from streamkv.ops.seq_ops import SeqOps
 from streamkv.sampling.detokenizer import IncrementalDetokenizer
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.plan import StepOutput, StepPlan, TokenLogprobs
@@ -71,14 +71,14 @@ class Engine:
         self.kv = KVManager(self.pool)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.kv_ops = getattr(self.bundle.runner, "kv_ops", None)
-        self.streams = Streams(self)
+        self.seq_ops = SeqOps(self.scheduler, self.kv, self.kv_ops, self.max_model_len, itertools.count())
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
-        self._seq_ids = itertools.count()
         self._pending: list[RequestOutput] = []
         self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
+        self.inputs = InputStreams(self)
 
     # ----------------------------------------------------------------- intake
     def tokenize_prompt(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -95,18 +95,27 @@ class Engine:
         return None, ids
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    priority: int = 0, klass: PriorityClass = PriorityClass.POOL) -> None:
-        """Validate and queue a request; raises InvalidRequestError and queues nothing on bad input."""
+                    priority: int = 0, klass: PriorityClass = PriorityClass.POOL,
+                    partial: bool = False) -> Sequence | None:
+        """Validate and queue a request; raises InvalidRequestError and queues nothing on bad input.
+
+        ``partial``: a streaming-input request (``streamkv.inputs``) whose prompt (possibly
+        still empty) will change through :attr:`seq_ops`; it never answers from the response
+        cache. Returns the queued sequence (None for a response-cache hit).
+        """
         params = self._check_request(request_id, params, priority)
-        text, ids = self.tokenize_prompt(prompt)
-        self._validate_ids(ids)
-        key = self.responses.key(ids, params)
-        hit = self.responses.get(key, request_id, time.perf_counter())
+        text, ids = self.tokenize_prompt(prompt) if not (partial and not prompt) else (None, [])
+        self._validate_ids(ids, allow_empty=partial)
+        key = None if partial else self.responses.key(ids, params)
+        hit = None if partial else self.responses.get(key, request_id, time.perf_counter())
         if hit is not None:
             hit.prompt = text
             self._pending.append(hit)
-            return
-        self.scheduler.add(self._register(request_id, text, self._new_seq(ids, params, priority, klass), key))
+            return None
+        seq = self._new_seq(ids, params, priority, klass)
+        seq.partial = partial
+        self.scheduler.add(self._register(request_id, text, seq, key))
+        return seq
 
     def add_fork_request(self, request_id: str, parent: Sequence, num_tokens: int, suffix: Seq[int],
                          params: SamplingParams | None = None, priority: int = 0,
@@ -125,7 +134,7 @@ class Engine:
         seq = self._new_seq(ids, params, priority, klass)
         seq.cacheable = parent.cacheable and read is None
         seq.read, seq.read_from = read, num_tokens
-        self.fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
+        self.seq_ops.fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
         self.scheduler.add_running(self._register(request_id, None, seq))
         return seq
 
@@ -143,9 +152,9 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.tokenizer.eos_token_ids)
-        return Sequence(seq_id=next(self._seq_ids), tokens=list(ids), num_prompt_tokens=len(ids),
+        return Sequence(seq_id=self.seq_ops.next_id(), tokens=list(ids), num_prompt_tokens=len(ids),
                         params=params, max_len=self.max_model_len, stop_ids=frozenset(stop_ids),
-                        priority=priority, klass=klass)
+                        priority=priority, klass=klass, events=[])
 
     def _register(self, request_id: str, text: str | None, seq: Sequence, cache_key: object = None) -> Sequence:
         params = seq.params
@@ -157,19 +166,6 @@ class Engine:
         self.stats.prompt_tokens += len(seq.tokens)
         return seq
 
-    def fork_kv(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
-        if not self.kv.has(parent.seq_id) or parent.num_computed < num_tokens:
-            raise InvalidRequestError(f"cannot fork {num_tokens} tokens: only {parent.num_computed} have KV")
-        try:
-            copy = self.kv.fork(parent.seq_id, child.seq_id, num_tokens)
-        except OutOfBlocksError:
-            raise InvalidRequestError("the KV cache is full; retry later") from None
-        if copy is not None:
-            bs = self.kv.block_size
-            n = num_tokens % bs
-            self.streams.ops.copy(slots_of([copy[0]], 0, n, bs), slots_of([copy[1]], 0, n, bs))
-        child.num_computed = child.num_cached_tokens = num_tokens
-
     def check_prompt(self, prompt: str | Seq[int]) -> list[int]:
         """Tokenize and validate a prompt exactly as :meth:`add_request` will (thread-safe:
         reads only immutable engine facts); raises InvalidRequestError."""
@@ -177,8 +173,8 @@ class Engine:
         self._validate_ids(ids)
         return ids
 
-    def _validate_ids(self, ids: list[int]) -> None:
-        if not ids:
+    def _validate_ids(self, ids: list[int], allow_empty: bool = False) -> None:
+        if not ids and not allow_empty:
             raise InvalidRequestError("prompt is empty")
         vocab = self.bundle.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -203,7 +199,9 @@ class Engine:
 
     # ------------------------------------------------------------------- loop
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._pending) or self.sessions.has_work()
+        # open streaming inputs with all their arrived tokens computed wait for input, not steps
+        return (bool(self._pending) or self.sessions.has_work()
+                or len(self._requests) > self.inputs.num_idle())
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed or ended."""
@@ -276,7 +274,8 @@ class Engine:
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens, error=req.error,
             metrics={"arrival_time": req.arrival, "first_token_time": req.first_token or 0.0,
-                     "num_preemptions": seq.num_preemptions})
+                     "num_preemptions": seq.num_preemptions, "tokens_invalidated": seq.tokens_invalidated},
+            events=[(name, t - seq.arrival) for name, t in seq.events or ()])
 
     def _finish(self, req: _Request) -> RequestOutput:
         req.detok.finish()

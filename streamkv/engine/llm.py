@@ -11,6 +11,7 @@ from streamkv.errors import InvalidRequestError
 from streamkv.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
+    from streamkv.inputs.local import InputHandle
     from streamkv.sessions.local import LocalSession
 
 Prompt = str | Seq[int]
@@ -59,6 +60,20 @@ class LLM:
         from streamkv.sessions.spec import SessionSpec
 
         return LocalSession(self.engine, SessionSpec(system=system, **spec))
+
+    def open_input(self, source: str | Seq[dict[str, str]] = "", params: SamplingParams | None = None,
+                   priority: int = 0) -> "InputHandle":
+        """A streaming-input request: ``source`` is the prompt text so far, or chat messages whose
+        last (user) message is the growing text. Returns a handle with ``append``, ``update``,
+        ``finish``, ``result`` (and ``advance`` to prefill what has arrived)."""
+        from streamkv.inputs.local import InputHandle
+
+        rid = f"llm-in-{next(self._ids)}"
+        if isinstance(source, str):
+            self.engine.inputs.open(rid, prompt=source, params=params, priority=priority)
+        else:
+            self.engine.inputs.open(rid, messages=list(source), params=params, priority=priority)
+        return InputHandle(self.engine, rid)
 
     def step(self) -> list[RequestOutput]:
         """Advance the engine one step (background ingestion of in-process sessions)."""

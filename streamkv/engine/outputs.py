@@ -28,4 +28,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # telemetry: ``(event, seconds since arrival)`` in order: queued, scheduled, kv_resident,
+    # input_appended, input_updated, preempted_swap, preempted_recompute, swapped_in, finished
+    events: list[tuple[str, float]] = field(default_factory=list)
     cached: bool = False  # answered from the response cache, without model work

@@ -167,6 +167,31 @@ class KVManager:
         del kv.hashes[first_block:]
         return old, new
 
+    def truncate(self, seq_id: int, num_tokens: int) -> tuple[int, int] | None:
+        """Keep the KV of ``seq_id``'s first ``num_tokens`` tokens; release the blocks past them.
+
+        Full blocks kept keep their hashes (prefix-cache entries are never touched). Rows
+        after the cut in the partial last block will be overwritten, so when another
+        sequence holds that block or the prefix cache indexes it, it is swapped for a fresh
+        block: returns ``(old, new)`` and the caller copies the first ``num_tokens % bs``
+        rows. Raises OutOfBlocksError (nothing changed) when that block is not available.
+        """
+        kv = self._seqs[seq_id]
+        full, part = divmod(num_tokens, self.block_size)
+        keep = self.blocks_for(num_tokens)
+        dropped = kv.block_ids[keep:]
+        copy: tuple[int, int] | None = None
+        if part and keep <= len(kv.block_ids):
+            old = self.pool.blocks[kv.block_ids[full]]
+            if old.ref_count > 1 or old.block_hash is not None:
+                copy = (old.block_id, self.pool.allocate(1)[0])
+                kv.block_ids[full] = copy[1]
+                dropped = [old.block_id] + dropped
+        del kv.block_ids[keep:]
+        del kv.hashes[full:]
+        self.pool.release(reversed(dropped))
+        return copy
+
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop references taken out of a table by :meth:`rewrite_tail`."""
         self.pool.release(reversed(list(block_ids)))

@@ -1,6 +1,7 @@
 """Queue policies: how sequences are ranked within a priority class."""
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Iterable
@@ -19,24 +20,57 @@ def register_queue_policy(cls: type["QueuePolicy"]) -> type["QueuePolicy"]:
 class QueuePolicy(ABC):
     """Ranks runnable sequences; lower keys run first and are preempted last.
 
-    Template method: :meth:`rank` orders by priority class, then the per-request
-    ``priority`` value (lower = more urgent), then the policy's own :meth:`key`.
+    Template method: :meth:`rank` orders by::
+
+        (priority class, request priority, tier, aged?, policy key, seq id)
+                                            │      │
+          tier 0: complete input ───────────┘      └── waited > max_wait_s: first in its
+          tier 1: input still streaming (partial)      tier, longest-starved first
+
+    ``tiered = False`` (fifo) puts every sequence in tier 0. ``max_wait_s`` (None: no
+    aging) bounds how long a sequence with work can go unserved under policies that can
+    starve (LCAS). Preemption takes victims from the bottom of the same ranking.
     """
 
     name: ClassVar[str] = ""
+    tiered: ClassVar[bool] = True
+    max_wait_s: float | None = None
 
-    def rank(self, seqs: Iterable[Sequence]) -> list[Sequence]:
-        return sorted(seqs, key=lambda s: (s.klass, s.priority, self.key(s), s.seq_id))
+    def __post_init__(self) -> None:
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
+
+    def rank(self, seqs: Iterable[Sequence], now: float | None = None) -> list[Sequence]:
+        now = time.perf_counter() if now is None else now
+        return sorted(seqs, key=lambda s: (s.klass, s.priority, self.tiered and s.partial,
+                                           *self._aging(s, now), *self.key(s), s.seq_id))
+
+    def _aging(self, seq: Sequence, now: float) -> tuple[bool, float]:
+        if self.max_wait_s is not None and now - seq.last_served > self.max_wait_s:
+            return False, seq.last_served
+        return True, 0.0
 
     @abstractmethod
     def key(self, seq: Sequence) -> tuple[float, ...]:
-        """Order within one (class, priority) group."""
+        """Order within one (class, priority, tier) group."""
+
+
+@register_queue_policy
+@dataclass(frozen=True)
+class FIFO(QueuePolicy):
+    """Arrival order, one tier: a partial input ranks like a complete one."""
+
+    name: ClassVar[str] = "fifo"
+    tiered: ClassVar[bool] = False
+
+    def key(self, seq: Sequence) -> tuple[float, ...]:
+        return (seq.arrival,)
 
 
 @register_queue_policy
 @dataclass(frozen=True)
 class FCFS(QueuePolicy):
-    """First come, first served."""
+    """First come, first served, complete inputs first (two tiers)."""
 
     name: ClassVar[str] = "fcfs"
 
@@ -55,8 +89,21 @@ class MostComputedFirst(QueuePolicy):
         return (-seq.num_computed, seq.arrival)
 
 
-def make_queue_policy(name: str) -> QueuePolicy:
+@register_queue_policy
+@dataclass(frozen=True)
+class LastChunkArrivalFirst(QueuePolicy):
+    """LCAS: the sequence whose input chunk arrived most recently first (it is the one a
+    client is actively feeding). Can starve a stream that went quiet: bound it with
+    ``max_wait_s``."""
+
+    name: ClassVar[str] = "lcas"
+
+    def key(self, seq: Sequence) -> tuple[float, ...]:
+        return (-seq.last_input, seq.arrival)
+
+
+def make_queue_policy(name: str, max_wait_s: float | None = None) -> QueuePolicy:
     try:
-        return QUEUE_POLICIES[name]()
+        return QUEUE_POLICIES[name](max_wait_s=max_wait_s)
     except KeyError:
         raise ValueError(f"unknown queue policy {name!r}; known: {sorted(QUEUE_POLICIES)}") from None

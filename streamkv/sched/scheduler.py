@@ -8,6 +8,7 @@ sequences below the one being served. The scheduler never touches tensors.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from streamkv.config import SchedulerConfig
@@ -33,7 +34,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVManager, policy: QueuePolicy | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.policy = policy or make_queue_policy(config.queue_policy)
+        self.policy = policy or make_queue_policy(config.queue_policy, config.max_wait_s)
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
         self._released: list[int] = []
@@ -44,6 +45,7 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} already scheduled")
         seq.status = SeqStatus.WAITING
         self.seqs[seq.seq_id] = seq
+        seq.event("queued")
 
     def add_running(self, seq: Sequence) -> None:
         """Track a sequence whose KV the caller already gave it (a fork): it runs next step."""
@@ -61,6 +63,7 @@ class Scheduler:
             return None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.event("finished")
         self.kv.free(seq_id)
         self._released.append(seq_id)
         return seq
@@ -78,25 +81,33 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
-        ranked = self.policy.rank(self.seqs.values())
-        proposals = self._propose(ranked)
+        now = time.perf_counter()
+        ranked = self.policy.rank(self.seqs.values(), now)
+        proposals = self._propose(ranked, now)
         scheduled, preempted = self._acquire(proposals, ranked)
         released, self._released = tuple(self._released), []
-        return StepPlan(tuple(self._to_plan(p) for p in scheduled), tuple(preempted), released)
+        for prop in scheduled:
+            prop.seq.last_served = now
+        work = tuple(self._to_plan(p) for p in scheduled if p.end > p.seq.num_computed)
+        return StepPlan(work, tuple(preempted), released)
 
-    def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
-        """Phase 1: chunk sizes under the token budget and sequence cap (no state change)."""
+    def _propose(self, ranked: list[Sequence], now: float) -> list[_Proposal]:
+        """Phase 1: chunk sizes under the token budget and sequence cap (no state change
+        but the idle sequences' ``last_served``: a sequence without work does not age)."""
         budget = self.config.max_num_batched_tokens
         out: list[_Proposal] = []
         for seq in ranked:
+            target = seq.computable
+            if seq.num_computed >= target and (seq.status is SeqStatus.RUNNING or target == 0):
+                seq.last_served = now  # idle: a stream, or an input waiting for more text
+                continue
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
-                break
+                continue
             computed = seq.num_computed
-            if seq.status is SeqStatus.RUNNING and computed >= len(seq.tokens):
-                continue  # an idle stream: nothing to compute
             if seq.status is SeqStatus.WAITING:
                 computed = self.kv.match_prefix(seq.tokens, seq.cache_key).num_tokens(self.kv.block_size)
-            n = min(len(seq.tokens) - computed, budget, self.config.chunk_cap)
+            # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
+            n = max(0, min(target - computed, budget, self.config.chunk_cap))
             out.append(_Proposal(seq, computed + n))
             budget -= n
         return out
@@ -145,6 +156,7 @@ class Scheduler:
         seq.num_computed = computed
         seq.num_cached_tokens = max(seq.num_cached_tokens, computed)
         seq.status = SeqStatus.RUNNING
+        seq.event("scheduled")
         return True
 
     def _cannot_grow(self, seq: Sequence, done: list[_Proposal], preempted: list[int]) -> None:
@@ -163,6 +175,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        seq.event("preempted_recompute")
 
     def _to_plan(self, prop: _Proposal) -> ScheduledSeq:
         seq = prop.seq
@@ -186,6 +199,8 @@ class Scheduler:
             seq = self.seqs.get(item.seq_id)
             if seq is None or seq.status is not SeqStatus.RUNNING:
                 continue
+            if item.start < seq.computable <= item.start + item.num_tokens and not seq.num_output:
+                seq.event("kv_resident")  # every token that has arrived now has KV
             seq.num_computed = item.start + item.num_tokens
             if seq.cacheable:
                 self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)

@@ -63,6 +63,33 @@ class Sequence:
     # cache). Rows before ``read_from`` (recomputed after a preemption) stay exact.
     read: ReadPolicy | None = None
     read_from: int = 0
+    # Streaming input (``streamkv.inputs``): while ``partial`` the prompt may still change.
+    # Its last token is held back (it is computed, and sampled from, once the input is
+    # finished: the tail's tokenization may change with the next chunk anyway) and the
+    # sequence ranks in the lower tier. ``last_input``: arrival of its latest chunk (LCAS);
+    # ``last_served``: when it last ran a step or had nothing to run (aging).
+    partial: bool = False
+    tokens_invalidated: int = 0  # computed rows dropped by input changes (LCP invalidation)
+    last_input: float = -1.0
+    last_served: float = -1.0
+    # Telemetry of a request: ``(event, perf_counter time)`` in order (queued, scheduled,
+    # kv_resident, ...); None (long-lived session streams) records nothing.
+    events: list[tuple[str, float]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.last_input < 0:
+            self.last_input = self.arrival
+        if self.last_served < 0:
+            self.last_served = self.arrival
+
+    def event(self, name: str, now: float | None = None) -> None:
+        if self.events is not None:
+            self.events.append((name, time.perf_counter() if now is None else now))
+
+    @property
+    def computable(self) -> int:
+        """Tokens the scheduler may compute now (all but a partial input's held-back last one)."""
+        return max(0, len(self.tokens) - 1) if self.partial else len(self.tokens)
 
     @property
     def num_output(self) -> int:

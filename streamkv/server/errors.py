@@ -8,10 +8,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from streamkv.errors import EngineDeadError, InvalidRequestError, QueueFullError, SessionNotFoundError
+from streamkv.errors import (EngineDeadError, InputStreamClosedError, InputStreamNotFoundError, InvalidRequestError,
+                             QueueFullError, SessionNotFoundError)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+          405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
           503: "service_unavailable", 500: "internal_error"}
 
 
@@ -66,6 +67,14 @@ def install_error_handlers(app: Any) -> None:
     @app.exception_handler(SessionNotFoundError)
     async def _no_session(_: Request, exc: SessionNotFoundError) -> JSONResponse:
         return error_response(404, str(exc), param="session_id")
+
+    @app.exception_handler(InputStreamNotFoundError)
+    async def _no_input(_: Request, exc: InputStreamNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc), param="id")
+
+    @app.exception_handler(InputStreamClosedError)
+    async def _input_closed(_: Request, exc: InputStreamClosedError) -> JSONResponse:
+        return error_response(409, str(exc), param="id")
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -22,7 +22,7 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -32,7 +32,7 @@ def _cache_mark(outs: list[Any]) -> dict[str, Any]:
     return {"cached": True} if outs and all(o.cached for o in outs) else {}
 
 
-def _sampling_fields(req: Any) -> dict[str, Any]:
+def sampling_fields(req: Any) -> dict[str, Any]:
     return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
@@ -67,7 +67,7 @@ def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list
     return out
 
 
-def _completion_logprobs(lps_in: list[Any] | None, tokenizer: Any) -> dict[str, Any] | None:
+def completion_logprobs(lps_in: list[Any] | None, tokenizer: Any) -> dict[str, Any] | None:
     if lps_in is None:
         return None
     tokens, lps, tops, offsets, pos = [], [], [], [], 0
@@ -87,7 +87,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     check_model(req.model, state.model_name)
     prompts = _completion_prompts(req, state)
     base = make_params(max_tokens=resolve_max_tokens(req.max_tokens, max(len(p) for p in prompts), state.limits),
-                       logprobs=req.logprobs, **_sampling_fields(req))
+                       logprobs=req.logprobs, **sampling_fields(req))
     choice_params = per_choice(base, req.n)
     flat_prompts = [p for p in prompts for _ in range(req.n)]
     flat_params = choice_params * len(prompts)
@@ -95,31 +95,33 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(state, _completion_chunks(state, request, head, rid, flat_prompts, flat_params, req.priority,
-                                                 include_usage, sum(len(p) for p in prompts)))
+        outputs = stream_all(state.engine, rid, flat_prompts, flat_params, req.priority)
+        return stream_sse(completion_chunks(state, request, head, outputs, include_usage,
+                                            sum(len(p) for p in prompts)))
     outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
         state.observe(out, request)
-        choices.append({"index": i, "text": out.text, "logprobs": _completion_logprobs(out.logprobs, state.tokenizer),
+        choices.append({"index": i, "text": out.text, "logprobs": completion_logprobs(out.logprobs, state.tokenizer),
                         "finish_reason": finish_reason(out)})
-    usage = _usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs))
-    return {**head, "choices": choices, "usage": usage, **_cache_mark(outs)}
+    totals = usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs))
+    return {**head, "choices": choices, "usage": totals, **_cache_mark(outs)}
 
 
-async def _completion_chunks(state: ServerState, request: Request, head: dict[str, Any], rid: str, prompts: list[Any],
-                             params: list[Any], priority: int, include_usage: bool,
-                             prompt_tokens: int) -> AsyncIterator[str]:
+async def completion_chunks(state: ServerState, request: Request, head: dict[str, Any],
+                            outputs: AsyncIterator[tuple[int, Any]], include_usage: bool,
+                            prompt_tokens: int) -> AsyncIterator[str]:
+    """SSE ``text_completion`` chunks of ``(choice index, output)`` pairs."""
     completion_tokens = 0
     sent: dict[int, int] = {}
-    async for i, out in stream_all(state.engine, rid, prompts, params, priority):
+    async for i, out in outputs:
         check_output(out)
         if not (out.delta_text or out.finished):
             continue
         lp = None
         if out.logprobs is not None:
-            lp = _completion_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer)
+            lp = completion_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer)
             sent[i] = len(out.logprobs)
         chunk = {**head, "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
                                       "finish_reason": finish_reason(out)}]}
@@ -130,7 +132,7 @@ async def _completion_chunks(state: ServerState, request: Request, head: dict[st
             state.observe(out, request)
         yield _sse(chunk)
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
 
 # ------------------------------------------------------------- chat completions
@@ -140,7 +142,7 @@ def _chat_prompt(req: ChatCompletionRequest, state: ServerState) -> list[int]:
     return chat_prompt_ids(state.engine, messages)
 
 
-def _chat_logprobs(lps: list[Any], tokenizer: Any) -> dict[str, Any]:
+def chat_logprobs(lps: list[Any], tokenizer: Any) -> dict[str, Any]:
     def entry(token_id: int, value: float) -> dict[str, Any]:
         return {"token": token_text(tokenizer, token_id), "logprob": value,
                 "bytes": list(tokenizer.token_bytes(token_id))}
@@ -160,42 +162,44 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     base = make_params(max_tokens=resolve_max_tokens(requested, len(ids), state.limits, param),
-                       logprobs=logprobs, **_sampling_fields(req))
+                       logprobs=logprobs, **sampling_fields(req))
     params = per_choice(base, req.n)
     rid, created = new_id("chatcmpl"), int(time.time())
     head = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(state, _chat_chunks(state, request, {**head, "object": "chat.completion.chunk"}, rid, ids, params,
-                                           req.priority, include_usage))
+        outputs = stream_all(state.engine, rid, [ids] * req.n, params, req.priority)
+        return stream_sse(chat_chunks(state, request, {**head, "object": "chat.completion.chunk"}, outputs, req.n,
+                                      len(ids), include_usage))
     outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
         state.observe(out, request)
         choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
-                        "logprobs": _chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
+                        "logprobs": chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
                         "finish_reason": finish_reason(out)})
-    return {**head, "choices": choices, "usage": _usage(len(ids), sum(len(o.token_ids) for o in outs)),
+    return {**head, "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for o in outs)),
             **_cache_mark(outs)}
 
 
-async def _chat_chunks(state: ServerState, request: Request, head: dict[str, Any], rid: str, ids: list[int],
-                       params: list[Any],
-                       priority: int, include_usage: bool) -> AsyncIterator[str]:
+async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any],
+                      outputs: AsyncIterator[tuple[int, Any]], n: int, prompt_tokens: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+    """SSE ``chat.completion.chunk``s of ``(choice index, output)`` pairs over ``n`` choices."""
     extra = {"usage": None} if include_usage else {}
-    for i in range(len(params)):
+    for i in range(n):
         yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra})
     completion_tokens = 0
     sent: dict[int, int] = {}
-    async for i, out in stream_all(state.engine, rid, [ids] * len(params), params, priority):
+    async for i, out in outputs:
         check_output(out)
         if not (out.delta_text or out.finished):
             continue
         lp = None
         if out.logprobs is not None:
-            lp = _chat_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer)
+            lp = chat_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer)
             sent[i] = len(out.logprobs)
         delta = {"content": out.delta_text} if out.delta_text else {}
         yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
@@ -204,10 +208,10 @@ async def _chat_chunks(state: ServerState, request: Request, head: dict[str, Any
             completion_tokens += len(out.token_ids)
             state.observe(out, request)
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": _usage(len(ids), completion_tokens)})
+        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
 
 
-def _stream(state: ServerState, chunks: AsyncIterator[str]) -> StreamingResponse:
+def stream_sse(chunks: AsyncIterator[str]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:

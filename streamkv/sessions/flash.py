@@ -171,7 +171,7 @@ class FlashEvaluator:
             return
         ready = session.ready
         if session.layout.prefix and (ready is None or session.ready_version != data.data_version
-                                      or not self.engine.streams.is_idle(ready)):
+                                      or not self.engine.seq_ops.is_idle(ready)):
             return  # fork from the computed ready sequence, exactly as a standard query does
         version = data.data_version
         if flash.evaluated_version >= 0:

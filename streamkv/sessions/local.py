@@ -16,7 +16,7 @@ from streamkv.sampling.params import SamplingParams
 from streamkv.sessions.spec import SessionSpec
 
 if TYPE_CHECKING:
-    from streamkv.engine.engine import Engine
+    from streamkv.ops.core import EngineCore as Engine
 
 _ids = itertools.count()
 

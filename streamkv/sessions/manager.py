@@ -28,7 +28,7 @@ from streamkv.sessions.spec import SessionLayout, SessionSpec
 from streamkv.sessions.state import Record, SessionData
 
 if TYPE_CHECKING:
-    from streamkv.engine.engine import Engine
+    from streamkv.ops.core import EngineCore as Engine
 
 log = logging.getLogger(__name__)
 QUERY_RESERVE = 64  # context kept free after the window for the scaffold, question and answer
@@ -58,7 +58,7 @@ class SessionManager:
         session = Session(session_id or new_session_id(), SessionData(spec, layout))
         if created is not None:
             session.created = created
-        session.stream = self.engine.streams.open(layout.frozen)
+        session.stream = self.engine.seq_ops.open(layout.frozen)
         self.sessions[session.id] = session
         self.offload.created(session)
         return session
@@ -81,7 +81,7 @@ class SessionManager:
     def drop_kv(self, session: Session) -> None:
         for seq in (session.ready, session.stream):
             if seq is not None:
-                self.engine.streams.close(seq)
+                self.engine.seq_ops.close(seq)
         session.ready = session.stream = None
         session.ready_version = -1
 
@@ -139,7 +139,7 @@ class SessionManager:
         data, layout = session.data, session.layout
         q_ids = self.engine.tokenizer.encode(question)
         ready = session.ready
-        if ready is not None and session.ready_version == data.data_version and self.engine.streams.is_idle(ready):
+        if ready is not None and session.ready_version == data.data_version and self.engine.seq_ops.is_idle(ready):
             parent, n, suffix = ready, len(ready.tokens), q_ids + list(layout.suffix)
         else:
             parent, n, suffix = session.stream, data.snapshot_len(), layout.query_ids(self.engine.tokenizer, question)
@@ -211,7 +211,7 @@ class SessionManager:
         session.ready_probe = probe  # shown in stats, so the vocabulary and min gap can be tuned
 
     def _feed(self, session: Session) -> None:
-        data, stream, streams = session.data, session.stream, self.engine.streams
+        data, stream, streams = session.data, session.stream, self.engine.seq_ops
         if not data.queue or stream is None or not streams.is_idle(stream):
             return
         batch = data.take_batch(min(data.spec.ingest_batch_tokens, data.spec.retention_tokens))
@@ -225,7 +225,7 @@ class SessionManager:
                 return
             data.evicted(n_rec, n_tok)
             session.emit("evicted", records=n_rec, tokens=n_tok, total_evicted=data.counters.records_evicted)
-        streams.extend(stream, [t for r in batch for t in r.ids])
+        streams.append(stream, [t for r in batch for t in r.ids])
         for rec in batch:
             data.fed(rec)
 
@@ -234,11 +234,11 @@ class SessionManager:
         if session.ready_version == data.data_version or not session.layout.prefix or stream is None:
             return
         if session.ready is not None:
-            self.engine.streams.close(session.ready)
+            self.engine.seq_ops.close(session.ready)
             session.ready = None
         peek = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2) if session.spec.ready_exit else None
         try:
-            session.ready = self.engine.streams.fork(stream, data.snapshot_len(), session.layout.prefix, peek=peek)
+            session.ready = self.engine.seq_ops.fork(stream, data.snapshot_len(), session.layout.prefix, peek=peek)
         except InvalidRequestError:  # no block for the copy right now: queries fork the stream instead
             return
         session.ready_version = data.data_version

@@ -61,7 +61,7 @@ class Offloader:
     # ------------------------------------------------------------------ offload
     def quiescent(self, session: Session) -> bool:
         stream = session.stream
-        return (stream is not None and not session.data.queue and self.engine.streams.is_idle(stream))
+        return (stream is not None and not session.data.queue and self.engine.seq_ops.is_idle(stream))
 
     def offload(self, session: Session) -> int:
         """Move a quiescent session's KV to host memory; returns the blocks it held."""
@@ -69,7 +69,7 @@ class Offloader:
         if stream is None or not self.quiescent(session):
             return 0
         held = self.engine.kv.num_blocks_held(stream.seq_id)
-        session.host_kv = self.engine.streams.export(stream, len(stream.tokens))
+        session.host_kv = self.engine.seq_ops.export(stream, len(stream.tokens))
         session.offloaded_tokens = list(stream.tokens)
         self.manager.drop_kv(session)
         session.emit("offloaded", where="host", tokens=len(session.offloaded_tokens))
@@ -101,7 +101,7 @@ class Offloader:
             raise RuntimeError(f"session {session.id} has no KV anywhere")
         while True:
             try:
-                session.stream = self.engine.streams.restore(tokens, k, v)
+                session.stream = self.engine.seq_ops.restore(tokens, k, v)
                 break
             except OutOfBlocksError:
                 if not self._offload_one(exclude=session):
@@ -150,7 +150,7 @@ class Offloader:
         if self.store is None or stream is None:
             return
         n = session.data.snapshot_len()
-        k, v = self.engine.streams.export(stream, n)
+        k, v = self.engine.seq_ops.export(stream, n)
         session.saved_version = session.data.data_version
         self._writes.append(self._writer.submit(self.store.save_kv, session.id, k, v,
                                                 self._meta(session, list(stream.tokens[:n]))))

@@ -1,0 +1,59 @@
+"""In-process handle of one streaming-input request (``LLM.open_input``)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streamkv.ops.core import EngineCore
+
+
+class InputHandle:
+    """``append`` / ``update`` / ``finish`` / ``result`` on a synchronous engine.
+
+    Nothing runs in the background here: :meth:`advance` (or ``LLM.step``) runs engine
+    steps so the arrived input is prefilled while more is coming.
+    """
+
+    def __init__(self, engine: "EngineCore", request_id: str) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._output: Any = None
+
+    def append(self, text: str) -> dict[str, int]:
+        """Add ``text`` at the end; returns ``{"tokens": N, "computed": M}``."""
+        s = self._engine.inputs.append(self.request_id, text)
+        return {"tokens": len(s.seq.tokens), "computed": s.seq.num_computed}
+
+    def update(self, text: str) -> dict[str, int]:
+        """Replace the whole text; returns ``{"tokens": N, "lcp": K, "invalidated": J}``."""
+        s, lcp, dropped = self._engine.inputs.update(self.request_id, text)
+        return {"tokens": len(s.seq.tokens), "lcp": lcp, "invalidated": dropped}
+
+    def advance(self, max_steps: int = 1 << 30) -> int:
+        """Run engine steps until every arrived token has KV (or ``max_steps``); returns steps run."""
+        seq = self._engine.inputs.get(self.request_id).seq
+        steps = 0
+        while steps < max_steps and seq.num_computed < seq.computable and not seq.finished:
+            self._collect(self._engine.step())
+            steps += 1
+        return steps
+
+    def finish(self) -> None:
+        """The input is complete: generation starts at the next step."""
+        self._engine.inputs.finish(self.request_id)
+
+    def result(self) -> Any:
+        """Finish (if still open) and run to completion; the request's final RequestOutput."""
+        if self._output is None:
+            try:
+                self.finish()
+            except Exception:
+                if self._engine.inputs.get_state(self.request_id) != "finished":
+                    raise
+            self._output = self._engine.run_to_completion([self.request_id])[self.request_id]
+        return self._output
+
+    def _collect(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            if out.request_id == self.request_id and out.finished:
+                self._output = out

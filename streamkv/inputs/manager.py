@@ -1,0 +1,222 @@
+"""Open streaming-input requests of one engine (all calls on the engine thread).
+
+Each change re-tokenizes the whole input and keeps the longest common prefix (LCP) of the
+new ids and the ids the sequence holds; everything after it is invalidated::
+
+    held     [ t0 t1 t2 t3 t4 | t5 t6 ]      num_computed = 5 (t5 t6 not computed yet)
+    new      [ t0 t1 t2 u3 u4 u5 u6 u7 ]     LCP = 3
+    after    [ t0 t1 t2 | u3 u4 u5 u6 u7 ]   2 computed rows invalidated (t3 t4), KV past 3 freed
+
+An append whose text changes the tokenization of the previous tail is the same case. The
+last token stays uncomputed until ``finish`` (``Sequence.partial``), so the output after
+finish is the fresh request's on the final prompt, bit for bit.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, InvalidRequestError, QueueFullError
+from streamkv.inputs.source import ChatSource, InputSource, make_source
+from streamkv.sampling.params import SamplingParams
+from streamkv.sched.sequence import Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    from streamkv.ops.core import EngineCore
+
+_CLOSED_MEMORY = 4096  # finished/aborted ids remembered, so late appends get 409, not 404
+
+
+@dataclass
+class InputStream:
+    """One streaming-input request while its input is open."""
+
+    request_id: str
+    seq: Sequence
+    source: InputSource
+    text: str
+    last_activity: float
+    computed_at_finish: int = 0
+    appends: int = 0
+    updates: int = 0
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.source, ChatSource)
+
+    @property
+    def tokens_invalidated(self) -> int:
+        return self.seq.tokens_invalidated
+
+    def info(self) -> dict[str, int]:
+        return {"tokens": len(self.seq.tokens), "computed": self.seq.num_computed,
+                "tokens_invalidated": self.tokens_invalidated}
+
+
+@dataclass
+class InputStats:
+    opened: int = 0
+    finished: int = 0
+    expired: int = 0
+    appends: int = 0
+    updates: int = 0
+    tokens_invalidated: int = 0
+
+
+class InputStreams:
+    """open / append / update / finish of streaming-input requests on one engine."""
+
+    def __init__(self, engine: "EngineCore") -> None:
+        self.engine = engine
+        self.config = engine.config.inputs
+        self._open: dict[str, InputStream] = {}
+        self._closed: OrderedDict[str, str] = OrderedDict()
+        self.stats = InputStats()
+
+    # --------------------------------------------------------------- operations
+    def open(self, request_id: str, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+             params: SamplingParams | None = None, priority: int = 0) -> InputStream:
+        """Queue a request whose input is still arriving; it prefills what it has."""
+        self._reap()
+        if len(self._open) >= self.config.max_input_streams:
+            raise QueueFullError(f"{len(self._open)} input streams are open (limit "
+                                 f"{self.config.max_input_streams})", 1.0)
+        source = make_source(prompt, messages, self.engine.tokenizer)
+        ids = self._ids(source, source.initial_text, final=False)
+        seq = self.engine.add_request(request_id, ids, params, priority, partial=True)
+        assert seq is not None  # partial requests never hit the response cache
+        stream = InputStream(request_id, seq, source, source.initial_text, time.monotonic())
+        self._open[request_id] = stream
+        self.stats.opened += 1
+        return stream
+
+    def append(self, request_id: str, text: str) -> InputStream:
+        stream = self.get(request_id)
+        self._set_text(stream, stream.text + _text(text), final=False, event="input_appended")
+        stream.appends += 1
+        self.stats.appends += 1
+        return stream
+
+    def update(self, request_id: str, text: str) -> tuple[InputStream, int, int]:
+        """Replace the whole text; returns ``(stream, lcp, invalidated)``."""
+        stream = self.get(request_id)
+        lcp, dropped = self._set_text(stream, _text(text), final=False, event="input_updated")
+        stream.updates += 1
+        self.stats.updates += 1
+        return stream, lcp, dropped
+
+    def finish(self, request_id: str) -> InputStream:
+        """Complete the input: the template's closing tokens are added and generation starts."""
+        stream = self.get(request_id)
+        stream.computed_at_finish = stream.seq.num_computed
+        self._set_text(stream, stream.text, final=True, event="input_finished")
+        stream.seq.partial = False
+        self._close(stream, "finished")
+        self.stats.finished += 1
+        return stream
+
+    def get(self, request_id: str) -> InputStream:
+        stream = self._open.get(request_id) if isinstance(request_id, str) else None
+        if stream is not None and stream.seq.status is SeqStatus.FINISHED:  # aborted or failed
+            self._close(stream, stream.seq.finish_reason or "aborted")
+            stream = None
+        if stream is None:
+            state = self._closed.get(request_id) if isinstance(request_id, str) else None
+            if state is not None:
+                raise InputStreamClosedError(f"input stream {request_id!r} is closed ({state}); "
+                                             f"it takes no more input")
+            raise InputStreamNotFoundError(f"input stream {request_id!r} does not exist")
+        return stream
+
+    def get_state(self, request_id: str) -> str | None:
+        """``"open"``, the closed state (``"finished"``, ``"expired"``, ...) or None if unknown."""
+        return "open" if request_id in self._open else self._closed.get(request_id)
+
+    # -------------------------------------------------------------- housekeeping
+    def maintain(self, now: float | None = None) -> list[str]:
+        """Abort inputs idle longer than the TTL; returns their ids."""
+        now = time.monotonic() if now is None else now
+        self._reap()
+        ttl = self.config.input_stream_ttl_s
+        expired = [s for s in self._open.values() if now - s.last_activity > ttl]
+        for stream in expired:
+            self._close(stream, "expired")
+            self.engine.abort(stream.request_id)
+            self.stats.expired += 1
+        return [s.request_id for s in expired]
+
+    def num_idle(self) -> int:
+        """Open inputs with nothing to compute until more input arrives (the loop may sleep)."""
+        n = 0
+        for s in self._open.values():
+            seq = s.seq
+            if seq.num_computed >= seq.computable and (seq.status is SeqStatus.RUNNING or seq.computable == 0):
+                n += 1
+        return n
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    # ------------------------------------------------------------------ helpers
+    def _set_text(self, stream: InputStream, text: str, final: bool, event: str) -> tuple[int, int]:
+        """Re-tokenize, keep the LCP, invalidate the rest; on error nothing changes."""
+        ids = self._ids(stream.source, text, final)
+        seq, ops = stream.seq, self.engine.seq_ops
+        lcp = _common_prefix(seq.tokens, ids)
+        # the last token is always recomputed (its logits give the first output token), as
+        # for a fresh request, whose prefix-cache hit never covers its last token either
+        keep = min(lcp, max(0, len(ids) - 1))
+        dropped = ops.truncate(seq, keep)
+        ops.append(seq, ids[keep:])
+        now = time.perf_counter()
+        stream.text, stream.last_activity = text, time.monotonic()
+        seq.tokens_invalidated += dropped
+        self.stats.tokens_invalidated += dropped
+        seq.last_input = seq.last_served = now
+        seq.event(event, now)
+        return lcp, dropped
+
+    def _ids(self, source: InputSource, text: str, final: bool) -> list[int]:
+        """Token ids of the rendered input, checked against the context and the KV pool."""
+        rendered = source.render(text, final)
+        ids = self.engine.tokenizer.encode(rendered, add_special_tokens=True) if rendered else []
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(f"the input would have {len(ids)} tokens but the context is {limit} "
+                                      f"tokens (leave room for at least one generated token); "
+                                      f"the stream keeps its earlier input")
+        kv = self.engine.kv
+        if kv.blocks_for(len(ids) + 1) > self.engine.pool.num_blocks:
+            raise InvalidRequestError(f"the input would have {len(ids)} tokens but the KV cache holds only "
+                                      f"{self.engine.pool.num_blocks * kv.block_size}; the stream keeps its "
+                                      f"earlier input")
+        if final and not ids:
+            raise InvalidRequestError("the input is empty; append text before finishing")
+        return ids
+
+    def _close(self, stream: InputStream, state: str) -> None:
+        self._open.pop(stream.request_id, None)
+        self._closed[stream.request_id] = state
+        while len(self._closed) > _CLOSED_MEMORY:
+            self._closed.popitem(last=False)
+
+    def _reap(self) -> None:
+        for stream in [s for s in self._open.values() if s.seq.status is SeqStatus.FINISHED]:
+            self._close(stream, stream.seq.finish_reason or "aborted")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _text(text: Any) -> str:
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"text must be a string, got {type(text).__name__}")
+    return text

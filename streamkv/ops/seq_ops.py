@@ -1,0 +1,193 @@
+"""Sequence operations: the one set every workload uses (DESIGN.md section 3).
+
+``fork`` (copy-on-write), ``append``, ``truncate`` (LCP invalidation), ``evict`` (with
+re-positioning), ``export``/``restore``. Sessions and streaming-input requests both use
+them; neither touches block tables or KV tensors directly.
+
+*Persistent streams* are long-lived, non-sampling sequences that session ingestion extends.
+A stream is pinned (never preempted; it waits for blocks), computes KV only, and is idle
+whenever ``num_computed == len(tokens)``. Every change happens on the engine thread
+between steps. Eviction removes a token range and moves the later keys down, rotated::
+
+    before   [ frozen | r0 r1 r2 | r3 r4 ]         positions 0 .. n-1
+    evict    [ frozen |  ......  | r3 r4 ]         r0..r2 dropped (k tokens)
+    after    [ frozen | r3 r4 ]                    r3.. re-positioned by -k (RoPE rotation)
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from streamkv.errors import InvalidRequestError
+from streamkv.kv.block_pool import OutOfBlocksError
+from streamkv.kv.manager import KVManager
+from streamkv.runner.kv_ops import KVOps, slots_of
+from streamkv.sampling.params import SamplingParams
+from streamkv.sched.scheduler import Scheduler
+from streamkv.sched.sequence import PriorityClass, Sequence
+
+_NO_SAMPLING = SamplingParams(max_tokens=1)
+
+
+class SeqOps:
+    """Sequence operations of one engine: its scheduler, KV manager and KV tensors (``kv_ops``)."""
+
+    def __init__(self, scheduler: Scheduler, kv: KVManager, kv_ops: KVOps | None, max_model_len: int,
+                 seq_ids: Iterator[int]) -> None:
+        self._scheduler = scheduler
+        self._kv = kv
+        self._kv_ops = kv_ops
+        self._max_len = max_model_len
+        self._seq_ids = seq_ids
+
+    @property
+    def ops(self) -> KVOps:
+        if self._kv_ops is None:
+            raise RuntimeError("this engine's runner cannot move KV (no kv_ops)")
+        return self._kv_ops
+
+    def next_id(self) -> int:
+        return next(self._seq_ids)
+
+    # ------------------------------------------------------------ any sequence
+    def fork_kv(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """Give ``child`` a copy-on-write view of ``parent``'s first ``num_tokens`` KV rows."""
+        if not self._kv.has(parent.seq_id) or parent.num_computed < num_tokens:
+            raise InvalidRequestError(f"cannot fork {num_tokens} tokens: only {parent.num_computed} have KV")
+        try:
+            copy = self._kv.fork(parent.seq_id, child.seq_id, num_tokens)
+        except OutOfBlocksError:
+            raise InvalidRequestError("the KV cache is full; retry later") from None
+        if copy is not None:
+            self._copy_head(copy, num_tokens % self._kv.block_size)
+        child.num_computed = child.num_cached_tokens = num_tokens
+
+    def append(self, seq: Sequence, tokens: Seq[int]) -> None:
+        """Add prompt ``tokens`` at the end of a sequence that has not sampled yet."""
+        if len(seq.tokens) + len(tokens) >= self._max_len:
+            raise InvalidRequestError(f"sequence would reach {len(seq.tokens) + len(tokens)} tokens; "
+                                      f"the context is {self._max_len}")
+        if seq.num_output:
+            raise RuntimeError("append extends a prompt; this sequence has already generated")
+        seq.tokens.extend(tokens)
+        seq.num_prompt_tokens = len(seq.tokens)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> int:
+        """Cut ``seq`` to its first ``num_tokens`` tokens; returns how many computed rows were dropped.
+
+        KV past the cut goes back to the pool; full blocks before it keep their prefix-cache
+        entries. A partial last block that another sequence or the prefix cache holds is
+        replaced by a private copy first (copy-on-write)::
+
+            before  [b3 | b8 | b5:xxxxxxxx]   b5 indexed in the prefix cache, cut at 2 rows of it
+            after   [b3 | b8 | b9:xx      ]   b5 untouched (still a prefix hit for others)
+
+        With no free block for that copy, the cut moves down to the block boundary (those
+        rows are recomputed instead): truncation never fails.
+        """
+        if not 0 <= num_tokens <= len(seq.tokens):
+            raise ValueError(f"cannot truncate {len(seq.tokens)} tokens to {num_tokens}")
+        before = seq.num_computed
+        keep = min(before, num_tokens)
+        if self._kv.has(seq.seq_id):
+            try:
+                copy = self._kv.truncate(seq.seq_id, keep)
+            except OutOfBlocksError:
+                keep -= keep % self._kv.block_size
+                copy = self._kv.truncate(seq.seq_id, keep)
+            if copy is not None:
+                self._copy_head(copy, keep % self._kv.block_size)
+        del seq.tokens[num_tokens:]
+        seq.num_computed = keep
+        seq.num_prompt_tokens = min(seq.num_prompt_tokens, num_tokens)
+        return before - keep
+
+    def _copy_head(self, copy: tuple[int, int], rows: int) -> None:
+        bs = self._kv.block_size
+        self.ops.copy(slots_of([copy[0]], 0, rows, bs), slots_of([copy[1]], 0, rows, bs))
+
+    # ------------------------------------------------------- persistent streams
+    def open(self, tokens: Seq[int], klass: PriorityClass = PriorityClass.STREAM) -> Sequence:
+        """A new stream over ``tokens`` (computed in the background at ``klass``)."""
+        seq = self._new(list(tokens), klass)
+        self._scheduler.add(seq)
+        return seq
+
+    def fork(self, parent: Sequence, num_tokens: int, suffix: Seq[int],
+             klass: PriorityClass = PriorityClass.SESSION, peek: SamplingParams | None = None) -> Sequence:
+        """A stream over ``parent.tokens[:num_tokens] + suffix`` sharing the parent's KV;
+        with ``peek``, its end's next-token logprobs land in ``seq.peeked`` once computed."""
+        seq = self._new(list(parent.tokens[:num_tokens]) + list(suffix), klass)
+        if peek is not None:
+            seq.peek, seq.params = True, peek
+        self.fork_kv(parent, seq, num_tokens)
+        self._scheduler.add_running(seq)
+        return seq
+
+    def close(self, seq: Sequence) -> None:
+        """Forget the stream and release its blocks (forks keep theirs)."""
+        self._scheduler.finish(seq.seq_id, "closed")
+
+    def is_idle(self, seq: Sequence) -> bool:
+        return self._kv.has(seq.seq_id) and seq.num_computed >= len(seq.tokens)
+
+    def evict(self, seq: Sequence, start: int, count: int) -> None:
+        """Remove tokens ``[start, start+count)`` of an idle stream, re-positioning the rest.
+
+        Raises OutOfBlocksError (nothing changed) if forks share the tail and the pool has no
+        room for a fresh copy of it.
+        """
+        if not self.is_idle(seq):
+            raise RuntimeError("evict needs an idle stream (all tokens computed)")
+        n, bs, kv = len(seq.tokens), self._kv.block_size, self._kv
+        if not (0 <= start and count > 0 and start + count <= n):
+            raise ValueError(f"bad eviction range [{start}, {start + count}) of {n} tokens")
+        first = start // bs
+        old_table = list(kv.block_table(seq.seq_id))
+        old, new = kv.rewrite_tail(seq.seq_id, first, n - count)
+        new_table = kv.block_table(seq.seq_id)
+        head = start - first * bs
+        if new[:1] != old[:1] and head:
+            self.ops.copy(slots_of(old_table, first * bs, head, bs), slots_of(new_table, first * bs, head, bs))
+        moved = n - start - count
+        if moved:
+            self.ops.copy(slots_of(old_table, start + count, moved, bs), slots_of(new_table, start, moved, bs),
+                          shift=-count)
+        keep = set(new)
+        kv.release_blocks([b for b in old if b not in keep])
+        del seq.tokens[start:start + count]
+        seq.num_computed = seq.num_prompt_tokens = len(seq.tokens)
+
+    # ----------------------------------------------------------- offload / restore
+    def export(self, seq: Sequence, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [layers, num_tokens, kv_heads, head_dim] of a stream's first tokens, on the host."""
+        if not self._kv.has(seq.seq_id) or seq.num_computed < num_tokens:
+            raise RuntimeError(f"export of {num_tokens} tokens needs them computed ({seq.num_computed} are)")
+        table = self._kv.block_table(seq.seq_id)
+        return self.ops.export(slots_of(table, 0, num_tokens, self._kv.block_size))
+
+    def restore(self, tokens: Seq[int], k: torch.Tensor, v: torch.Tensor,
+                klass: PriorityClass = PriorityClass.STREAM) -> Sequence:
+        """A stream over ``tokens`` whose KV is ``k``/``v`` (from :meth:`export`).
+
+        Raises OutOfBlocksError (nothing changed) when the pool is short.
+        """
+        seq = self._new(list(tokens), klass)
+        blocks = self._kv.adopt(seq.seq_id, len(tokens))
+        try:
+            self.ops.load(slots_of(blocks, 0, len(tokens), self._kv.block_size), k, v)
+        except Exception:
+            self._kv.free(seq.seq_id)
+            raise
+        seq.num_computed = len(tokens)
+        self._scheduler.add_running(seq)
+        return seq
+
+    def _new(self, tokens: list[int], klass: PriorityClass) -> Sequence:
+        if len(tokens) >= self._max_len:
+            raise InvalidRequestError(f"stream of {len(tokens)} tokens exceeds the context ({self._max_len})")
+        return Sequence(seq_id=self.next_id(), tokens=tokens, num_prompt_tokens=len(tokens),
+                        params=_NO_SAMPLING, max_len=self._max_len, klass=klass,
+                        samples=False, pinned=True, cacheable=False)
+

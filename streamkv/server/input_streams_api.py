@@ -1,0 +1,236 @@
+"""/v1/input_streams: requests whose prompt streams in (append / update / finish), over HTTP and WebSocket.
+
+::
+
+    POST /v1/input_streams                {"prompt": "..."} | {"messages": [...]}  -> 201 {"id": "istr_..."}
+    POST /v1/input_streams/{id}/append    {"text": "..."}   -> {"tokens": N, "computed": M}
+    POST /v1/input_streams/{id}/update    {"text": "..."}   -> {"tokens": N, "lcp": K, "invalidated": J}
+    POST /v1/input_streams/{id}/finish    {"stream": false} -> text_completion | chat.completion (or SSE)
+    GET  /v1/input_streams/{id}           -> state;   DELETE -> abort
+    WS   /v1/input_streams/{id}/ws        frames {"type": "append"|"update"|"finish", ...}
+
+Every change runs on the engine thread between two steps; the arrived input is prefilled
+while more is coming (``streamkv.inputs``).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Annotated, Any, AsyncIterator
+
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from streamkv.engine.async_inputs import AsyncInputStream
+from streamkv.engine.outputs import RequestOutput
+from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, QueueFullError, StreamKVError
+from streamkv.server.errors import APIError, error_body
+from streamkv.server.generation import check_model, check_output, finish_reason, make_params
+from streamkv.server.openai_api import (chat_chunks, chat_logprobs, completion_chunks, completion_logprobs,
+                                        sampling_fields, stream_sse, usage)
+from streamkv.server.protocol import ChatMessage, StreamOptions, _Body, _Sampling, message_text
+from streamkv.server.state import ServerState
+
+router = APIRouter(prefix="/v1/input_streams")
+
+
+class OpenInput(_Sampling):
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    max_tokens: StrictInt | None = None
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+
+
+class InputText(_Body):
+    text: StrictStr
+
+
+class FinishInput(_Body):
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+
+
+def _state(request: Request | WebSocket) -> ServerState:
+    return request.app.state.streamkv
+
+
+@router.post("", status_code=201)
+async def open_input(body: OpenInput, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    check_model(body.model, state.model_name)
+    if body.n != 1:
+        raise APIError(400, "input streams generate one choice (n=1)", param="n")
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+    default = 16 if body.prompt is not None else state.limits.max_model_len
+    params = make_params(max_tokens=body.max_tokens or default, logprobs=body.logprobs, **sampling_fields(body))
+    messages = None if body.messages is None else [
+        {"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
+        for m in body.messages]
+    rid = f"istr_{secrets.token_hex(12)}"
+    handle = await state.engine.open_input(rid, body.prompt, messages, params, body.priority)
+    info = await handle.info()
+    return {"id": rid, "object": "input_stream", "kind": "chat" if messages else "completion", **info}
+
+
+@router.get("/{stream_id}")
+async def get_input(stream_id: str, request: Request) -> dict[str, Any]:
+    info = await _state(request).engine.call(lambda e: e.inputs.get(stream_id).info())
+    return {"id": stream_id, "object": "input_stream", **info}
+
+
+@router.delete("/{stream_id}")
+async def delete_input(stream_id: str, request: Request) -> dict[str, Any]:
+    def drop(e: Any) -> None:
+        e.inputs.get(stream_id)  # 404 / 409 first
+        e.abort(stream_id)
+
+    await _state(request).engine.call(drop)
+    return {"id": stream_id, "object": "input_stream", "deleted": True}
+
+
+@router.post("/{stream_id}/append")
+async def append_input(stream_id: str, body: InputText, request: Request) -> dict[str, int]:
+    return await (await _handle(request, stream_id)).append(body.text)
+
+
+@router.post("/{stream_id}/update")
+async def update_input(stream_id: str, body: InputText, request: Request) -> dict[str, int]:
+    return await (await _handle(request, stream_id)).update(body.text)
+
+
+@router.post("/{stream_id}/finish")
+async def finish_input(stream_id: str, request: Request, body: FinishInput | None = None) -> Any:
+    state, body = _state(request), body or FinishInput()
+    handle = await _handle(request, stream_id)
+    info = await handle.finish()
+    chat = info["chat"]
+    head = {"id": stream_id, "created": int(time.time()), "model": state.model_name,
+            "object": "chat.completion" if chat else "text_completion"}
+    if body.stream:
+        return stream_sse(_sse(state, request, head, handle, chat, info,
+                               bool(body.stream_options and body.stream_options.include_usage)))
+    last: RequestOutput | None = None
+    async for out in handle.outputs():
+        last = out
+    if last is None:
+        raise APIError(500, "the engine returned no output")
+    check_output(last)
+    state.observe(last, request)
+    return _final_body(state, head, last, chat, info)
+
+
+async def _handle(request: Request | WebSocket, stream_id: str) -> AsyncInputStream:
+    engine = _state(request).engine
+    handle = engine.input_stream(stream_id)
+    if handle is None:
+        await engine.call(lambda e: e.inputs.get(stream_id))  # closed: 409, unknown: 404
+        raise InputStreamNotFoundError(f"input stream {stream_id!r} was not opened over HTTP")
+    return handle
+
+
+def _extension(out: RequestOutput) -> dict[str, Any]:
+    return {"events": [{"event": name, "t": round(t, 6)} for name, t in out.events],
+            "tokens_invalidated": int(out.metrics.get("tokens_invalidated", 0)),
+            "num_preemptions": int(out.metrics.get("num_preemptions", 0))}
+
+
+def _usage(out: RequestOutput, info: dict[str, int]) -> dict[str, int]:
+    return {**usage(len(out.prompt_token_ids), len(out.token_ids)), "computed_prompt_tokens": info["computed"]}
+
+
+def _final_body(state: ServerState, head: dict[str, Any], out: RequestOutput, chat: bool,
+                info: dict[str, int]) -> dict[str, Any]:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text, "refusal": None},
+                  "logprobs": chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
+                  "finish_reason": finish_reason(out)}
+    else:
+        choice = {"index": 0, "text": out.text, "logprobs": completion_logprobs(out.logprobs, state.tokenizer),
+                  "finish_reason": finish_reason(out)}
+    return {**head, "choices": [choice], "usage": _usage(out, info), "streamkv": _extension(out)}
+
+
+async def _sse(state: ServerState, request: Request, head: dict[str, Any], handle: AsyncInputStream, chat: bool,
+               info: dict[str, int], include_usage: bool) -> AsyncIterator[str]:
+    last: list[RequestOutput] = []
+
+    async def pairs() -> AsyncIterator[tuple[int, RequestOutput]]:
+        async for out in handle.outputs():
+            last[:] = [out]
+            yield 0, out
+
+    if chat:
+        head = {**head, "object": "chat.completion.chunk"}
+        chunks = chat_chunks(state, request, head, pairs(), 1, info["tokens"], include_usage)
+    else:
+        chunks = completion_chunks(state, request, head, pairs(), include_usage, info["tokens"])
+    async for chunk in chunks:
+        yield chunk
+    if last:
+        tail = {**head, "choices": [], "streamkv": _extension(last[0])}
+        if include_usage:
+            tail["usage"] = _usage(last[0], info)
+        yield f"data: {json.dumps(tail)}\n\n"
+
+
+# ----------------------------------------------------------------- websocket
+@router.websocket("/{stream_id}/ws")
+async def input_ws(websocket: WebSocket, stream_id: str) -> None:
+    """Frames in: ``{"type": "append"|"update", "text": ...}``, ``{"type": "finish"}``. Frames out:
+    ``{"type": "ack", ...}`` per change, ``{"type": "error", "error": {...}}`` (the stream is
+    unchanged), and after finish ``{"type": "output", "delta_text": ..., ...}`` until ``finished``."""
+    try:
+        handle = await _handle(websocket, stream_id)
+    except StreamKVError as exc:
+        await websocket.close(code=4000 + _status(exc), reason=str(exc)[:120])
+        return
+    await websocket.accept()
+    try:
+        while True:
+            frame = await _ws_frame(websocket, handle)
+            if frame is None:
+                break
+    except WebSocketDisconnect:
+        handle.abort()  # a client gone before its answer: abort, free the KV
+        return
+    await websocket.close()
+
+
+async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str, Any] | None:
+    """Handle one frame; returns None once the request finished (its outputs were sent)."""
+    raw = await websocket.receive_text()
+    try:
+        frame = json.loads(raw)
+        if not isinstance(frame, dict) or frame.get("type") not in ("append", "update", "finish"):
+            raise APIError(400, "frames must be JSON objects with type 'append', 'update' or 'finish'")
+        kind = frame["type"]
+        if kind == "finish":
+            await handle.finish()
+            async for out in handle.outputs():
+                await websocket.send_json({"type": "output", "delta_text": out.delta_text,
+                                           "finished": out.finished, "finish_reason": finish_reason(out),
+                                           **({"text": out.text, "streamkv": _extension(out)} if out.finished else {})})
+            return None
+        text = InputText.model_validate({"text": frame.get("text")}).text
+        ack = await (handle.append(text) if kind == "append" else handle.update(text))
+        reply = {"type": "ack", "op": kind, **ack}
+    except json.JSONDecodeError:
+        reply = {"type": "error", **error_body(400, "frame is not valid JSON")}
+    except ValidationError:
+        reply = {"type": "error", **error_body(400, "text must be a string")}
+    except APIError as exc:
+        reply = {"type": "error", **error_body(exc.status, exc.message)}
+    except StreamKVError as exc:
+        reply = {"type": "error", **error_body(_status(exc), str(exc))}
+    await websocket.send_json(reply)
+    return reply
+
+
+def _status(exc: StreamKVError) -> int:
+    if isinstance(exc, InputStreamNotFoundError):
+        return 404
+    if isinstance(exc, InputStreamClosedError):
+        return 409
+    return 429 if isinstance(exc, QueueFullError) else 400

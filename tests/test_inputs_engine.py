@@ -1,0 +1,207 @@
+"""Streaming-input requests on a fake runner whose KV lives in slots (tests/fakes.py).
+
+The fake checks every row it reads back through the block table, so a lost copy-on-write, a
+block freed too early or a stale row after an LCP invalidation fails; the greedy output must
+equal a fresh request on the final prompt.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, InvalidRequestError, QueueFullError
+from streamkv.sampling.params import SamplingParams
+from tests.fakes import slot_engine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _fresh(text: str, **kw) -> list[int]:
+    engine, _ = slot_engine(num_blocks=256, **kw)
+    engine.add_request("ref", text, GREEDY)
+    return engine.run_to_completion(["ref"])["ref"].token_ids
+
+
+def _drain(engine, steps: int = 3) -> None:
+    for _ in range(steps):
+        engine.step()
+        engine.check_integrity()
+
+
+def _finish(engine, rid: str):
+    engine.inputs.finish(rid)
+    out = engine.run_to_completion([rid])[rid]
+    engine.check_integrity()
+    return out
+
+
+def test_append_prefills_while_input_arrives_and_matches_fresh_request():
+    engine, runner = slot_engine(budget=8)
+    text = "thequickbrownfoxjumpsoverthelazydog"
+    stream = engine.inputs.open("s", prompt=text[:10], params=GREEDY)
+    _drain(engine, 4)
+    assert stream.seq.num_computed == 9  # all but the held-back last token
+    assert not engine.has_unfinished()  # idle until more input: the loop may sleep
+    engine.inputs.append("s", text[10:])
+    assert engine.has_unfinished()
+    out = _finish(engine, "s")
+    assert out.token_ids == _fresh(text)
+    names = [e for e, _ in out.events]
+    assert names[:3] == ["queued", "scheduled", "kv_resident"] and "input_appended" in names
+    assert names[-1] == "finished" and out.metrics["tokens_invalidated"] == 0
+
+
+def test_update_keeps_the_lcp_and_frees_the_rest():
+    engine, runner = slot_engine(budget=64)
+    stream = engine.inputs.open("s", prompt="abcdefghijklmnopqrst", params=GREEDY)
+    _drain(engine)
+    held = engine.kv.num_blocks_held(stream.seq.seq_id)
+    _, lcp, dropped = engine.inputs.update("s", "abcdefgXYZ")
+    assert (lcp, dropped) == (7, 19 - 7)
+    assert stream.seq.num_computed == 7 and engine.kv.num_blocks_held(stream.seq.seq_id) < held
+    engine.check_integrity()
+    out = _finish(engine, "s")
+    assert out.token_ids == _fresh("abcdefgXYZ")
+    assert out.metrics["tokens_invalidated"] == 12
+
+
+def test_truncate_into_a_prefix_cached_block_copies_it_and_keeps_the_cache_entry():
+    engine, runner = slot_engine(block_size=4)
+    engine.add_request("other", "abcdefghij", GREEDY)
+    engine.run_to_completion(["other"])
+    stream = engine.inputs.open("s", prompt="abcdefghijkl", params=GREEDY)
+    _drain(engine)
+    assert stream.seq.num_cached_tokens == 8  # two blocks from the prefix cache
+    copies = runner.kv_ops.copies
+    engine.inputs.update("s", "abcdeZZZ")  # cut inside the shared, cached second block
+    assert runner.kv_ops.copies == copies + 1
+    engine.check_integrity()
+    assert _finish(engine, "s").token_ids == _fresh("abcdeZZZ")
+    engine.add_request("again", "abcdefghij", GREEDY)  # the cached block still holds "efgh"
+    assert engine.run_to_completion(["again"])["again"].token_ids == _fresh("abcdefghij")
+
+
+def test_errors_leave_the_stream_unchanged():
+    engine, _ = slot_engine(max_model_len=40, max_input_streams=2)
+    engine.inputs.open("s", prompt="abc", params=GREEDY)
+    with pytest.raises(InvalidRequestError, match="context"):
+        engine.inputs.append("s", "x" * 40)
+    assert engine.inputs.get("s").text == "abc"
+    with pytest.raises(InvalidRequestError, match="string"):
+        engine.inputs.append("s", 3)
+    with pytest.raises(InputStreamNotFoundError):
+        engine.inputs.append("nope", "x")
+    engine.inputs.open("t", prompt="", params=GREEDY)
+    with pytest.raises(QueueFullError):
+        engine.inputs.open("u", prompt="x", params=GREEDY)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.inputs.finish("t")
+    engine.inputs.append("t", "hello")
+    out = _finish(engine, "s")
+    assert out.token_ids == _fresh("abc")
+    with pytest.raises(InputStreamClosedError):
+        engine.inputs.append("s", "more")
+    with pytest.raises(InvalidRequestError, match="one of"):
+        engine.inputs.open("v", params=GREEDY)
+    assert _finish(engine, "t").token_ids == _fresh("hello")
+
+
+def test_ttl_expiry_aborts_and_frees():
+    engine, _ = slot_engine(input_stream_ttl_s=5.0)
+    s = engine.inputs.open("s", prompt="abcdefgh", params=GREEDY)
+    _drain(engine)
+    assert engine.kv.has(s.seq.seq_id)
+    assert engine.inputs.maintain(now=s.last_activity + 1.0) == []
+    assert engine.inputs.maintain(now=s.last_activity + 6.0) == ["s"]
+    outs = engine.step()
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
+    with pytest.raises(InputStreamClosedError, match="expired"):
+        engine.inputs.append("s", "x")
+
+
+def test_complete_inputs_rank_above_partial_ones():
+    engine, runner = slot_engine(budget=4, chunk=4)
+    engine.inputs.open("partial", prompt="abcdefghijklmnop", params=GREEDY)
+    engine.add_request("full", "qrstuvwxyzabcdef", GREEDY)
+    engine.step()
+    assert [s.seq_id for s in runner.plans[-1].seqs] == [1]  # the complete request first
+    engine, runner = slot_engine(budget=4, chunk=4, queue_policy="fifo")
+    engine.inputs.open("partial", prompt="abcdefghijklmnop", params=GREEDY)
+    engine.add_request("full", "qrstuvwxyzabcdef", GREEDY)
+    engine.step()
+    assert [s.seq_id for s in runner.plans[-1].seqs] == [0]  # fifo: one tier, arrival order
+
+
+def test_lcas_serves_the_latest_chunk_and_aging_bounds_the_wait():
+    from streamkv.sched.policies import make_queue_policy
+
+    engine, runner = slot_engine(budget=4, chunk=4, queue_policy="lcas")
+    a = engine.inputs.open("a", prompt="abcdefghijklmnop", params=GREEDY)
+    b = engine.inputs.open("b", prompt="qrstuvwxyzabcdef", params=GREEDY)
+    engine.inputs.append("a", "q")  # a's chunk is the newest
+    engine.step()
+    assert [s.seq_id for s in runner.plans[-1].seqs] == [a.seq.seq_id]
+    now = b.seq.last_served + 10.0
+    lcas = make_queue_policy("lcas")
+    assert lcas.rank([b.seq, a.seq], now)[0] is a.seq  # b starves without aging
+    aged = make_queue_policy("lcas", max_wait_s=5.0)
+    a.seq.last_served = now
+    assert aged.rank([a.seq, b.seq], now)[0] is b.seq  # waited > 5 s: top of its tier
+    with pytest.raises(ValueError, match="max_wait_s"):
+        make_queue_policy("lcas", max_wait_s=0)
+    with pytest.raises(ValueError, match="unknown queue policy"):
+        make_queue_policy("nope")
+
+
+@st.composite
+def _scripts(draw):
+    ops = []
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["append", "update", "step", "step", "other"]))
+        text = "".join(draw(st.lists(st.sampled_from(LETTERS[:6]), min_size=0, max_size=14)))
+        ops.append((kind, text))
+    return ops
+
+
+@settings(max_examples=60, deadline=None)
+@given(script=_scripts(), seed=st.integers(0, 10_000), policy=st.sampled_from(["fifo", "fcfs", "mcps", "lcas"]))
+def test_random_changes_preemption_and_pressure_keep_output_and_pool_invariants(script, seed, policy):
+    """Any mix of appends, updates, steps and competing requests (forcing preemption in a
+    small pool) ends with the fresh request's output and a clean pool."""
+    rng = random.Random(seed)
+    engine, _ = slot_engine(num_blocks=14, block_size=4, budget=rng.choice([3, 8, 64]), queue_policy=policy)
+    text, done = "ab", {}
+    engine.inputs.open("s", prompt=text, params=GREEDY)
+    others = 0
+    for kind, piece in script:
+        if kind == "append":
+            if len(text + piece) >= 56:  # the pool's 14 x 4 rows: refused, the stream unchanged
+                with pytest.raises(InvalidRequestError, match="KV cache holds only"):
+                    engine.inputs.append("s", piece)
+                continue
+            text += piece
+            engine.inputs.append("s", piece)
+        elif kind == "update":
+            text = (text[:rng.randrange(len(text) + 1)] + piece)[:55]
+            engine.inputs.update("s", text)
+        elif kind == "other":
+            engine.add_request(f"o{others}", "".join(rng.choice(LETTERS) for _ in range(rng.randrange(4, 20))),
+                               GREEDY)
+            others += 1
+        else:
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        engine.check_integrity()
+    if not text:
+        text = "z"
+        engine.inputs.append("s", text)
+    engine.inputs.finish("s")
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert set(done) == {"s", *(f"o{i}" for i in range(others))}
+    assert done["s"].token_ids == _fresh(text)
+    engine.check_integrity()
+    assert engine.pool.num_used == 0 and engine.inputs.get_state("s") == "finished"
