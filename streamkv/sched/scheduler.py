@@ -37,6 +37,7 @@ class Scheduler:
         self.policy = policy or make_queue_policy(config.queue_policy, config.max_wait_s)
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self.preemptions_by_kind: dict[str, int] = {"recompute": 0, "swap": 0}
         self._released: list[int] = []
 
     # ------------------------------------------------------------- bookkeeping
@@ -175,6 +176,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_kind["recompute"] += 1
         seq.event("preempted_recompute")
 
     def _to_plan(self, prop: _Proposal) -> ScheduledSeq:

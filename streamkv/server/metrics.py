@@ -58,7 +58,7 @@ class _EngineCounters:
         self.engine = engine
 
     def collect(self) -> Any:
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         e = self.engine
         yield CounterMetricFamily("streamkv_engine_busy_seconds", "wall time the engine spent in model steps",
@@ -66,5 +66,25 @@ class _EngineCounters:
         yield CounterMetricFamily("streamkv_engine_steps", "model steps the engine ran", value=e.stats.steps)
         yield CounterMetricFamily("streamkv_response_cache_hits", "stateless requests answered from the "
                                   "response cache", value=e.responses.hits)
+        inputs = e.inputs.stats
+        for name, value, doc in (("opened", inputs.opened, "streaming-input requests opened"),
+                                 ("finished", inputs.finished, "streaming-input requests whose input finished"),
+                                 ("expired", inputs.expired, "streaming-input requests aborted by the TTL")):
+            yield CounterMetricFamily(f"streamkv_input_streams_{name}", doc, value=value)
+        yield CounterMetricFamily("streamkv_input_appends", "appends to streaming inputs", value=inputs.appends)
+        yield CounterMetricFamily("streamkv_input_updates", "updates of streaming inputs", value=inputs.updates)
+        yield CounterMetricFamily("streamkv_tokens_invalidated", "computed prompt rows dropped by input "
+                                  "changes (LCP invalidation)", value=inputs.tokens_invalidated)
+        kinds = CounterMetricFamily("streamkv_preemptions_by_kind", "preempted sequences by kind",
+                                    labels=["kind"])
+        for kind, n in e.scheduler.preemptions_by_kind.items():
+            kinds.add_metric([kind], n)
+        yield kinds
+        yield GaugeMetricFamily("streamkv_input_streams_open", "streaming inputs still receiving input",
+                                value=e.inputs.num_open)
+        policy = GaugeMetricFamily("streamkv_queue_policy", "the scheduler's queue policy (value 1)",
+                                   labels=["policy", "max_wait_s"])
+        policy.add_metric([e.scheduler.policy.name, str(e.scheduler.policy.max_wait_s)], 1)
+        yield policy
         yield CounterMetricFamily("streamkv_flash_hits", "session queries answered from the flash cache",
                                   value=e.sessions.flash.hits.value)

@@ -1,0 +1,92 @@
+"""Streaming input on the embedded model: after any appends, updates (LCP invalidation),
+chunking, prefix hits and preemption, the output equals a fresh request on the final prompt
+bit for bit (tokens and logprobs), in the default dtype and in float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamkv import LLM, SamplingParams
+from streamkv.engine.dtype import resolve_dtype
+
+PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+DOC = ("Page one: the river Loire flows through Orleans, Tours and Nantes. "
+       "Page two: the chateau of Chambord was built for Francis I. "
+       "Page three: the Loire valley is known for its white wines. ")
+QUESTION = "Question: which king was Chambord built for?"
+DEFAULT = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
+@pytest.fixture(scope="module", params=sorted({DEFAULT, "float32"}))
+def llm(request) -> LLM:
+    # 64-token steps: the input is prefilled in chunks while it arrives; a 640-token pool
+    return LLM(dtype=request.param, max_num_batched_tokens=64, num_blocks=40)
+
+
+def _result(out) -> tuple:
+    return out.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+
+
+def _fresh(llm: LLM, prompt) -> tuple:
+    llm.engine.pool.reset_prefix_cache()
+    return _result(llm.generate(prompt, PARAMS)[0])
+
+
+def test_appends_in_pieces_equal_the_fresh_request(llm):
+    text = DOC + QUESTION
+    h = llm.open_input(text[:37], PARAMS)
+    h.advance()
+    for a, b in ((37, 90), (90, 151), (151, len(text))):  # cuts inside words: the tail re-tokenizes
+        h.append(text[a:b])
+        h.advance()
+    out = h.result()
+    assert out.metrics["tokens_invalidated"] >= 1
+    assert _result(out) == _fresh(llm, text)
+    llm.engine.check_integrity()
+
+
+def test_updates_keep_the_lcp_and_equal_the_fresh_request(llm):
+    docs = ["Doc A: tides follow the moon. ", "Doc B: owls hunt at night. ", "Doc C: bees make honey. "]
+    h = llm.open_input("Context:\n" + "".join(docs), PARAMS)
+    h.advance()
+    r = h.update("Context:\n" + docs[0] + docs[2] + "Doc D: salmon swim upstream. ")
+    assert 0 < r["lcp"] < r["tokens"] and r["invalidated"] > 0
+    h.advance()
+    final = "Context:\n" + docs[0] + docs[2] + "Doc E: ravens are clever. " + QUESTION
+    h.update(final)
+    assert _result(h.result()) == _fresh(llm, final)
+
+
+def test_chat_input_equals_llm_chat(llm):
+    msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": DOC + QUESTION}]
+    h = llm.open_input([msgs[0], {"role": "user", "content": DOC[:60]}], PARAMS)
+    h.advance()
+    h.append(DOC[60:] + QUESTION)
+    out = h.result()
+    llm.engine.pool.reset_prefix_cache()
+    assert _result(out) == _result(llm.chat(msgs, PARAMS)[0])
+
+
+def test_preempted_while_streaming_and_batched_with_others(llm):
+    """A small pool: a competing long request preempts the partial input (recompute), which
+    then resumes; chunked, batched and with prefix hits, the output is the fresh one's."""
+    engine = llm.engine
+    text = DOC + QUESTION
+    h = llm.open_input(text[:120], PARAMS)
+    h.advance()
+    before = engine.scheduler.num_preemptions
+    # three 250-token requests overfill the 640-token pool: the partial input (lower tier) is
+    # preempted while they grow
+    filler = [" ".join(f"w{i}x{j}" for j in range(62)) for i in range(3)]
+    ids = [f"fill{i}" for i in range(len(filler))]
+    for rid, prompt in zip(ids, filler):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
+    h.append(text[120:])
+    done = {}
+    while len(done) < len(ids):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    out = h.result()
+    assert engine.scheduler.num_preemptions > before
+    assert out.metrics["num_preemptions"] >= 1
+    assert _result(out) == _fresh(llm, text)
+    engine.check_integrity()

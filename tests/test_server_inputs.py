@@ -1,0 +1,123 @@
+"""/v1/input_streams over a live server: open, append, update, finish (JSON, SSE, WebSocket),
+the errors (404, 409, 400, 429), TTL expiry and the Prometheus counters."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess, metric
+
+TEXT = ("Page one: the river Loire flows through Orleans and Tours. Page two: Chambord was built for "
+        "Francis I. Question: who was Chambord built for?")
+T0 = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--dtype", "float32", "--max-input-streams", "3", "--input-stream-ttl-s", "3",
+                        "--max-model-len", "512", "--queue-policy", "lcas", "--max-wait-s", "2")
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def _open(http, **body) -> str:
+    r = http.post("/v1/input_streams", json={**T0, **body})
+    assert r.status_code == 201, r.text
+    assert r.json()["id"].startswith("istr_")
+    return r.json()["id"]
+
+
+def test_append_update_finish_equals_plain_completion(http, server):
+    ref = http.post("/v1/completions", json={"prompt": TEXT, **T0}).json()["choices"][0]["text"]
+    sid = _open(http, prompt=TEXT[:30])
+    r = http.post(f"/v1/input_streams/{sid}/append", json={"text": TEXT[30:100] + " junk tail"})
+    assert r.status_code == 200 and set(r.json()) >= {"tokens", "computed"}
+    r = http.post(f"/v1/input_streams/{sid}/update", json={"text": TEXT[:100]})
+    body = r.json()
+    assert r.status_code == 200 and body["lcp"] <= body["tokens"] and body["invalidated"] >= 0
+    http.post(f"/v1/input_streams/{sid}/append", json={"text": TEXT[100:]})
+    time.sleep(0.3)  # let the engine prefill what arrived
+    done = http.post(f"/v1/input_streams/{sid}/finish", json={"stream": False}).json()
+    assert done["object"] == "text_completion" and done["choices"][0]["text"] == ref
+    assert done["usage"]["computed_prompt_tokens"] > 0
+    assert done["usage"]["computed_prompt_tokens"] < done["usage"]["prompt_tokens"]
+    events = [e["event"] for e in done["streamkv"]["events"]]
+    assert events[0] == "queued" and "input_appended" in events and "input_updated" in events
+    assert events[-1] == "finished"
+    r = http.post(f"/v1/input_streams/{sid}/append", json={"text": "more"})
+    assert r.status_code == 409 and r.json()["error"]["type"] == "conflict_error"
+    assert metric(server.url, "streamkv_input_appends_total") >= 2
+
+
+def test_chat_stream_finish_over_sse_equals_chat_completion(http):
+    msgs = [{"role": "user", "content": TEXT}]
+    ref = http.post("/v1/chat/completions", json={"messages": msgs, **T0}).json()
+    sid = _open(http, messages=[{"role": "user", "content": TEXT[:50]}])
+    http.post(f"/v1/input_streams/{sid}/append", json={"text": TEXT[50:]})
+    with http.stream("POST", f"/v1/input_streams/{sid}/finish", json={"stream": True}) as resp:
+        assert resp.status_code == 200
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == ref["choices"][0]["message"]["content"]
+    assert chunks[-1]["streamkv"]["events"][-1]["event"] == "finished"
+
+
+def test_websocket_frames(server, http):
+    from websockets.sync.client import connect
+
+    sid = _open(http, prompt="Once upon a time")
+    with connect(server.url.replace("http", "ws") + f"/v1/input_streams/{sid}/ws") as ws:
+        ws.send(json.dumps({"type": "append", "text": " there was a"}))
+        assert json.loads(ws.recv())["type"] == "ack"
+        ws.send("not json")
+        assert json.loads(ws.recv())["error"]["code"] is None
+        ws.send(json.dumps({"type": "update", "text": "Once upon a time there lived a"}))
+        ack = json.loads(ws.recv())
+        assert ack["op"] == "update" and "lcp" in ack
+        ws.send(json.dumps({"type": "finish"}))
+        frames = []
+        while not frames or not frames[-1]["finished"]:
+            frames.append(json.loads(ws.recv()))
+    ref = http.post("/v1/completions", json={"prompt": "Once upon a time there lived a", **T0}).json()
+    assert frames[-1]["text"] == ref["choices"][0]["text"]
+
+
+def test_errors_and_limits(http):
+    assert http.post("/v1/input_streams/istr_nope/append", json={"text": "x"}).status_code == 404
+    assert http.post("/v1/input_streams", json={"prompt": "a", "messages": []}).status_code == 400
+    assert http.post("/v1/input_streams", json={"prompt": "a", "n": 2}).status_code == 400
+    assert http.post("/v1/input_streams", json={"messages": [{"role": "assistant", "content": "x"}]}).status_code == 400
+    sid = _open(http, prompt="hello")
+    r = http.post(f"/v1/input_streams/{sid}/append", json={"text": " word" * 600})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    assert http.get(f"/v1/input_streams/{sid}").json()["tokens"] < 10  # earlier input kept
+    assert http.post(f"/v1/input_streams/{sid}/append", json={"text": 5}).status_code == 400
+    others = [_open(http, prompt="x") for _ in range(2)]
+    r = http.post("/v1/input_streams", json={"prompt": "one too many"})
+    assert r.status_code == 429 and r.headers.get("retry-after")
+    for rid in [sid, *others]:
+        assert http.delete(f"/v1/input_streams/{rid}").status_code == 200
+    assert http.post(f"/v1/input_streams/{sid}/append", json={"text": "x"}).status_code == 409
+
+
+def test_abandoned_streams_expire(http, server):
+    sid = _open(http, prompt="left alone")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = http.get(f"/v1/input_streams/{sid}")
+        if r.status_code != 200:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 409 and "expired" in r.json()["error"]["message"]
+    assert metric(server.url, "streamkv_input_streams_expired_total") >= 1
