@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--retune", action="store_true", help="measure the kernel candidates again")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
     add_engine_flags(info)
+    prof = sub.add_parser("profile", help="measure the preemption cost profile (prefill time by tokens, swap "
+                                          "time by blocks) and cache it for --preemption cost")
+    prof.add_argument("--json", action="store_true", help="print JSON instead of text")
+    add_engine_flags(prof)
     from streamkv.server.config import ServerConfig
 
     serve = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible HTTP API")
@@ -98,6 +102,30 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    import json
+
+    from streamkv.engine.engine import Engine
+    from streamkv.engine.profile import load_or_measure, profile_path
+    from streamkv.native.cpu import cpu_model
+
+    options = engine_options(args)
+    options.setdefault("swap_space", 64 << 20)  # room to time 64-block swaps
+    options["preemption"] = "recompute"  # measure below, not at start
+    engine = Engine(EngineConfig.from_flat(**options))
+    profile = load_or_measure(engine, remeasure=True, quick=False)
+    report = {"cpu": cpu_model(), "path": str(profile_path(engine)), **profile.to_dict()}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"cpu: {report['cpu']}\nprofile: {report['path']}")
+    for n, t in profile.prefill:
+        print(f"  prefill {n:>5} tokens  {t * 1e3:9.2f} ms  ({n / t:,.0f} tok/s)")
+    for (n, t_out), (_, t_in) in zip(profile.swap_out, profile.swap_in):
+        print(f"  swap    {n:>5} blocks  out {t_out * 1e3:7.3f} ms  in {t_in * 1e3:7.3f} ms")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from streamkv.server.config import ServerConfig
     from streamkv.server.run import serve
@@ -111,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "serve": cmd_serve, "info": cmd_info}[args.command](args)
+        commands = {"generate": cmd_generate, "serve": cmd_serve, "info": cmd_info, "profile": cmd_profile}
+        return commands[args.command](args)
     except (StreamKVError, ValueError) as exc:
         print(f"streamkv: error: {exc}", file=sys.stderr)
         return 2

@@ -40,6 +40,9 @@ class CacheConfig:
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto | float32 | bfloat16; auto = the model dtype (a float32 cache for a bfloat16 model "
                 "measured no faster on CPU and holds half the tokens)"})
+    swap_space: int = field(default=0, metadata={
+        "help": "bytes of host memory a preempted sequence's KV can be swapped to instead of being "
+                "recomputed (see --preemption); 0 = off"})
     response_cache_entries: int = field(default=0, metadata={
         "help": "LRU cache of full responses to deterministic stateless requests (temperature 0 or a "
                 "seed), keyed by prompt ids and sampling parameters; 0 = off"})
@@ -51,6 +54,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         if self.response_cache_entries < 0:
             raise ValueError(f"response_cache_entries must be >= 0, got {self.response_cache_entries}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -67,6 +72,10 @@ class SchedulerConfig:
         "help": "fifo | fcfs | mcps | lcas: order within a priority class; all but fifo rank requests whose "
                 "input is complete above streaming-input requests still receiving it (two tiers); fcfs = "
                 "arrival, mcps = most computed tokens first, lcas = most recent input chunk first"})
+    preemption: str = field(default="cost", metadata={
+        "help": "recompute | swap | cost: a preempted sequence drops its KV (recompute), moves it to the "
+                "host swap space (swap, needs --swap-space), or whichever the measured cost profile says is "
+                "cheaper (cost; `streamkv profile`)"})
     max_wait_s: float | None = field(default=None, metadata={
         "help": "aging bound: a sequence with work that has not run for this long rises to the top of its "
                 "tier (removes LCAS starvation); default off"})
@@ -74,7 +83,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         from streamkv.sched.policies import make_queue_policy
 
+        from streamkv.sched.preemption import make_preemption
+
         make_queue_policy(self.queue_policy, self.max_wait_s)  # ValueError naming the problem
+        make_preemption(self.preemption)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -87,6 +87,24 @@ class FakeKVOps:
         self.copies = 0
         self.cache = SimpleNamespace(nbytes=num_blocks * block_size * 64, num_blocks=num_blocks,
                                      block_size=block_size)  # 64 "bytes" per token
+        self.bytes_per_block = 64 * block_size
+        self.host: dict[int, tuple[int, int]] | None = None
+        self.swap_bytes = 0
+
+    def attach_host(self, num_blocks: int) -> None:
+        self.host = {}
+
+    def swap(self, out, into) -> None:
+        bs = self.cache.block_size
+        for src_map, dst_map, pairs in ((self.slots, self.host, out), (self.host, self.slots, into)):
+            for src, dst in pairs:
+                for i in range(bs):
+                    entry = src_map.pop(src * bs + i, None)
+                    if entry is None:
+                        dst_map.pop(dst * bs + i, None)
+                    else:
+                        dst_map[dst * bs + i] = entry
+            self.swap_bytes += len(pairs) * self.bytes_per_block
 
     def copy(self, src, dst, shift: int = 0) -> None:
         moved = [self.slots.get(int(s)) for s in src.tolist()]
@@ -119,6 +137,7 @@ class SlotFakeRunner(FakeRunner):
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        self.kv_ops.swap(plan.swap_out, plan.swap_in)
         for item in plan.seqs:
             end = item.start + item.num_tokens
             for p in range(item.start):
@@ -131,12 +150,16 @@ class SlotFakeRunner(FakeRunner):
 
 def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_model_len: int = 512,
                 chunk: int | None = None, queue_policy: str = "fcfs", max_wait_s: float | None = None,
+                swap_blocks: int = 0, preemption: str = "recompute",
                 **inputs: object) -> tuple[Engine, SlotFakeRunner]:
+    """An engine on a :class:`SlotFakeRunner` (swap space in blocks: ``swap_blocks``)."""
     from streamkv.config import InputStreamConfig
 
-    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                            swap_space=swap_blocks * 64 * block_size),
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=chunk,
-                                                    queue_policy=queue_policy, max_wait_s=max_wait_s),
+                                                    queue_policy=queue_policy, max_wait_s=max_wait_s,
+                                                    preemption=preemption),
                           inputs=InputStreamConfig(**inputs))  # type: ignore[arg-type]
     runner = SlotFakeRunner(block_size, num_blocks)
     bundle = ModelBundle(runner, FakeTokenizer(), max_model_len, VOCAB, num_blocks)

@@ -161,19 +161,23 @@ def test_lcas_serves_the_latest_chunk_and_aging_bounds_the_wait():
 def _scripts(draw):
     ops = []
     for _ in range(draw(st.integers(1, 12))):
-        kind = draw(st.sampled_from(["append", "update", "step", "step", "other"]))
+        kind = draw(st.sampled_from(["append", "update", "step", "step", "other", "other"]))
         text = "".join(draw(st.lists(st.sampled_from(LETTERS[:6]), min_size=0, max_size=14)))
         ops.append((kind, text))
     return ops
 
 
-@settings(max_examples=60, deadline=None)
-@given(script=_scripts(), seed=st.integers(0, 10_000), policy=st.sampled_from(["fifo", "fcfs", "mcps", "lcas"]))
-def test_random_changes_preemption_and_pressure_keep_output_and_pool_invariants(script, seed, policy):
-    """Any mix of appends, updates, steps and competing requests (forcing preemption in a
-    small pool) ends with the fresh request's output and a clean pool."""
+@settings(max_examples=150, deadline=None)
+@given(script=_scripts(), seed=st.integers(0, 10_000), policy=st.sampled_from(["fifo", "fcfs", "mcps", "lcas"]),
+       preemption=st.sampled_from(["recompute", "swap"]), swap_blocks=st.integers(0, 24))
+def test_random_changes_preemption_and_pressure_keep_output_and_pool_invariants(script, seed, policy, preemption,
+                                                                                 swap_blocks):
+    """Any mix of appends, updates, steps and competing requests (forcing preemption, by
+    recompute or swap, in a small pool) ends with the fresh request's output and clean
+    device and host pools."""
     rng = random.Random(seed)
-    engine, _ = slot_engine(num_blocks=14, block_size=4, budget=rng.choice([3, 8, 64]), queue_policy=policy)
+    engine, _ = slot_engine(num_blocks=14, block_size=4, budget=rng.choice([3, 8, 64]), queue_policy=policy,
+                            preemption=preemption, swap_blocks=swap_blocks)
     text, done = "ab", {}
     engine.inputs.open("s", prompt=text, params=GREEDY)
     others = 0
@@ -189,7 +193,7 @@ def test_random_changes_preemption_and_pressure_keep_output_and_pool_invariants(
             text = (text[:rng.randrange(len(text) + 1)] + piece)[:55]
             engine.inputs.update("s", text)
         elif kind == "other":
-            engine.add_request(f"o{others}", "".join(rng.choice(LETTERS) for _ in range(rng.randrange(4, 20))),
+            engine.add_request(f"o{others}", "".join(rng.choice(LETTERS) for _ in range(rng.randrange(12, 30))),
                                GREEDY)
             others += 1
         else:
@@ -205,3 +209,42 @@ def test_random_changes_preemption_and_pressure_keep_output_and_pool_invariants(
     assert done["s"].token_ids == _fresh(text)
     engine.check_integrity()
     assert engine.pool.num_used == 0 and engine.inputs.get_state("s") == "finished"
+    assert engine.kv.host.num_used == 0
+
+
+def test_swapped_input_updated_while_out_resumes_from_the_lcp():
+    """Preempted by swap, then updated while on the host: host blocks past the LCP go back,
+    the rest swaps in and only the new tail is computed."""
+    engine, runner = slot_engine(num_blocks=10, block_size=4, budget=64, preemption="swap", swap_blocks=8)
+    s = engine.inputs.open("s", prompt="abcdefghijklmnopqrstuv", params=GREEDY)  # 22 tokens, 6 blocks
+    _drain(engine, 2)
+    engine.add_request("big", "zyxwvutsrqponmlkjihgfedcbazyxwvu", GREEDY)  # 32 + 8 tokens: s must go
+    engine.step()
+    engine.check_integrity()
+    assert s.seq.swapped and engine.kv.host.num_used == 6
+    assert engine.scheduler.preemptions_by_kind == {"recompute": 0, "swap": 1}
+    _, lcp, dropped = engine.inputs.update("s", "abcdefghijXY")
+    assert (lcp, dropped) == (10, 11) and engine.kv.host.num_used == 3
+    engine.check_integrity()
+    done = engine.run_to_completion(["big"])
+    out = _finish(engine, "s")
+    assert out.token_ids == _fresh("abcdefghijXY") and done["big"].token_ids == _fresh("zyxwvutsrqponmlkjihgfedcbazyxwvu")
+    names = [e for e, _ in out.events]
+    assert names.index("preempted_swap") < names.index("input_updated") < names.index("swapped_in")
+    assert engine.kv.host.num_used == 0 and engine.pool.num_used == 0
+    assert runner.kv_ops.swap_bytes == (6 + 3) * 64 * 4
+
+
+def test_cost_policy_follows_the_profile():
+    from streamkv.sched.preemption import CostProfile, make_preemption
+
+    cheap_swap = CostProfile(((16, 0.01), (1024, 0.6)), ((1, 1e-5), (64, 6e-4)), ((1, 1e-5), (64, 6e-4)))
+    dear_swap = CostProfile(((16, 1e-4), (1024, 6e-3)), ((1, 0.01), (64, 0.6)), ((1, 0.01), (64, 0.6)))
+    assert make_preemption("cost", cheap_swap).swap(num_computed=256, blocks=16)
+    assert not make_preemption("cost", dear_swap).swap(num_computed=256, blocks=16)
+    assert not make_preemption("cost").swap(256, 16)  # no profile: recompute
+    assert cheap_swap.prefill_s(2048) > cheap_swap.prefill_s(1024)  # extends past the last point
+    with pytest.raises(ValueError, match="ascending"):
+        CostProfile(((16, 0.1),), ((1, 0.1), (2, 0.2)), ((1, 0.1), (2, 0.2)))
+    with pytest.raises(ValueError, match="unknown preemption"):
+        make_preemption("nope")

@@ -67,10 +67,19 @@ def test_chat_input_equals_llm_chat(llm):
     assert _result(out) == _result(llm.chat(msgs, PARAMS)[0])
 
 
-def test_preempted_while_streaming_and_batched_with_others(llm):
-    """A small pool: a competing long request preempts the partial input (recompute), which
-    then resumes; chunked, batched and with prefix hits, the output is the fresh one's."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_while_streaming_and_batched_with_others(llm, mode):
+    """A small pool: competing long requests preempt the partial input (recompute, or swap to
+    host blocks and back), which then resumes; the output is the fresh one's, bit for bit."""
+    from streamkv.kv.host_pool import HostPool
+    from streamkv.sched.preemption import make_preemption
+
     engine = llm.engine
+    if mode == "swap" and not engine.kv.host.num_blocks:
+        engine.kv_ops.attach_host(32)
+        engine.kv.host = HostPool(32)
+    engine.scheduler.preemption = make_preemption(mode)
+    kinds = dict(engine.scheduler.preemptions_by_kind)
     text = DOC + QUESTION
     h = llm.open_input(text[:120], PARAMS)
     h.advance()
@@ -87,6 +96,24 @@ def test_preempted_while_streaming_and_batched_with_others(llm):
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     out = h.result()
     assert engine.scheduler.num_preemptions > before
+    assert engine.scheduler.preemptions_by_kind[mode] > kinds[mode]
     assert out.metrics["num_preemptions"] >= 1
+    assert engine.kv.host.num_used == 0
     assert _result(out) == _fresh(llm, text)
     engine.check_integrity()
+
+
+def test_cost_profile_is_measured_cached_and_used(llm, tmp_path, monkeypatch):
+    from streamkv.engine import profile
+    from streamkv.kv.host_pool import HostPool
+
+    engine = llm.engine
+    if not engine.kv.host.num_blocks:
+        engine.kv_ops.attach_host(32)
+        engine.kv.host = HostPool(32)
+    monkeypatch.setattr(profile, "profile_path", lambda e: tmp_path / "profile.json")
+    measured = profile.load_or_measure(engine)
+    assert (tmp_path / "profile.json").exists() and engine.pool.num_used == 0
+    assert all(t > 0 for _, t in measured.prefill + measured.swap_out + measured.swap_in)
+    assert profile.load_or_measure(engine).to_dict()["prefill"] == measured.to_dict()["prefill"]  # cached
+    assert engine.kv_ops.swap_bytes == 0

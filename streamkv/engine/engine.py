@@ -20,12 +20,14 @@ from streamkv.engine.response_cache import ResponseCache
 from streamkv.errors import InvalidRequestError
 from streamkv.inputs.manager import InputStreams
 from streamkv.kv.block_pool import BlockPool
+from streamkv.kv.host_pool import HostPool
 from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadPolicy
 from streamkv.ops.seq_ops import SeqOps
 from streamkv.sampling.detokenizer import IncrementalDetokenizer
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.plan import StepOutput, StepPlan, TokenLogprobs
+from streamkv.sched.preemption import PreemptionPolicy, make_preemption
 from streamkv.sched.scheduler import Scheduler
 from streamkv.sched.sequence import PriorityClass, Sequence
 from streamkv.sessions.manager import SessionManager
@@ -68,9 +70,9 @@ class Engine:
         self.max_model_len = self.bundle.max_model_len
         cc = self.config.cache
         self.pool = BlockPool(self.bundle.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.kv = KVManager(self.pool)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.kv_ops = getattr(self.bundle.runner, "kv_ops", None)
+        self.kv = KVManager(self.pool, HostPool(self._host_blocks()))
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.seq_ops = SeqOps(self.scheduler, self.kv, self.kv_ops, self.max_model_len, itertools.count())
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
@@ -79,6 +81,23 @@ class Engine:
         self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
         self.inputs = InputStreams(self)
+        self.scheduler.preemption = self._preemption()
+
+    def _host_blocks(self) -> int:
+        """Swap space in blocks (0 without ``swap_space`` or a runner that can swap)."""
+        per_block = getattr(self.kv_ops, "bytes_per_block", 0)
+        n = self.config.cache.swap_space // per_block if per_block else 0
+        if n:
+            self.kv_ops.attach_host(n)  # type: ignore[union-attr]
+        return n
+
+    def _preemption(self) -> PreemptionPolicy:
+        name = self.config.scheduler.preemption
+        if name != "cost" or not self.kv.host.num_blocks:
+            return make_preemption(name)
+        from streamkv.engine.profile import load_or_measure
+
+        return make_preemption(name, load_or_measure(self))
 
     # ----------------------------------------------------------------- intake
     def tokenize_prompt(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from streamkv.kv.block_pool import BlockPool
+from streamkv.kv.host_pool import HostPool
 from streamkv.kv.prefix import ROOT_HASH, hash_block_tokens
 
 
@@ -24,6 +25,7 @@ class SeqKV:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     cache_key: int = 0
+    host_ids: list[int] = field(default_factory=list)  # swapped out: the KV waits in these host blocks
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,9 @@ class PrefixHit:
 class KVManager:
     """Owns every sequence's block table; all ownership changes go through here."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, host: HostPool | None = None) -> None:
         self.pool = pool
+        self.host = host or HostPool(0)
         self.block_size = pool.block_size
         self._seqs: dict[int, SeqKV] = {}
 
@@ -205,14 +208,60 @@ class KVManager:
         return blocks
 
     def free(self, seq_id: int) -> None:
-        """Release every block of ``seq_id`` (tail first) and forget it."""
+        """Release every block of ``seq_id`` (tail first, host blocks too) and forget it."""
         kv = self._seqs.pop(seq_id, None)
         if kv is not None:
             self.pool.release(reversed(kv.block_ids))
+            self.host.release(kv.host_ids)
+
+    # ------------------------------------------------------------------- swap
+    def is_swapped(self, seq_id: int) -> bool:
+        kv = self._seqs.get(seq_id)
+        return kv is not None and bool(kv.host_ids)
+
+    def can_swap_out(self, num_tokens: int) -> bool:
+        return 0 < self.blocks_for(num_tokens) <= self.host.num_free
+
+    def swap_out(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Move the KV of ``seq_id``'s first ``num_tokens`` rows to host blocks and release
+        its device blocks (shared ones keep their other holders and cache entries).
+
+        Returns ``(device block, host block)`` copies the runner makes before this step's
+        forward pass (the released device blocks may be rewritten by it)."""
+        kv = self._seqs[seq_id]
+        n = self.blocks_for(num_tokens)
+        kv.host_ids = self.host.allocate(n)
+        pairs = list(zip(kv.block_ids[:n], kv.host_ids))
+        self.pool.release(reversed(kv.block_ids))
+        kv.block_ids, kv.hashes = [], []
+        self.host.swapped_out_blocks += n
+        return pairs
+
+    def swap_in(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped sequence back with room for ``num_tokens`` rows; None (nothing
+        changed) when the device pool is short. Returns ``(host block, device block)`` copies."""
+        kv = self._seqs[seq_id]
+        need = max(self.blocks_for(num_tokens), len(kv.host_ids))
+        if need > self.pool.num_free:
+            return None
+        kv.block_ids = self.pool.allocate(need)
+        pairs = list(zip(kv.host_ids, kv.block_ids))
+        self.host.release(kv.host_ids)
+        self.host.swapped_in_blocks += len(kv.host_ids)
+        kv.host_ids = []
+        return pairs
+
+    def truncate_host(self, seq_id: int, num_tokens: int) -> None:
+        """A swapped sequence keeps only its first ``num_tokens`` rows: host blocks past them go back."""
+        kv = self._seqs[seq_id]
+        keep = self.blocks_for(num_tokens)
+        self.host.release(kv.host_ids[keep:])
+        del kv.host_ids[keep:]
 
     # -------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         self.pool.check_integrity(kv.block_ids for kv in self._seqs.values())
+        self.host.check_integrity([kv.host_ids for kv in self._seqs.values()])
         for seq_id, kv in self._seqs.items():
             if len(kv.hashes) > len(kv.block_ids):
                 raise AssertionError(f"sequence {seq_id}: more hashes than blocks")

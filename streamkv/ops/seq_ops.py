@@ -90,7 +90,9 @@ class SeqOps:
             raise ValueError(f"cannot truncate {len(seq.tokens)} tokens to {num_tokens}")
         before = seq.num_computed
         keep = min(before, num_tokens)
-        if self._kv.has(seq.seq_id):
+        if self._kv.is_swapped(seq.seq_id):
+            self._kv.truncate_host(seq.seq_id, keep)  # host blocks past the cut go back
+        elif self._kv.has(seq.seq_id):
             try:
                 copy = self._kv.truncate(seq.seq_id, keep)
             except OutOfBlocksError:

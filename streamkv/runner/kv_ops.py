@@ -27,6 +27,42 @@ class KVOps:
     def __init__(self, cache: KVCache, rope: RotaryEmbedding | None) -> None:
         self.cache = cache
         self.rope = rope
+        self.host_k: torch.Tensor | None = None  # swap space [layers, host_blocks * bs, kv_heads, head_dim]
+        self.host_v: torch.Tensor | None = None
+        self.swap_bytes = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        k = self.cache.k
+        return 2 * k.element_size() * k.shape[0] * self.cache.block_size * k.shape[2] * k.shape[3]
+
+    def attach_host(self, num_blocks: int) -> None:
+        """Allocate the host swap space (``num_blocks`` blocks, the cache's layout and dtype)."""
+        k = self.cache.k
+        shape = (k.shape[0], num_blocks * self.cache.block_size, *k.shape[2:])
+        self.host_k = torch.zeros(shape, dtype=k.dtype, device="cpu")
+        self.host_v = torch.zeros(shape, dtype=k.dtype, device="cpu")
+
+    @torch.inference_mode()
+    def swap(self, out: Sequence[tuple[int, int]], into: Sequence[tuple[int, int]]) -> None:
+        """Copy ``out`` (device block, host block) pairs to the host, then ``into`` (host block,
+        device block) pairs back: whole blocks, every layer."""
+        if not out and not into:
+            return
+        if self.host_k is None or self.host_v is None:
+            raise RuntimeError("swap without swap space (attach_host)")
+        bs = self.cache.block_size
+        for pairs, src_k, src_v, dst_k, dst_v in ((out, self.cache.k, self.cache.v, self.host_k, self.host_v),
+                                                  (into, self.host_k, self.host_v, self.cache.k, self.cache.v)):
+            if not pairs:
+                continue
+            src = slots_of([p[0] for p in pairs], 0, len(pairs) * bs, bs).to(src_k.device)
+            dst = slots_of([p[1] for p in pairs], 0, len(pairs) * bs, bs).to(dst_k.device)
+            dst_k.index_copy_(1, dst, src_k.index_select(1, src).to(dst_k.device))
+            dst_v.index_copy_(1, dst, src_v.index_select(1, src).to(dst_v.device))
+            self.swap_bytes += len(pairs) * self.bytes_per_block
+        if into:
+            self.cache.written(slots_of([p[1] for p in into], 0, len(into) * bs, bs))
 
     @torch.inference_mode()
     def copy(self, src: torch.Tensor, dst: torch.Tensor, shift: int = 0) -> None:

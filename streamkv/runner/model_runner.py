@@ -32,7 +32,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         self.sampler.release(plan.released)
         self.backend.release(plan.released)
-        if plan.empty:
+        self.kv_ops.swap(plan.swap_out, plan.swap_in)
+        if not plan.seqs:
             return StepOutput()
         ids: list[int] = []
         positions: list[int] = []

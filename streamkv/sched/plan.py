@@ -38,11 +38,18 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Everything the runner does in one forward pass; ``released`` ids lose runner state."""
+    """Everything the runner does in one forward pass; ``released`` ids lose runner state.
+
+    Before the forward pass the runner copies ``swap_out`` (device block -> host block)
+    pairs, then ``swap_in`` (host block -> device block) pairs: a device block released by
+    a swap-out may be reused by this very step.
+    """
 
     seqs: tuple[ScheduledSeq, ...]
     preempted: tuple[int, ...] = ()
     released: tuple[int, ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +57,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.seqs
+        return not self.seqs and not self.swap_out and not self.swap_in
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
+from streamkv.sched.preemption import PreemptionPolicy, Recompute
 from streamkv.sched.sequence import Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
@@ -31,10 +32,14 @@ class _Proposal:
 class Scheduler:
     """Owns the waiting/running sets; asks the KV manager for blocks."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVManager, policy: QueuePolicy | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, policy: QueuePolicy | None = None,
+                 preemption: PreemptionPolicy | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy or make_queue_policy(config.queue_policy, config.max_wait_s)
+        self.preemption = preemption or Recompute()
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
         self.preemptions_by_kind: dict[str, int] = {"recompute": 0, "swap": 0}
@@ -90,7 +95,8 @@ class Scheduler:
         for prop in scheduled:
             prop.seq.last_served = now
         work = tuple(self._to_plan(p) for p in scheduled if p.end > p.seq.num_computed)
-        return StepPlan(work, tuple(preempted), released)
+        swaps, self._swap_out, self._swap_in = (tuple(self._swap_out), tuple(self._swap_in)), [], []
+        return StepPlan(work, tuple(preempted), released, *swaps)
 
     def _propose(self, ranked: list[Sequence], now: float) -> list[_Proposal]:
         """Phase 1: chunk sizes under the token budget and sequence cap (no state change
@@ -105,7 +111,7 @@ class Scheduler:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
                 continue
             computed = seq.num_computed
-            if seq.status is SeqStatus.WAITING:
+            if seq.status is SeqStatus.WAITING and not seq.swapped:
                 computed = self.kv.match_prefix(seq.tokens, seq.cache_key).num_tokens(self.kv.block_size)
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, self.config.chunk_cap))
@@ -145,6 +151,14 @@ class Scheduler:
         seq = prop.seq
         if seq.status is SeqStatus.RUNNING:
             return self.kv.grow(seq.seq_id, prop.end)
+        if seq.swapped:
+            pairs = self.kv.swap_in(seq.seq_id, prop.end)
+            if pairs is None:
+                return False
+            self._swap_in.extend(pairs)
+            seq.swapped, seq.status = False, SeqStatus.RUNNING
+            seq.event("swapped_in")
+            return True
         # Look the prefix up again: allocations earlier in this step may have evicted
         # blocks seen in phase 1. A hit can only shrink, so ``end`` stays reachable.
         hit = self.kv.match_prefix(seq.tokens, seq.cache_key)
@@ -170,14 +184,21 @@ class Scheduler:
             self.finish(seq.seq_id, "length")
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop the KV, keep the tokens, requeue."""
-        self.kv.free(seq.seq_id)
-        seq.num_computed = 0
+        """Requeue ``seq``: swap its KV to host blocks, or drop it (recompute), as the
+        preemption policy decides; the tokens are kept either way."""
+        n = seq.num_computed
+        kind = "recompute"
+        if self.kv.can_swap_out(n) and self.preemption.swap(n, self.kv.blocks_for(n)):
+            self._swap_out.extend(self.kv.swap_out(seq.seq_id, n))
+            seq.swapped, kind = True, "swap"
+        else:
+            self.kv.free(seq.seq_id)
+            seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.preemptions_by_kind["recompute"] += 1
-        seq.event("preempted_recompute")
+        self.preemptions_by_kind[kind] += 1
+        seq.event(f"preempted_{kind}")
 
     def _to_plan(self, prop: _Proposal) -> ScheduledSeq:
         seq = prop.seq

@@ -69,6 +69,7 @@ class Sequence:
     # sequence ranks in the lower tier. ``last_input``: arrival of its latest chunk (LCAS);
     # ``last_served``: when it last ran a step or had nothing to run (aging).
     partial: bool = False
+    swapped: bool = False  # preempted by swap: its computed rows wait in host blocks
     tokens_invalidated: int = 0  # computed rows dropped by input changes (LCP invalidation)
     last_input: float = -1.0
     last_served: float = -1.0

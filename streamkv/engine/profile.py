@@ -1,0 +1,101 @@
+"""Preemption cost profile: prefill time T(tokens) and swap time C(blocks), measured per machine.
+
+``streamkv profile`` measures and caches it; an engine with ``--preemption cost`` and swap
+space loads the cached profile or makes a quick one at first start. Cached under
+``~/.cache/streamkv/profiles`` keyed by CPU, model, dtype, threads and block size.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamkv.sampling.params import SamplingParams
+from streamkv.sched.plan import ScheduledSeq, StepPlan
+from streamkv.sched.preemption import CostProfile
+
+log = logging.getLogger(__name__)
+FULL = {"prefill": (16, 64, 256, 1024), "swap": (1, 8, 64)}
+QUICK = {"prefill": (16, 256), "swap": (1, 16)}
+
+
+def profile_key(engine: Any) -> str:
+    from streamkv.native.cpu import cpu_flags, cpu_model
+
+    cfg = engine.config
+    raw = json.dumps([cpu_model(), cpu_flags(), torch.__version__, engine.bundle.model_name, str(engine.bundle.dtype),
+                      torch.get_num_threads(), cfg.cache.block_size, cfg.runtime.numerics])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def profile_path(engine: Any) -> Path:
+    root = os.environ.get("STREAMKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "streamkv")
+    return Path(root) / "profiles" / f"{profile_key(engine)}.json"
+
+
+def load_or_measure(engine: Any, remeasure: bool = False, quick: bool = True) -> CostProfile:
+    path = profile_path(engine)
+    if path.exists() and not remeasure:
+        try:
+            return CostProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring a corrupt cost profile at %s", path)
+    profile = measure(engine, QUICK if quick else FULL)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+    tmp.replace(path)
+    log.info("preemption cost profile (%s): %s", path, profile.to_dict())
+    return profile
+
+
+def measure(engine: Any, sizes: dict[str, tuple[int, ...]] = FULL, repeats: int = 2) -> CostProfile:
+    """Time prefill of n tokens on fresh blocks, and swapping n blocks out and in (best of ``repeats``)."""
+    runner, pool, kv_ops = engine.bundle.runner, engine.pool, engine.kv_ops
+    bs = pool.block_size
+    usable = min(pool.num_free, kv_ops.host_k.shape[1] // bs if kv_ops.host_k is not None else 0)
+    prefill = []
+    for n in sizes["prefill"]:
+        if -(-n // bs) > pool.num_free or n >= engine.max_model_len:
+            break
+        prefill.append((n, _best(repeats, lambda n=n: _prefill(runner, pool, n))))
+    swap_out, swap_in = [], []
+    for n in sizes["swap"]:
+        if n > usable:
+            break
+        dev = pool.allocate(n)
+        try:
+            pairs = list(zip(dev, range(n)))
+            swap_out.append((n, _best(repeats, lambda: kv_ops.swap(pairs, ()))))
+            swap_in.append((n, _best(repeats, lambda: kv_ops.swap((), [(h, d) for d, h in pairs]))))
+        finally:
+            pool.release(dev)
+    kv_ops.swap_bytes = 0
+    return CostProfile(tuple(prefill), tuple(swap_out), tuple(swap_in))
+
+
+def _prefill(runner: Any, pool: Any, n: int) -> None:
+    blocks = pool.allocate(-(-n // pool.block_size))
+    try:
+        item = ScheduledSeq(seq_id=-1, start=0, token_ids=tuple(range(1, n + 1)), block_table=tuple(blocks),
+                            sample=True, params=SamplingParams(max_tokens=1, temperature=0.0),
+                            history=tuple(range(1, n + 1)), num_prompt=n)
+        runner.execute(StepPlan((item,)))
+        runner.execute(StepPlan((), released=(-1,)))
+    finally:
+        pool.release(blocks)
+
+
+def _best(repeats: int, fn: Any) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
