@@ -149,12 +149,7 @@ class InputStreams:
 
     def num_idle(self) -> int:
         """Open inputs with nothing to compute until more input arrives (the loop may sleep)."""
-        n = 0
-        for s in self._open.values():
-            seq = s.seq
-            if seq.num_computed >= seq.computable and (seq.status is SeqStatus.RUNNING or seq.computable == 0):
-                n += 1
-        return n
+        return sum(1 for s in self._open.values() if not s.seq.has_work)
 
     @property
     def num_open(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
@@ -88,9 +89,9 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
         now = time.perf_counter()
-        ranked = self.policy.rank(self.seqs.values(), now)
-        proposals = self._propose(ranked, now)
-        scheduled, preempted = self._acquire(proposals, ranked)
+        ranked = self.policy.rank([s for s in self.seqs.values() if s.has_work], now)
+        proposals = self._propose(ranked)
+        scheduled, preempted = self._acquire(proposals, lambda: self.policy.rank(self.seqs.values(), now))
         released, self._released = tuple(self._released), []
         for prop in scheduled:
             prop.seq.last_served = now
@@ -98,18 +99,17 @@ class Scheduler:
         swaps, self._swap_out, self._swap_in = (tuple(self._swap_out), tuple(self._swap_in)), [], []
         return StepPlan(work, tuple(preempted), released, *swaps)
 
-    def _propose(self, ranked: list[Sequence], now: float) -> list[_Proposal]:
-        """Phase 1: chunk sizes under the token budget and sequence cap (no state change
-        but the idle sequences' ``last_served``: a sequence without work does not age)."""
+    def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
+        """Phase 1: chunk sizes under the token budget and sequence cap (no state change).
+
+        ``ranked`` holds only sequences with work; an idle one does not age (its
+        ``last_served`` is reset when input arrives)."""
         budget = self.config.max_num_batched_tokens
         out: list[_Proposal] = []
         for seq in ranked:
-            target = seq.computable
-            if seq.num_computed >= target and (seq.status is SeqStatus.RUNNING or target == 0):
-                seq.last_served = now  # idle: a stream, or an input waiting for more text
-                continue
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
-                continue
+                break
+            target = seq.computable
             computed = seq.num_computed
             if seq.status is SeqStatus.WAITING and not seq.swapped:
                 computed = self.kv.match_prefix(seq.tokens, seq.cache_key).num_tokens(self.kv.block_size)
@@ -119,9 +119,11 @@ class Scheduler:
             budget -= n
         return out
 
-    def _acquire(self, proposals: list[_Proposal], ranked: list[Sequence]) -> tuple[list[_Proposal], list[int]]:
-        """Phase 2: take blocks in rank order, preempting from the bottom when short."""
-        victims = [s for s in reversed(ranked) if s.status is SeqStatus.RUNNING and not s.pinned]
+    def _acquire(self, proposals: list[_Proposal],
+                 rank_all: Callable[[], list[Sequence]]) -> tuple[list[_Proposal], list[int]]:
+        """Phase 2: take blocks in rank order, preempting from the bottom of the ranking of
+        every sequence (idle ones hold KV too; ranked only when a victim is needed)."""
+        victims: list[Sequence] | None = None
         preempted: list[int] = []
         done: list[_Proposal] = []
         done_ids: set[int] = set()
@@ -130,6 +132,8 @@ class Scheduler:
             if seq.status is SeqStatus.WAITING and seq.seq_id in preempted:
                 continue
             while not self._try_take(prop):
+                if victims is None:
+                    victims = [s for s in reversed(rank_all()) if s.status is SeqStatus.RUNNING and not s.pinned]
                 victim = next((v for v in victims if v is not seq and v.seq_id not in preempted
                                and v.seq_id not in done_ids), None)
                 if victim is None:

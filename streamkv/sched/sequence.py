@@ -90,7 +90,14 @@ class Sequence:
     @property
     def computable(self) -> int:
         """Tokens the scheduler may compute now (all but a partial input's held-back last one)."""
-        return max(0, len(self.tokens) - 1) if self.partial else len(self.tokens)
+        n = len(self.tokens)
+        return n - 1 if self.partial and n else n
+
+    @property
+    def has_work(self) -> bool:
+        """Rows to compute, or swapped-out rows to bring back (idle streams and inputs waiting
+        for more text have none and are not even ranked)."""
+        return self.num_computed < self.computable or self.swapped
 
     @property
     def num_output(self) -> int:

@@ -1,0 +1,232 @@
+"""Streaming-input benchmark (Stream2LLM-shaped traces) on the embedded model.
+
+    .venv/bin/python benchmarks/streaming_input.py                   # the default sweep (~15 min)
+    .venv/bin/python benchmarks/streaming_input.py --queries 4 --qps 0.1 --traces append
+
+Two synthetic traces (seeds and sizes below):
+  append  a crawler: 6-10 chunks per query, 150-600 tokens each, gaps lognormal (median 700 ms,
+          clipped to [20 ms, 30 s]);
+  update  a vector search: a top-8 document list (~120 tokens per document) replaced 1-3 times,
+          gaps lognormal (median 37 ms); each update keeps a prefix of the list, replaces the rest.
+Queries arrive as a Poisson process at each --qps. Per run:
+  non-streaming  the client submits the whole prompt when its last chunk arrives;
+  streaming      /open at the first chunk, append/update per chunk, finish at the last.
+TTFT = first output token - arrival of the last chunk (what a client waits once its input is
+complete). Trace completion = last answer - first arrival. A memory-pressure variant runs a KV
+pool of about 1/4 of the working set with each preemption policy. One engine thread, the real
+AsyncEngine, wall-clock replay; the machine is printed. Results: benchmarks/results/streaming_input.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from common import fmt, md_table  # noqa: E402
+
+MAX_TOKENS = 16
+TOKENS_PER_WORD = 1.3
+
+
+# --------------------------------------------------------------------------- traces
+def _words(rng: random.Random, tokens: int, vocab: list[str]) -> str:
+    n = max(1, int(tokens / TOKENS_PER_WORD))
+    start = rng.randrange(len(vocab) - n - 1)
+    return " ".join(vocab[start:start + n]) + " "
+
+
+def append_trace(rng: random.Random, vocab: list[str]) -> list[tuple[float, str, str]]:
+    """[(gap before this event, op, text)]: the first op opens, the last one finishes."""
+    events = []
+    for i in range(rng.randint(6, 10)):
+        gap = 0.0 if i == 0 else min(30.0, max(0.02, rng.lognormvariate(0.0, 1.0) * 0.7))
+        events.append((gap, "append", _words(rng, rng.randint(150, 600), vocab)))
+    return events
+
+
+def update_trace(rng: random.Random, vocab: list[str]) -> list[tuple[float, str, str]]:
+    docs = [f"[doc {i}] " + _words(rng, 120, vocab) for i in range(8)]
+    events = [(0.0, "update", "".join(docs))]
+    for _ in range(rng.randint(1, 3)):
+        keep = rng.randint(1, 7)
+        docs = docs[:keep] + [f"[doc {keep + j}'] " + _words(rng, 120, vocab) for j in range(8 - keep)]
+        events.append((min(30.0, max(0.005, rng.lognormvariate(0.0, 1.0) * 0.037)), "update", "".join(docs)))
+    return events
+
+
+def make_queries(kind: str, n: int, qps: float, seed: int, vocab: list[str]) -> list[tuple[float, list]]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append((t, (append_trace if kind == "append" else update_trace)(rng, vocab)))
+        t += rng.expovariate(qps)
+    return out
+
+
+# --------------------------------------------------------------------------- replay
+async def _query(engine, rid: str, start: float, events: list, streaming: bool, t0: float,
+                 question: str) -> dict:
+    from streamkv.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    await asyncio.sleep(max(0.0, t0 + start - time.perf_counter()))
+    arrived, text, handle = time.perf_counter(), "", None
+    for i, (gap, op, piece) in enumerate(events):
+        if gap:
+            await asyncio.sleep(gap)
+        text = text + piece if op == "append" else piece
+        if streaming:
+            if handle is None:
+                handle = await engine.open_input(rid, prompt=text, params=params)
+            elif op == "append":
+                await handle.append(piece)
+            else:
+                await handle.update(text)
+    last_chunk = time.perf_counter()
+    first = None
+    if streaming:
+        await handle.append(question)
+        await handle.finish()
+        outs = handle.outputs()
+    else:
+        outs = engine.generate(rid, text + question, params)
+    final = None
+    async for out in outs:
+        if first is None and out.token_ids:
+            first = time.perf_counter()
+        final = out
+    return {"ttft": first - last_chunk, "done": time.perf_counter() - t0, "arrived": arrived - t0,
+            "invalidated": final.metrics.get("tokens_invalidated", 0), "preemptions": final.metrics["num_preemptions"]}
+
+
+async def replay(engine, queries: list, streaming: bool, tag: str) -> dict:
+    t0 = time.perf_counter()
+    q = "\nQuestion: what is the main topic of these pages? Answer:"
+    res = await asyncio.gather(*[_query(engine, f"{tag}-{i}", s, ev, streaming, t0, q)
+                                 for i, (s, ev) in enumerate(queries)])
+    ttft = sorted(r["ttft"] for r in res)
+    pct = lambda p: ttft[min(len(ttft) - 1, int(round(p / 100 * (len(ttft) - 1))))]
+    return {"p50": statistics.median(ttft), "p95": pct(95), "p99": pct(99), "ttfts": ttft,
+            "completion_s": max(r["done"] for r in res) - min(r["arrived"] for r in res),
+            "invalidated": sum(r["invalidated"] for r in res), "preemptions": sum(r["preemptions"] for r in res)}
+
+
+def _configure(llm, policy: str, preemption: str) -> None:
+    from streamkv.sched.policies import make_queue_policy
+    from streamkv.sched.preemption import make_preemption
+
+    s = llm.engine.scheduler
+    s.policy = make_queue_policy(policy, s.policy.max_wait_s)
+    profile = getattr(s.preemption, "profile", None)
+    s.preemption = make_preemption(preemption, profile if preemption == "cost" else None)
+    llm.engine.pool.reset_prefix_cache()
+
+
+def run_matrix(llm, kind: str, qps: float, args, vocab, policies, preemptions, label: str) -> list[dict]:
+    from streamkv.engine.async_engine import AsyncEngine
+
+    queries = make_queries(kind, args.queries, qps, args.seed, vocab)
+    rows = []
+    engine = AsyncEngine(llm.engine).start()
+    try:
+        for policy in policies:
+            for pre in preemptions:
+                for streaming in ([False, True] if policy == policies[0] and pre == preemptions[0] else [True]):
+                    _configure(llm, policy, pre)
+                    tag = f"{label}-{kind}-{qps}-{policy}-{pre}-{int(streaming)}"
+                    r = asyncio.run(replay(engine, queries, streaming, tag))
+                    r.update(trace=kind, qps=qps, label=label, mode="streaming" if streaming else "non-streaming",
+                             policy=policy if streaming else "-", preemption=pre)
+                    rows.append(r)
+                    print(f"  {label} {kind} qps={qps} {r['mode']:13} {r['policy']:5} {pre:9} "
+                          f"TTFT p50 {r['p50'] * 1e3:7.0f} ms  p95 {r['p95'] * 1e3:7.0f}  p99 {r['p99'] * 1e3:7.0f}  "
+                          f"completion {r['completion_s']:6.1f} s  preempt {r['preemptions']}", flush=True)
+    finally:
+        engine.shutdown()
+    return rows
+
+
+def sched_overhead(n: int = 500) -> float:
+    """Median ``Scheduler.schedule()`` time (µs) with ``n`` live streaming inputs (fake runner)."""
+    sys.path.insert(0, str(common.REPO))
+    from streamkv.sampling.params import SamplingParams
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=8192, block_size=16, budget=2048, max_input_streams=n + 1)
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.inputs.open(f"s{i}", prompt="abcdefghij" * 8, params=p)
+    for _ in range(20):
+        engine.step()  # prefill everything: then every step schedules 500 idle inputs + appends
+    spent, schedule = [], engine.scheduler.schedule
+
+    def timed():
+        t = time.perf_counter()
+        plan = schedule()
+        spent.append(time.perf_counter() - t)
+        return plan
+
+    engine.scheduler.schedule = timed
+    for k in range(400):
+        engine.inputs.append(f"s{k % n}", "klmno")  # one input gains work: a one-chunk step
+        engine.step()
+    return statistics.median(spent) * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", default="append,update")
+    ap.add_argument("--queries", type=int, default=8)
+    ap.add_argument("--qps", default="0.1,0.25", help="query arrival rates: low load, then the highest before "
+                                                     "saturation (all policies and the pressure runs)")
+    ap.add_argument("--budget", type=int, default=512, help="scheduler token budget per step (both modes)")
+    ap.add_argument("--policies", default="fcfs,lcas,mcps,fifo", help="the first also runs at low load")
+    ap.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    from streamkv import LLM
+
+    machine = common.machine_info(args.threads)
+    print(f"machine: {machine['cpu']['model']} ({', '.join(machine['cpu']['flags'])}), {machine['cores']} cores, "
+          f"{args.threads} threads")
+    vocab = common.prompt_text(400_000).split()
+    policies = args.policies.split(",")
+    rows: list[dict] = []
+    llm = LLM(threads=args.threads, max_model_len=8192, max_num_batched_tokens=args.budget)
+    rates = [float(x) for x in args.qps.split(",")]
+    for kind in args.traces.split(","):
+        for qps in rates:
+            chosen = policies if qps == max(rates) else policies[:1]
+            rows += run_matrix(llm, kind, qps, args, vocab, chosen, ["recompute"], "normal")
+    del llm
+    if args.pressure:
+        # ~1/4 of the working set: 8 queries x ~3k tokens (append) -> a 6k-token pool
+        small = LLM(threads=args.threads, max_model_len=8192, num_blocks=384, swap_space=1 << 30,
+                    preemption="cost", max_num_batched_tokens=args.budget)
+        for kind in args.traces.split(","):
+            qps = max(float(x) for x in args.qps.split(","))
+            rows += run_matrix(small, kind, qps, args, vocab, [p for p in policies if p in ("fcfs", "lcas")],
+                               ["recompute", "swap", "cost"], "pressure")
+    overhead = sched_overhead()
+    print(f"\nscheduling: {overhead:.0f} µs per schedule() with 500 live streaming inputs (target < 200)")
+    headers = ["run", "trace", "qps", "mode", "policy", "preemption", "TTFT p50 ms", "p95 ms", "p99 ms",
+               "completion s", "preemptions", "invalidated"]
+    table = [[r["label"], r["trace"], r["qps"], r["mode"], r["policy"], r["preemption"], fmt(r["p50"] * 1e3),
+              fmt(r["p95"] * 1e3), fmt(r["p99"] * 1e3), fmt(r["completion_s"], 1), r["preemptions"],
+              r["invalidated"]] for r in rows]
+    print(md_table(headers, table))
+    path = common.write_json("streaming_input", {"machine": machine, "args": vars(args), "rows": rows,
+                                                  "sched_overhead_us": overhead})
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
