@@ -123,8 +123,9 @@ def _configure(llm, policy: str, preemption: str) -> None:
 
     s = llm.engine.scheduler
     s.policy = make_queue_policy(policy, s.policy.max_wait_s)
-    profile = getattr(s.preemption, "profile", None)
-    s.preemption = make_preemption(preemption, profile if preemption == "cost" else None)
+    if not hasattr(llm, "cost_profile"):  # the profile the engine loaded or measured at start
+        llm.cost_profile = getattr(s.preemption, "profile", None)
+    s.preemption = make_preemption(preemption, llm.cost_profile if preemption == "cost" else None)
     llm.engine.pool.reset_prefix_cache()
 
 
@@ -187,7 +188,9 @@ def main() -> int:
                                                      "saturation (all policies and the pressure runs)")
     ap.add_argument("--budget", type=int, default=512, help="scheduler token budget per step (both modes)")
     ap.add_argument("--policies", default="fcfs,lcas,mcps,fifo", help="the first also runs at low load")
-    ap.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--normal", action=argparse.BooleanOptionalAction, default=True, help="the QPS sweep")
+    ap.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=True,
+                    help="the memory-pressure runs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
@@ -199,19 +202,20 @@ def main() -> int:
     vocab = common.prompt_text(400_000).split()
     policies = args.policies.split(",")
     rows: list[dict] = []
-    llm = LLM(threads=args.threads, max_model_len=8192, max_num_batched_tokens=args.budget)
     rates = [float(x) for x in args.qps.split(",")]
-    for kind in args.traces.split(","):
-        for qps in rates:
-            chosen = policies if qps == max(rates) else policies[:1]
-            rows += run_matrix(llm, kind, qps, args, vocab, chosen, ["recompute"], "normal")
-    del llm
+    if args.normal:
+        llm = LLM(threads=args.threads, max_model_len=8192, max_num_batched_tokens=args.budget)
+        for kind in args.traces.split(","):
+            for qps in rates:
+                chosen = policies if qps == max(rates) else policies[:1]
+                rows += run_matrix(llm, kind, qps, args, vocab, chosen, ["recompute"], "normal")
+        del llm
     if args.pressure:
         # ~1/4 of the working set: 8 queries x ~3k tokens (append) -> a 6k-token pool
         small = LLM(threads=args.threads, max_model_len=8192, num_blocks=384, swap_space=1 << 30,
                     preemption="cost", max_num_batched_tokens=args.budget)
         for kind in args.traces.split(","):
-            qps = max(float(x) for x in args.qps.split(","))
+            qps = max(rates)
             rows += run_matrix(small, kind, qps, args, vocab, [p for p in policies if p in ("fcfs", "lcas")],
                                ["recompute", "swap", "cost"], "pressure")
     overhead = sched_overhead()

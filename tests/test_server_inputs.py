@@ -56,6 +56,8 @@ def test_append_update_finish_equals_plain_completion(http, server):
     r = http.post(f"/v1/input_streams/{sid}/append", json={"text": "more"})
     assert r.status_code == 409 and r.json()["error"]["type"] == "conflict_error"
     assert metric(server.url, "streamkv_input_appends_total") >= 2
+    assert metric(server.url, "streamkv_tokens_invalidated_total") >= 0  # exported (timing decides the count)
+    assert metric(server.url, "streamkv_swap_bytes_total") == 0  # no --swap-space here
 
 
 def test_chat_stream_finish_over_sse_equals_chat_completion(http):

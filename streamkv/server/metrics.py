@@ -80,6 +80,8 @@ class _EngineCounters:
         for kind, n in e.scheduler.preemptions_by_kind.items():
             kinds.add_metric([kind], n)
         yield kinds
+        yield CounterMetricFamily("streamkv_swap_bytes", "KV bytes copied to and from the host swap space",
+                                  value=getattr(e.kv_ops, "swap_bytes", 0))
         yield GaugeMetricFamily("streamkv_input_streams_open", "streaming inputs still receiving input",
                                 value=e.inputs.num_open)
         policy = GaugeMetricFamily("streamkv_queue_policy", "the scheduler's queue policy (value 1)",
