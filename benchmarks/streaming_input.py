@@ -191,6 +191,7 @@ def main() -> int:
     ap.add_argument("--normal", action=argparse.BooleanOptionalAction, default=True, help="the QPS sweep")
     ap.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=True,
                     help="the memory-pressure runs")
+    ap.add_argument("--max-wait-s", type=float, default=None, help="aging bound of the queue policies")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
@@ -204,7 +205,8 @@ def main() -> int:
     rows: list[dict] = []
     rates = [float(x) for x in args.qps.split(",")]
     if args.normal:
-        llm = LLM(threads=args.threads, max_model_len=8192, max_num_batched_tokens=args.budget)
+        llm = LLM(threads=args.threads, max_model_len=8192, max_num_batched_tokens=args.budget,
+                  max_wait_s=args.max_wait_s)
         for kind in args.traces.split(","):
             for qps in rates:
                 chosen = policies if qps == max(rates) else policies[:1]
@@ -213,7 +215,7 @@ def main() -> int:
     if args.pressure:
         # ~1/4 of the working set: 8 queries x ~3k tokens (append) -> a 6k-token pool
         small = LLM(threads=args.threads, max_model_len=8192, num_blocks=384, swap_space=1 << 30,
-                    preemption="cost", max_num_batched_tokens=args.budget)
+                    preemption="cost", max_num_batched_tokens=args.budget, max_wait_s=args.max_wait_s)
         for kind in args.traces.split(","):
             qps = max(rates)
             rows += run_matrix(small, kind, qps, args, vocab, [p for p in policies if p in ("fcfs", "lcas")],
