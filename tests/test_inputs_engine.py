@@ -145,12 +145,13 @@ def test_lcas_serves_the_latest_chunk_and_aging_bounds_the_wait():
     engine.inputs.append("a", "q")  # a's chunk is the newest
     engine.step()
     assert [s.seq_id for s in runner.plans[-1].seqs] == [a.seq.seq_id]
-    now = b.seq.last_served + 10.0
+    now = a.seq.last_input + 3.0
     lcas = make_queue_policy("lcas")
-    assert lcas.rank([b.seq, a.seq], now)[0] is a.seq  # b starves without aging
+    assert lcas.rank([b.seq, a.seq], now + 10.0)[0] is a.seq  # b starves without aging
     aged = make_queue_policy("lcas", max_wait_s=5.0)
-    a.seq.last_served = now
-    assert aged.rank([a.seq, b.seq], now)[0] is b.seq  # waited > 5 s: top of its tier
+    assert aged.rank([b.seq, a.seq], now)[0] is a.seq  # nobody waited 5 s yet: plain lcas
+    assert now - b.seq.last_input < 5.0 < now + 10.0 - b.seq.last_input
+    assert aged.rank([a.seq, b.seq], now + 10.0)[0] is b.seq  # b's input is > 5 s old: first
     with pytest.raises(ValueError, match="max_wait_s"):
         make_queue_policy("lcas", max_wait_s=0)
     with pytest.raises(ValueError, match="unknown queue policy"):

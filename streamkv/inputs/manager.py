@@ -170,7 +170,7 @@ class InputStreams:
         stream.text, stream.last_activity = text, time.monotonic()
         seq.tokens_invalidated += dropped
         self.stats.tokens_invalidated += dropped
-        seq.last_input = seq.last_served = now
+        seq.last_input = now
         seq.event(event, now)
         return lcp, dropped
 

@@ -28,8 +28,13 @@ class QueuePolicy(ABC):
           tier 1: input still streaming (partial)      tier, longest-starved first
 
     ``tiered = False`` (fifo) puts every sequence in tier 0. ``max_wait_s`` (None: no
-    aging) bounds how long a sequence with work can go unserved under policies that can
-    starve (LCAS). Preemption takes victims from the bottom of the same ranking.
+    aging) bounds starvation under policies that can starve (LCAS): a sequence whose input
+    last changed (or arrived) longer ago than that ranks first in its tier, oldest first.
+    Aging is measured from ``last_input``, not from the last step served: the aged order is
+    then fixed, so an aged waiting sequence and the one it preempted cannot keep swapping
+    places (measured: aging by time-since-served made recompute preemption thrash, 133
+    preemptions and a 112 s median TTFT under memory pressure). Preemption takes victims
+    from the bottom of the same ranking.
     """
 
     name: ClassVar[str] = ""
@@ -46,8 +51,8 @@ class QueuePolicy(ABC):
                                            *self._aging(s, now), *self.key(s), s.seq_id))
 
     def _aging(self, seq: Sequence, now: float) -> tuple[bool, float]:
-        if self.max_wait_s is not None and now - seq.last_served > self.max_wait_s:
-            return False, seq.last_served
+        if self.max_wait_s is not None and now - seq.last_input > self.max_wait_s:
+            return False, seq.last_input
         return True, 0.0
 
     @abstractmethod

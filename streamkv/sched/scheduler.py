@@ -93,8 +93,6 @@ class Scheduler:
         proposals = self._propose(ranked)
         scheduled, preempted = self._acquire(proposals, lambda: self.policy.rank(self.seqs.values(), now))
         released, self._released = tuple(self._released), []
-        for prop in scheduled:
-            prop.seq.last_served = now
         work = tuple(self._to_plan(p) for p in scheduled if p.end > p.seq.num_computed)
         swaps, self._swap_out, self._swap_in = (tuple(self._swap_out), tuple(self._swap_in)), [], []
         return StepPlan(work, tuple(preempted), released, *swaps)
@@ -102,8 +100,7 @@ class Scheduler:
     def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
         """Phase 1: chunk sizes under the token budget and sequence cap (no state change).
 
-        ``ranked`` holds only sequences with work; an idle one does not age (its
-        ``last_served`` is reset when input arrives)."""
+        ``ranked`` holds only sequences with work."""
         budget = self.config.max_num_batched_tokens
         out: list[_Proposal] = []
         for seq in ranked:

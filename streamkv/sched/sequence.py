@@ -66,13 +66,12 @@ class Sequence:
     # Streaming input (``streamkv.inputs``): while ``partial`` the prompt may still change.
     # Its last token is held back (it is computed, and sampled from, once the input is
     # finished: the tail's tokenization may change with the next chunk anyway) and the
-    # sequence ranks in the lower tier. ``last_input``: arrival of its latest chunk (LCAS);
-    # ``last_served``: when it last ran a step or had nothing to run (aging).
+    # sequence ranks in the lower tier. ``last_input``: arrival of its latest chunk (LCAS and
+    # aging; the request's arrival for a complete one).
     partial: bool = False
     swapped: bool = False  # preempted by swap: its computed rows wait in host blocks
     tokens_invalidated: int = 0  # computed rows dropped by input changes (LCP invalidation)
     last_input: float = -1.0
-    last_served: float = -1.0
     # Telemetry of a request: ``(event, perf_counter time)`` in order (queued, scheduled,
     # kv_resident, ...); None (long-lived session streams) records nothing.
     events: list[tuple[str, float]] | None = None
@@ -80,8 +79,6 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.last_input < 0:
             self.last_input = self.arrival
-        if self.last_served < 0:
-            self.last_served = self.arrival
 
     def event(self, name: str, now: float | None = None) -> None:
         if self.events is not None:
