@@ -32,6 +32,7 @@ from common import fmt, md_table  # noqa: E402
 
 MAX_TOKENS = 16
 TOKENS_PER_WORD = 1.3
+QUESTION = "\nQuestion: what is the main topic of these pages? Answer:"
 
 
 # --------------------------------------------------------------------------- traces
@@ -107,8 +108,7 @@ async def _query(engine, rid: str, start: float, events: list, streaming: bool, 
 
 async def replay(engine, queries: list, streaming: bool, tag: str) -> dict:
     t0 = time.perf_counter()
-    q = "\nQuestion: what is the main topic of these pages? Answer:"
-    res = await asyncio.gather(*[_query(engine, f"{tag}-{i}", s, ev, streaming, t0, q)
+    res = await asyncio.gather(*[_query(engine, f"{tag}-{i}", s, ev, streaming, t0, QUESTION)
                                  for i, (s, ev) in enumerate(queries)])
     ttft = sorted(r["ttft"] for r in res)
     pct = lambda p: ttft[min(len(ttft) - 1, int(round(p / 100 * (len(ttft) - 1))))]
@@ -122,9 +122,11 @@ def _configure(llm, policy: str, preemption: str) -> None:
     from streamkv.sched.preemption import make_preemption
 
     s = llm.engine.scheduler
-    s.policy = make_queue_policy(policy, s.policy.max_wait_s)
-    if not hasattr(llm, "cost_profile"):  # the profile the engine loaded or measured at start
-        llm.cost_profile = getattr(s.preemption, "profile", None)
+    if not hasattr(llm, "cost_profile"):  # what the engine was started with
+        llm.cost_profile = getattr(s.preemption, "profile", None)  # loaded or measured at start
+        llm.max_wait_s = s.policy.max_wait_s
+    name, _, wait = policy.partition("@")  # "lcas@5": LCAS aged after 5 s (--max-wait-s otherwise)
+    s.policy = make_queue_policy(name, float(wait) if wait else llm.max_wait_s)
     s.preemption = make_preemption(preemption, llm.cost_profile if preemption == "cost" else None)
     llm.engine.pool.reset_prefix_cache()
 
@@ -151,6 +153,139 @@ def run_matrix(llm, kind: str, qps: float, args, vocab, policies, preemptions, l
     finally:
         engine.shutdown()
     return rows
+
+
+def _versions(events: list) -> list[str]:
+    """The input text after each event (appends accumulate, updates replace)."""
+    texts, text = [], ""
+    for _, op, piece in events:
+        text = text + piece if op == "append" else piece
+        texts.append(text)
+    return texts
+
+
+def stream_bound(llm, queries: list) -> dict:
+    """The best TTFT ratio any streaming scheduler could reach on this machine, idle: work done
+    before the last event survives only inside the LCP of an earlier version with the final
+    prompt, and only as much as the input's duration lets this machine compute (T(tokens), the
+    measured prefill profile); the rest (at least the last chunk and the question) is prefilled
+    after it. Returns the p50 and p95 ratios non-streaming / best streaming."""
+    from streamkv.engine.profile import load_or_measure
+
+    prof = load_or_measure(llm.engine)
+    enc = lambda t: llm.engine.tokenizer.encode(t, add_special_tokens=True)
+    non, best = [], []
+    for _, events in queries:
+        texts = _versions(events)
+        full = enc(texts[-1] + QUESTION)
+        duration = sum(g for g, _, _ in events[1:])
+        lcp = max((_lcp(enc(t), full) for t in texts[:-1]), default=0)
+        done = next((n for n in range(lcp, -1, -16) if prof.prefill_s(n) <= duration), 0)
+        non.append(prof.prefill_s(len(full)))
+        best.append(prof.prefill_s(len(full) - done))
+    pct = lambda v, p: sorted(v)[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+    return {"p50": statistics.median(non) / statistics.median(best), "p95": pct(non, 95) / pct(best, 95)}
+
+
+# --------------------------------------------------------------------------- vLLM peer
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def peer_workload(llm, queries: list, args) -> dict:
+    """Each query as token-id chunks that concatenate to exactly streamkv's final prompt: an
+    append chunk ends where the arrived text's tokens stop agreeing with the final ones; an
+    update trace sends everything with its last event (vLLM cannot replace an input)."""
+    enc = lambda t: llm.engine.tokenizer.encode(t, add_special_tokens=True)
+    out = []
+    for start, events in queries:
+        texts = _versions(events)
+        full = enc(texts[-1] + QUESTION)
+        cuts = [0]
+        for t in texts[:-1]:
+            cuts.append(max(cuts[-1], _lcp(enc(t), full)) if events[0][1] == "append" else 0)
+        cuts.append(len(full))
+        out.append({"start": start, "chunks": [[gap, full[a:b]] for (gap, _, _), a, b
+                                               in zip(events, cuts, cuts[1:])]})
+    return {"threads": args.threads, "hf_dir": str(common.HF_EXPORT), "max_tokens": MAX_TOKENS,
+            "max_model_len": 8192, "budget": args.budget, "queries": out}
+
+
+def run_vllm(llm, kind: str, qps: float, args, vocab) -> list[dict]:
+    """vLLM on the same queries: non-streaming with prefix caching, and its own streaming input
+    (appends only). Rows shaped like streamkv's."""
+    import json
+    import os
+
+    import throughput
+
+    wl = peer_workload(llm, make_queries(kind, args.queries, qps, args.seed, vocab), args)
+    run_dir = common.RESULTS / "streaming_input_peers"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    wl_path = run_dir / f"workload-{kind}-{qps}.json"
+    wl_path.write_text(json.dumps(wl))
+    env = dict(VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="4",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", OMP_NUM_THREADS=str(args.threads))
+    if os.path.exists(throughput.TCMALLOC):
+        env["LD_PRELOAD"] = throughput.TCMALLOC
+    modes = "non-streaming,streaming" if kind == "append" else "non-streaming"
+    cfg = dict(name=f"vLLM {kind} {qps}", py=str(common.REPO / ".venv-vllm/bin/python"), script="run_trace_vllm.py",
+               dtype="bfloat16", extra=["--modes", modes], env=env, needs_hf=True)
+    r = throughput.run_engine(cfg, wl_path, run_dir, timeout=1800, wait=0)
+    if "runs" not in r:
+        print(f"  vLLM {kind} qps={qps}: {r.get('skipped') or r.get('error')}", flush=True)
+        return []
+    rows = []
+    for mode, run in r["runs"].items():
+        ttft = run["ttfts"]
+        pct = lambda p: ttft[min(len(ttft) - 1, int(round(p / 100 * (len(ttft) - 1))))]
+        row = {"p50": statistics.median(ttft), "p95": pct(95), "p99": pct(99), "ttfts": ttft,
+               "completion_s": run["completion_s"], "invalidated": 0, "preemptions": "-", "trace": kind,
+               "qps": qps, "label": "vLLM " + r["info"]["vllm"], "mode": mode, "policy": "-",
+               "preemption": "-", "same_tokens": run["tokens"] == r["runs"]["non-streaming"]["tokens"]}
+        rows.append(row)
+        print(f"  vLLM {kind} qps={qps} {mode:13} TTFT p50 {row['p50'] * 1e3:7.0f} ms  p95 {row['p95'] * 1e3:7.0f}  "
+              f"p99 {row['p99'] * 1e3:7.0f}  completion {row['completion_s']:6.1f} s", flush=True)
+    return rows
+
+
+def plot_ccdf(rows: list[dict], path: Path) -> Path | None:
+    """TTFT CCDF (P[TTFT > t]) per mode/policy/preemption, one panel per (run, trace, QPS)."""
+    try:
+        import matplotlib
+        import matplotlib.ticker
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install -e '.[bench]')")
+        return None
+    panels = sorted({(r["label"].split()[0] if r["label"].startswith("vLLM") else r["label"], r["trace"], r["qps"])
+                     for r in rows}, key=str)
+    panels = [p for p in panels if p[0] != "vLLM"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (label, trace, qps) in zip(axes[0], panels):
+        for r in rows:
+            if r["trace"] != trace or r["qps"] != qps or not (r["label"] == label or
+                                                             (label == "normal" and r["label"].startswith("vLLM"))):
+                continue
+            xs = sorted(r["ttfts"])
+            ys = [1 - (i + 1) / len(xs) for i in range(len(xs))]
+            name = ("vLLM " if r["label"].startswith("vLLM") else "") + r["mode"] + (
+                f" {r['policy']}" if r["policy"] != "-" else "")
+            name += f" {r['preemption']}" if label == "pressure" and r["mode"] == "streaming" else ""
+            ax.step([xs[0]] + xs, [1.0] + ys, where="post", label=name)
+        ax.set(xscale="log", xlabel="TTFT (s)", ylabel="P[TTFT > t]", title=f"{label}: {trace}, {qps} QPS")
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def sched_overhead(n: int = 500) -> float:
@@ -187,10 +322,13 @@ def main() -> int:
     ap.add_argument("--qps", default="0.1,0.25", help="query arrival rates: low load, then the highest before "
                                                      "saturation (all policies and the pressure runs)")
     ap.add_argument("--budget", type=int, default=512, help="scheduler token budget per step (both modes)")
-    ap.add_argument("--policies", default="fcfs,lcas,mcps,fifo", help="the first also runs at low load")
+    ap.add_argument("--policies", default="fcfs,lcas,lcas@5,mcps,fifo",
+                    help="the first also runs at low load; NAME@S: aged after S seconds (--max-wait-s)")
     ap.add_argument("--normal", action=argparse.BooleanOptionalAction, default=True, help="the QPS sweep")
     ap.add_argument("--pressure", action=argparse.BooleanOptionalAction, default=True,
                     help="the memory-pressure runs")
+    ap.add_argument("--peers", default="vllm", help="vllm (same queries, non-streaming with prefix caching, "
+                                                    "and vLLM's own streaming input), or none")
     ap.add_argument("--max-wait-s", type=float, default=None, help="aging bound of the queue policies")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
@@ -204,6 +342,7 @@ def main() -> int:
     policies = args.policies.split(",")
     rows: list[dict] = []
     rates = [float(x) for x in args.qps.split(",")]
+    bounds: dict[str, dict] = {}
     if args.normal:
         llm = LLM(threads=args.threads, max_model_len=8192, max_num_batched_tokens=args.budget,
                   max_wait_s=args.max_wait_s)
@@ -211,6 +350,12 @@ def main() -> int:
             for qps in rates:
                 chosen = policies if qps == max(rates) else policies[:1]
                 rows += run_matrix(llm, kind, qps, args, vocab, chosen, ["recompute"], "normal")
+                b = stream_bound(llm, make_queries(kind, args.queries, qps, args.seed, vocab))
+                bounds[f"{kind}@{qps}"] = b
+                print(f"  {kind} qps={qps}: best streaming TTFT ratio possible on this machine (idle, measured "
+                      f"prefill profile): p50 {b['p50']:.2f}x, p95 {b['p95']:.2f}x", flush=True)
+                if "vllm" in args.peers:
+                    rows += run_vllm(llm, kind, qps, args, vocab)
         del llm
     if args.pressure:
         # ~1/4 of the working set: 8 queries x ~3k tokens (append) -> a 6k-token pool
@@ -218,7 +363,7 @@ def main() -> int:
                     preemption="cost", max_num_batched_tokens=args.budget, max_wait_s=args.max_wait_s)
         for kind in args.traces.split(","):
             qps = max(rates)
-            rows += run_matrix(small, kind, qps, args, vocab, [p for p in policies if p in ("fcfs", "lcas")],
+            rows += run_matrix(small, kind, qps, args, vocab, [p for p in policies if p.split("@")[0] in ("fcfs", "lcas")],
                                ["recompute", "swap", "cost"], "pressure")
     overhead = sched_overhead()
     print(f"\nscheduling: {overhead:.0f} µs per schedule() with 500 live streaming inputs (target < 200)")
@@ -229,8 +374,12 @@ def main() -> int:
               r["invalidated"]] for r in rows]
     print(md_table(headers, table))
     path = common.write_json("streaming_input", {"machine": machine, "args": vars(args), "rows": rows,
-                                                  "sched_overhead_us": overhead})
+                                                  "sched_overhead_us": overhead,
+                                                  "update_bounds": bounds})
     print(f"results: {path}")
+    if rows:
+        png = plot_ccdf(rows, path.with_suffix(".png"))
+        print(f"plot: {png}" if png else "", end="\n" if png else "")
     return 0
 
 

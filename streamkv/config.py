@@ -70,7 +70,8 @@ class SchedulerConfig:
                                                                           "sequence per step (default: budget)"})
     queue_policy: str = field(default="fcfs", metadata={
         "help": "fifo | fcfs | mcps | lcas: order within a priority class; all but fifo rank requests whose "
-                "input is complete above streaming-input requests still receiving it (two tiers); fcfs = "
+                "input is complete above streaming-input requests still receiving it (two tiers: the lower "
+                "tier's prefill never shares a step with the upper tier's); fcfs = "
                 "arrival, mcps = most computed tokens first, lcas = most recent input chunk first"})
     preemption: str = field(default="cost", metadata={
         "help": "recompute | swap | cost: a preempted sequence drops its KV (recompute), moves it to the "

@@ -136,6 +136,24 @@ def test_complete_inputs_rank_above_partial_ones():
     assert [s.seq_id for s in runner.plans[-1].seqs] == [0]  # fifo: one tier, arrival order
 
 
+def test_partial_prefill_never_shares_a_step_with_a_complete_prefill():
+    engine, runner = slot_engine(budget=16)
+    p = engine.inputs.open("partial", prompt=LETTERS, params=GREEDY)  # 25 computable tokens
+    rows = lambda: [(s.seq_id, s.num_tokens) for s in runner.plans[-1].seqs]
+    engine.step()
+    assert rows() == [(p.seq.seq_id, 16)]
+    engine.add_request("full", "qrstuvwxyz", GREEDY)  # 10 tokens, 6 of the budget left over
+    engine.step()
+    assert rows() == [(1, 10)]  # the complete request's prefill runs alone
+    engine.step()
+    assert rows() == [(1, 1), (p.seq.seq_id, 9)]  # next to its decode, background prefill resumes
+    engine, runner = slot_engine(budget=16, queue_policy="fifo")
+    engine.inputs.open("partial", prompt=LETTERS, params=GREEDY)
+    engine.add_request("full", "qrstuvwxyz", GREEDY)
+    engine.step()
+    assert rows() == [(0, 16)]  # fifo: one tier, nothing is background
+
+
 def test_lcas_serves_the_latest_chunk_and_aging_bounds_the_wait():
     from streamkv.sched.policies import make_queue_policy
 

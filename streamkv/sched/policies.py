@@ -50,6 +50,11 @@ class QueuePolicy(ABC):
         return sorted(seqs, key=lambda s: (s.klass, s.priority, self.tiered and s.partial,
                                            *self._aging(s, now), *self.key(s), s.seq_id))
 
+    def background(self, seq: Sequence) -> bool:
+        """True for the lower tier (an input still streaming): its prefill yields to the upper
+        tier's (see ``Scheduler._propose``)."""
+        return self.tiered and seq.partial
+
     def _aging(self, seq: Sequence, now: float) -> tuple[bool, float]:
         if self.max_wait_s is not None and now - seq.last_input > self.max_wait_s:
             return False, seq.last_input

@@ -100,12 +100,23 @@ class Scheduler:
     def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
         """Phase 1: chunk sizes under the token budget and sequence cap (no state change).
 
-        ``ranked`` holds only sequences with work."""
+        ``ranked`` holds only sequences with work. The lower tier (inputs still streaming) is
+        background work: it gets no prefill in a step where a sequence ranked above it
+        prefills (more than one row), so a finishing request's last chunk never waits for
+        prefill nobody needs yet::
+
+            budget |== complete inputs' prefill ==|              (no background this step)
+            budget |= decodes =|======= background prefill =======|
+        """
         budget = self.config.max_num_batched_tokens
+        foreground_prefill = False
         out: list[_Proposal] = []
         for seq in ranked:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
                 break
+            background = self.policy.background(seq)
+            if background and foreground_prefill:
+                continue
             target = seq.computable
             computed = seq.num_computed
             if seq.status is SeqStatus.WAITING and not seq.swapped:
@@ -114,6 +125,7 @@ class Scheduler:
             n = max(0, min(target - computed, budget, self.config.chunk_cap))
             out.append(_Proposal(seq, computed + n))
             budget -= n
+            foreground_prefill = foreground_prefill or (not background and n > 1)
         return out
 
     def _acquire(self, proposals: list[_Proposal],
