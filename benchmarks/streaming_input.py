@@ -8,7 +8,8 @@ Two synthetic traces (seeds and sizes below):
           clipped to [20 ms, 30 s]);
   update  a vector search: a top-8 document list (~120 tokens per document) replaced 1-3 times,
           gaps lognormal (median 37 ms); each update keeps a prefix of the list, replaces the rest.
-Queries arrive as a Poisson process at each --qps. Per run:
+Queries arrive as a Poisson process at each --qps (or, --arrivals azure-conv|azure-code, with the
+gaps of an Azure LLM inference trace from shared/data/traces, rescaled to that QPS). Per run:
   non-streaming  the client submits the whole prompt when its last chunk arrives;
   streaming      /open at the first chunk, append/update per chunk, finish at the last.
 TTFT = first output token - arrival of the last chunk (what a client waits once its input is
@@ -61,12 +62,32 @@ def update_trace(rng: random.Random, vocab: list[str]) -> list[tuple[float, str,
     return events
 
 
-def make_queries(kind: str, n: int, qps: float, seed: int, vocab: list[str]) -> list[tuple[float, list]]:
+def trace_gaps(name: str, n: int, qps: float, seed: int) -> list[float]:
+    """``n`` consecutive inter-arrival gaps of a recorded trace (``shared/data/traces``: Azure
+    LLM inference 2023, ``azure-conv`` or ``azure-code``) from a seeded offset, rescaled to a
+    mean of 1/qps: the real burstiness at the chosen load."""
+    import csv
+    from datetime import datetime
+
+    path = common.REPO.parent / "shared/data/traces" / f"AzureLLMInferenceTrace_{name.split('-')[1]}.csv"
+    if not path.exists():
+        raise SystemExit(f"--arrivals {name}: {path} is missing")
+    with open(path) as f:
+        stamps = [datetime.fromisoformat(r["TIMESTAMP"][:26]).timestamp() for r in csv.DictReader(f)]
+    start = random.Random(seed).randrange(len(stamps) - n - 1)
+    gaps = [b - a for a, b in zip(stamps[start:start + n], stamps[start + 1:start + n + 1])]
+    scale = (1.0 / qps) / max(1e-9, statistics.mean(gaps))
+    return [g * scale for g in gaps]
+
+
+def make_queries(kind: str, n: int, qps: float, seed: int, vocab: list[str],
+                 arrivals: str = "poisson") -> list[tuple[float, list]]:
     rng = random.Random(seed)
+    gaps = trace_gaps(arrivals, n, qps, seed) if arrivals != "poisson" else None
     t, out = 0.0, []
-    for _ in range(n):
+    for i in range(n):
         out.append((t, (append_trace if kind == "append" else update_trace)(rng, vocab)))
-        t += rng.expovariate(qps)
+        t += gaps[i] if gaps else rng.expovariate(qps)
     return out
 
 
@@ -134,7 +155,7 @@ def _configure(llm, policy: str, preemption: str) -> None:
 def run_matrix(llm, kind: str, qps: float, args, vocab, policies, preemptions, label: str) -> list[dict]:
     from streamkv.engine.async_engine import AsyncEngine
 
-    queries = make_queries(kind, args.queries, qps, args.seed, vocab)
+    queries = make_queries(kind, args.queries, qps, args.seed, vocab, args.arrivals)
     rows = []
     engine = AsyncEngine(llm.engine).start()
     try:
@@ -222,7 +243,7 @@ def run_vllm(llm, kind: str, qps: float, args, vocab) -> list[dict]:
 
     import throughput
 
-    wl = peer_workload(llm, make_queries(kind, args.queries, qps, args.seed, vocab), args)
+    wl = peer_workload(llm, make_queries(kind, args.queries, qps, args.seed, vocab, args.arrivals), args)
     run_dir = common.RESULTS / "streaming_input_peers"
     run_dir.mkdir(parents=True, exist_ok=True)
     wl_path = run_dir / f"workload-{kind}-{qps}.json"
@@ -265,8 +286,12 @@ def plot_ccdf(rows: list[dict], path: Path) -> Path | None:
     panels = sorted({(r["label"].split()[0] if r["label"].startswith("vLLM") else r["label"], r["trace"], r["qps"])
                      for r in rows}, key=str)
     panels = [p for p in panels if p[0] != "vLLM"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (label, trace, qps) in zip(axes[0], panels):
+    cols = min(3, len(panels))
+    fig, axes = plt.subplots(-(-len(panels) // cols), cols, figsize=(5.5 * cols, 4.2 * -(-len(panels) // cols)),
+                             squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (label, trace, qps) in zip(axes.flat, panels):
         for r in rows:
             if r["trace"] != trace or r["qps"] != qps or not (r["label"] == label or
                                                              (label == "normal" and r["label"].startswith("vLLM"))):
@@ -330,6 +355,9 @@ def main() -> int:
     ap.add_argument("--peers", default="vllm", help="vllm (same queries, non-streaming with prefix caching, "
                                                     "and vLLM's own streaming input), or none")
     ap.add_argument("--max-wait-s", type=float, default=None, help="aging bound of the queue policies")
+    ap.add_argument("--arrivals", default="poisson", choices=["poisson", "azure-conv", "azure-code"],
+                    help="query arrivals: a Poisson process, or the gaps of an Azure LLM inference trace "
+                         "(shared/data/traces) rescaled to each QPS")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args()
@@ -350,7 +378,7 @@ def main() -> int:
             for qps in rates:
                 chosen = policies if qps == max(rates) else policies[:1]
                 rows += run_matrix(llm, kind, qps, args, vocab, chosen, ["recompute"], "normal")
-                b = stream_bound(llm, make_queries(kind, args.queries, qps, args.seed, vocab))
+                b = stream_bound(llm, make_queries(kind, args.queries, qps, args.seed, vocab, args.arrivals))
                 bounds[f"{kind}@{qps}"] = b
                 print(f"  {kind} qps={qps}: best streaming TTFT ratio possible on this machine (idle, measured "
                       f"prefill profile): p50 {b['p50']:.2f}x, p95 {b['p95']:.2f}x", flush=True)

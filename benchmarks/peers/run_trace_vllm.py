@@ -90,7 +90,8 @@ async def amain(args: argparse.Namespace, wl: dict) -> dict:
     result: dict = {"info": {"vllm": vllm.__version__, "torch": torch.__version__, "dtype": args.dtype,
                              "prefix_caching": True, "max_num_batched_tokens": wl["budget"]}, "runs": {}}
     try:
-        warm = {"start": 0.0, "chunks": [[0.0, wl["queries"][0]["chunks"][0][1][:64]], [0.0, [11, 12, 13]]]}
+        ids = [t for _, chunk in wl["queries"][0]["chunks"] for t in chunk]  # an update's first chunks are empty
+        warm = {"start": 0.0, "chunks": [[0.0, ids[:64]], [0.0, [11, 12, 13]]]}
         await _query(engine, "warm-0", warm, False, time.perf_counter(), 2)
         await _query(engine, "warm-1", warm, True, time.perf_counter(), 2)
         for mode in args.modes.split(","):
