@@ -57,14 +57,9 @@ def load_or_measure(engine: Any, remeasure: bool = False, quick: bool = True) ->
 
 def measure(engine: Any, sizes: dict[str, tuple[int, ...]] = FULL, repeats: int = 2) -> CostProfile:
     """Time prefill of n tokens on fresh blocks, and swapping n blocks out and in (best of ``repeats``)."""
-    runner, pool, kv_ops = engine.bundle.runner, engine.pool, engine.kv_ops
-    bs = pool.block_size
-    usable = min(pool.num_free, kv_ops.host_k.shape[1] // bs if kv_ops.host_k is not None else 0)
-    prefill = []
-    for n in sizes["prefill"]:
-        if -(-n // bs) > pool.num_free or n >= engine.max_model_len:
-            break
-        prefill.append((n, _best(repeats, lambda n=n: _prefill(runner, pool, n))))
+    pool, kv_ops = engine.pool, engine.kv_ops
+    usable = min(pool.num_free, kv_ops.host_k.shape[1] // pool.block_size if kv_ops.host_k is not None else 0)
+    prefill = measure_prefill(engine, sizes["prefill"], repeats)
     swap_out, swap_in = [], []
     for n in sizes["swap"]:
         if n > usable:
@@ -78,6 +73,18 @@ def measure(engine: Any, sizes: dict[str, tuple[int, ...]] = FULL, repeats: int 
             pool.release(dev)
     kv_ops.swap_bytes = 0
     return CostProfile(tuple(prefill), tuple(swap_out), tuple(swap_in))
+
+
+def measure_prefill(engine: Any, sizes: tuple[int, ...], repeats: int = 2) -> list[tuple[int, float]]:
+    """``[(n, seconds)]``: one prefill step of ``n`` fresh tokens, best of ``repeats``, for each
+    size that fits the pool and the context (ascending; stops at the first that does not)."""
+    runner, pool = engine.bundle.runner, engine.pool
+    out = []
+    for n in sizes:
+        if -(-n // pool.block_size) > pool.num_free or n >= engine.max_model_len:
+            break
+        out.append((n, _best(repeats, lambda n=n: _prefill(runner, pool, n))))
+    return out
 
 
 def _prefill(runner: Any, pool: Any, n: int) -> None:
