@@ -212,6 +212,13 @@ def stream_bound(llm, queries: list) -> dict:
     return {"p50": statistics.median(non) / statistics.median(best), "p95": pct(non, 95) / pct(best, 95)}
 
 
+def pressure_blocks(queries: list, block_size: int = 16) -> int:
+    """A KV pool of about 1/4 of the trace's working set (every query's final prompt and answer,
+    in the trace's nominal tokens), but at least 1.5x its largest query (so none is refused)."""
+    sizes = [len(_versions(events)[-1].split()) * TOKENS_PER_WORD + MAX_TOKENS + 32 for _, events in queries]
+    return int(max(sum(sizes) / 4, 1.5 * max(sizes)) // block_size) + 1
+
+
 # --------------------------------------------------------------------------- vLLM peer
 def _lcp(a: list[int], b: list[int]) -> int:
     n = 0
@@ -390,13 +397,15 @@ def main() -> int:
                     rows += run_vllm(llm, kind, qps, args, vocab)
         del llm
     if args.pressure:
-        # ~1/4 of the working set: 8 queries x ~3k tokens (append) -> a 6k-token pool
-        small = LLM(threads=args.threads, max_model_len=8192, num_blocks=384, swap_space=1 << 30,
-                    preemption="cost", max_num_batched_tokens=args.budget, max_wait_s=args.max_wait_s)
         for kind in args.traces.split(","):
             qps = max(rates)
+            blocks = pressure_blocks(make_queries(kind, args.queries, qps, args.seed, vocab, args.arrivals))
+            print(f"  pressure {kind}: a {blocks}-block pool ({blocks * 16} tokens)", flush=True)
+            small = LLM(threads=args.threads, max_model_len=8192, num_blocks=blocks, swap_space=1 << 30,
+                        preemption="cost", max_num_batched_tokens=args.budget, max_wait_s=args.max_wait_s)
             rows += run_matrix(small, kind, qps, args, vocab, [p for p in policies if p.split("@")[0] in ("fcfs", "lcas")],
                                ["recompute", "swap", "cost"], "pressure")
+            del small
     overhead = sched_overhead()
     print(f"\nscheduling: {overhead:.0f} µs per schedule() with 500 live streaming inputs (target < 200)")
     headers = ["run", "trace", "qps", "mode", "policy", "preemption", "TTFT p50 ms", "p95 ms", "p99 ms",

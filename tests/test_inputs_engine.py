@@ -170,6 +170,10 @@ def test_lcas_serves_the_latest_chunk_and_aging_bounds_the_wait():
     assert aged.rank([b.seq, a.seq], now)[0] is a.seq  # nobody waited 5 s yet: plain lcas
     assert now - b.seq.last_input < 5.0 < now + 10.0 - b.seq.last_input
     assert aged.rank([a.seq, b.seq], now + 10.0)[0] is b.seq  # b's input is > 5 s old: first
+    while engine.has_unfinished():
+        engine.step()  # both inputs computed up to their held-back token: idle, waiting for text
+    assert not a.seq.has_work and not b.seq.has_work
+    assert aged.rank([b.seq, a.seq], now + 10.0)[0] is a.seq  # idle inputs do not starve: plain lcas
     with pytest.raises(ValueError, match="max_wait_s"):
         make_queue_policy("lcas", max_wait_s=0)
     with pytest.raises(ValueError, match="unknown queue policy"):
