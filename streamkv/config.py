@@ -78,8 +78,8 @@ class SchedulerConfig:
                 "host swap space (swap, needs --swap-space), or whichever the measured cost profile says is "
                 "cheaper (cost; `streamkv profile`)"})
     max_wait_s: float | None = field(default=None, metadata={
-        "help": "aging bound: a request with work whose input last arrived or changed longer ago than this "
-                "ranks first in its tier, oldest first (bounds LCAS starvation); default off"})
+        "help": "aging bound: a complete request with work whose input arrived or last changed longer ago "
+                "than this ranks first in its tier, oldest first (bounds LCAS starvation); default off"})
 
     def __post_init__(self) -> None:
         from streamkv.sched.policies import make_queue_policy

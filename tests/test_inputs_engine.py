@@ -163,17 +163,22 @@ def test_lcas_serves_the_latest_chunk_and_aging_bounds_the_wait():
     engine.inputs.append("a", "q")  # a's chunk is the newest
     engine.step()
     assert [s.seq_id for s in runner.plans[-1].seqs] == [a.seq.seq_id]
+    lcas, aged = make_queue_policy("lcas"), make_queue_policy("lcas", max_wait_s=5.0)
+    engine.inputs.finish("b")
+    engine.inputs.finish("a")  # both complete now; a's input is the newest
     now = a.seq.last_input + 3.0
-    lcas = make_queue_policy("lcas")
+    assert b.seq.has_work and a.seq.has_work
     assert lcas.rank([b.seq, a.seq], now + 10.0)[0] is a.seq  # b starves without aging
-    aged = make_queue_policy("lcas", max_wait_s=5.0)
     assert aged.rank([b.seq, a.seq], now)[0] is a.seq  # nobody waited 5 s yet: plain lcas
     assert now - b.seq.last_input < 5.0 < now + 10.0 - b.seq.last_input
     assert aged.rank([a.seq, b.seq], now + 10.0)[0] is b.seq  # b's input is > 5 s old: first
-    while engine.has_unfinished():
-        engine.step()  # both inputs computed up to their held-back token: idle, waiting for text
-    assert not a.seq.has_work and not b.seq.has_work
-    assert aged.rank([b.seq, a.seq], now + 10.0)[0] is a.seq  # idle inputs do not starve: plain lcas
+    # An input still streaming never ages: it is background work, and one preempted while
+    # its client is quiet must not be recomputed ahead of everything (it thrashed under
+    # memory pressure); once finished it is complete and ages like any request.
+    c = engine.inputs.open("c", prompt="zyxwvutsrqponm", params=GREEDY)
+    d = engine.inputs.open("d", prompt="mnopqrstuvwxyz", params=GREEDY)
+    assert c.seq.has_work and d.seq.has_work and d.seq.last_input >= c.seq.last_input
+    assert aged.rank([c.seq, d.seq], d.seq.last_input + 60.0)[0] is d.seq  # plain lcas
     with pytest.raises(ValueError, match="max_wait_s"):
         make_queue_policy("lcas", max_wait_s=0)
     with pytest.raises(ValueError, match="unknown queue policy"):
