@@ -162,7 +162,7 @@ def run_matrix(llm, kind: str, qps: float, args, vocab, policies, preemptions, l
         for policy in policies:
             for pre in preemptions:
                 for streaming in ([False, True] if policy == policies[0] and pre == preemptions[0] else [True]):
-                    _configure(llm, policy, pre)
+                    _configure(llm, policy if streaming else "fcfs", pre)  # the baseline: arrival order
                     tag = f"{label}-{kind}-{qps}-{policy}-{pre}-{int(streaming)}"
                     r = asyncio.run(replay(engine, queries, streaming, tag))
                     r.update(trace=kind, qps=qps, label=label, mode="streaming" if streaming else "non-streaming",
