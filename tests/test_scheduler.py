@@ -98,6 +98,20 @@ def test_context_limit_finishes_with_length():
     assert len(done["r0"].prompt_token_ids) + len(done["r0"].token_ids) == 20
 
 
+def test_a_request_outgrowing_the_whole_pool_finishes_and_is_reported():
+    """The scheduler ends a sequence that needs more KV than the pool holds; its request
+    gets its final output and the engine goes idle (it used to stay unfinished forever)."""
+    engine, _ = fake_engine(num_blocks=4, block_size=4, budget=64)  # 16 rows
+    engine.add_request("big", list(range(1, 13)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    done = {}
+    for _ in range(50):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        if not engine.has_unfinished():
+            break
+    assert done["big"].finish_reason == "length" and not engine.has_unfinished()
+    assert engine.pool.num_used == 0
+
+
 def test_abort_frees_blocks():
     engine, _ = fake_engine()
     engine.add_request("a", [1] * 30, GREEDY)

@@ -255,6 +255,10 @@ class Engine:
             touched[req.request_id] = req
         for req in touched.values():
             outputs.append(self._finish(req) if req.seq.finished else self._snapshot(req))
+        for seq_id in plan.released:  # finished while scheduling (longer than the whole pool)
+            req = self._by_seq.get(seq_id)
+            if req is not None and req.request_id not in touched and req.seq.finished:
+                outputs.append(self._finish(req))
         return outputs
 
     def _on_token(self, req: _Request, token: int | None, result: StepOutput, now: float) -> None:
