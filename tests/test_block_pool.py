@@ -189,3 +189,24 @@ def test_scheduler_workload_keeps_integrity():
         assert engine.pool.num_free == num_blocks
 
     run()
+
+
+def test_host_blocks_a_swap_in_reads_are_not_reused_by_a_swap_out_of_the_same_step():
+    """The runner copies a step's swap-outs before its swap-ins, so a host block that a
+    swap-in reads must not receive another sequence's swap-out in that step."""
+    from streamkv.kv.host_pool import HostPool
+
+    kv = KVManager(BlockPool(8, 4), HostPool(2))
+    for seq in (1, 2):
+        kv.admit(seq, kv.match_prefix([seq] * 8))
+        assert kv.grow(seq, 8)
+    kv.begin_step()
+    kv.swap_out(1, 8)  # step 1: sequence 1 goes to host blocks 0 and 1
+    kv.begin_step()
+    read = [h for h, _ in kv.swap_in(1, 8)]  # step 2: it comes back ...
+    assert not kv.can_swap_out(8)  # ... so sequence 2 cannot take those host blocks now
+    kv.check_integrity()
+    kv.begin_step()  # step 3: they are free again
+    assert sorted(h for _, h in kv.swap_out(2, 8)) == sorted(read)
+    kv.check_integrity()
+    assert kv.host.num_used == 2

@@ -237,6 +237,10 @@ class KVManager:
         self.host.swapped_out_blocks += n
         return pairs
 
+    def begin_step(self) -> None:
+        """Host blocks swapped in by the previous step are free again."""
+        self.host.settle()
+
     def swap_in(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]] | None:
         """Bring a swapped sequence back with room for ``num_tokens`` rows; None (nothing
         changed) when the device pool is short. Returns ``(host block, device block)`` copies."""
@@ -246,7 +250,7 @@ class KVManager:
             return None
         kv.block_ids = self.pool.allocate(need)
         pairs = list(zip(kv.host_ids, kv.block_ids))
-        self.host.release(kv.host_ids)
+        self.host.release_after_step(kv.host_ids)  # this step's copies still read them
         self.host.swapped_in_blocks += len(kv.host_ids)
         kv.host_ids = []
         return pairs

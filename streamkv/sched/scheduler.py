@@ -89,6 +89,7 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
         now = time.perf_counter()
+        self.kv.begin_step()
         ranked = self.policy.rank([s for s in self.seqs.values() if s.has_work], now)
         proposals = self._propose(ranked)
         scheduled, preempted = self._acquire(proposals, lambda: self.policy.rank(self.seqs.values(), now))
