@@ -21,7 +21,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package", ["sessions", "inputs", "ops", "sched", "kv"])
+@pytest.mark.parametrize("package", ["sessions", "inputs", "ops", "sched", "kv", "spans"])
 def test_no_import_of_the_engine(package):
     bad = {f"{p.relative_to(PKG)}: {m}" for p in (PKG / package).rglob("*.py") for m in _imports(p)
            if (m == "streamkv.engine" or m.startswith("streamkv.engine.")) and m not in ALLOWED}

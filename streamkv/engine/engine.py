@@ -31,6 +31,7 @@ from streamkv.sched.preemption import PreemptionPolicy, make_preemption
 from streamkv.sched.scheduler import Scheduler
 from streamkv.sched.sequence import PriorityClass, Sequence
 from streamkv.sessions.manager import SessionManager
+from streamkv.spans.executor import SpanQueries
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class Engine:
         self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
         self.inputs = InputStreams(self)
+        self.spans = SpanQueries(self)
         self.scheduler.preemption = self._preemption()
 
     def _host_blocks(self) -> int:
@@ -209,6 +211,8 @@ class Engine:
                 f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-cache-memory")
 
     def abort(self, request_id: str) -> bool:
+        if self.spans.abort(request_id):  # a span query still computing its spans
+            return True
         req = self._requests.get(request_id)
         if req is None:
             return False
@@ -219,14 +223,15 @@ class Engine:
     # ------------------------------------------------------------------- loop
     def has_unfinished(self) -> bool:
         # open streaming inputs with all their arrived tokens computed wait for input, not steps
-        return (bool(self._pending) or self.sessions.has_work()
+        return (bool(self._pending) or self.sessions.has_work() or self.spans.has_work()
                 or len(self._requests) > self.inputs.num_idle())
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed or ended."""
         outputs, self._pending = self._pending, []
         self.sessions.before_step()
-        return self.sessions.after_step(outputs + self._step())
+        self.spans.before_step()
+        return self.spans.after_step(self.sessions.after_step(outputs + self._step()))
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

@@ -75,6 +75,54 @@ class LLM:
             self.engine.inputs.open(rid, messages=list(source), params=params, priority=priority)
         return InputHandle(self.engine, rid)
 
+    def span_queries(self, queries: Any, locality_k: int | None = None,
+                     priority: int = 0) -> list[RequestOutput]:
+        """Run span queries (``streamkv.spans``: trees from ``streamkv.spans.ir`` or their JSON
+        shape), together; each output's ``metrics["spans"]`` has its usage and inner outputs."""
+        from streamkv.spans.ir import parse
+
+        batch = list(queries) if isinstance(queries, (list, tuple)) else [queries]
+        trees = [parse(q) if isinstance(q, dict) else q for q in batch]
+        ids = [f"llm-span-{next(self._ids)}" for _ in trees]
+        started: list[str] = []
+        try:
+            for rid, tree in zip(ids, trees):
+                self.engine.spans.submit(rid, tree, priority, locality_k)
+                started.append(rid)
+        except Exception:
+            for rid in started:
+                self.engine.abort(rid)
+            self.engine.step()
+            raise
+        done = self.engine.run_to_completion(ids)
+        return [done[rid] for rid in ids]
+
+    def span_bulk(self, queries: Seq[Any], order: str = "clustered", concurrency: int = 4,
+                  locality_k: int | None = None) -> tuple[list[RequestOutput], list[int]]:
+        """Run many span queries, at most ``concurrency`` at a time, in ``order``: ``"given"``,
+        or ``"clustered"`` (queries sharing spans run close together, ``streamkv.spans.bulk``).
+        Returns the outputs in input order and the execution order."""
+        from streamkv.spans.bulk import cluster_order
+        from streamkv.spans.ir import parse
+
+        if order not in ("clustered", "given") or concurrency < 1:
+            raise InvalidRequestError("order must be 'clustered' or 'given' and concurrency >= 1")
+        trees = [parse(q) if isinstance(q, dict) else q for q in queries]
+        plans = [self.engine.spans.plan(t, locality_k)[1] for t in trees]
+        run = cluster_order(plans) if order == "clustered" else list(range(len(trees)))
+        ids = {i: f"llm-span-{next(self._ids)}" for i in run}
+        pending, live, done = list(run), set(), {}
+        while pending or live:
+            while pending and len(live) < concurrency:
+                i = pending.pop(0)
+                self.engine.spans.submit(ids[i], trees[i], 0, locality_k)
+                live.add(ids[i])
+            for out in self.engine.step():
+                if out.finished and out.request_id in live:
+                    live.discard(out.request_id)
+                    done[out.request_id] = out
+        return [done[ids[i]] for i in range(len(trees))], run
+
     def step(self) -> list[RequestOutput]:
         """Advance the engine one step (background ingestion of in-process sessions)."""
         return self.engine.step()

@@ -161,6 +161,39 @@ class SeqOps:
         del seq.tokens[start:start + count]
         seq.num_computed = seq.num_prompt_tokens = len(seq.tokens)
 
+    def splice(self, dst: Sequence, parts: Seq[tuple[Sequence, int, int]]) -> int:
+        """Append to idle stream ``dst`` the KV rows ``[start, start+count)`` of each
+        ``(src, start, count)`` in ``parts``, re-positioned to follow each other::
+
+            src A  [ prefix | a a a ]         src B  [ prefix | b b ]
+            dst    [ prefix | a a a ]  ->     dst    [ prefix | a a a | b b ]   b's keys rotated by +3
+
+        The rows are copied into fresh blocks (the sources keep theirs), all in one call.
+        Returns the rows moved with a non-zero shift. Raises OutOfBlocksError (nothing
+        changed) when the pool is short.
+        """
+        if not self.is_idle(dst):
+            raise RuntimeError("splice needs an idle destination stream (all tokens computed)")
+        n, bs = len(dst.tokens), self._kv.block_size
+        total = sum(count for _, _, count in parts)
+        if n + total >= self._max_len:
+            raise InvalidRequestError(f"stream would reach {n + total} tokens; the context is {self._max_len}")
+        if not self._kv.grow(dst.seq_id, n + total):
+            raise OutOfBlocksError(f"splice needs {self._kv.growth_cost(dst.seq_id, n + total)} free blocks")
+        src_slots, shifts, at = [], [], n
+        for src, start, count in parts:
+            if not self._kv.has(src.seq_id) or src.num_computed < start + count:
+                raise RuntimeError(f"splice source has {src.num_computed} computed rows, needs {start + count}")
+            src_slots.append(slots_of(self._kv.block_table(src.seq_id), start, count, bs))
+            shifts.append(torch.full((count,), at - start, dtype=torch.int64))
+            dst.tokens.extend(src.tokens[start:start + count])
+            at += count
+        if total:
+            shift = torch.cat(shifts)
+            self.ops.copy(torch.cat(src_slots), slots_of(self._kv.block_table(dst.seq_id), n, total, bs), shift)
+        dst.num_computed = dst.num_prompt_tokens = len(dst.tokens)
+        return int(sum(c for (_, s, c), sh in zip(parts, shifts) if c and int(sh[0]) != 0))
+
     # ----------------------------------------------------------- offload / restore
     def export(self, seq: Sequence, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [layers, num_tokens, kv_heads, head_dim] of a stream's first tokens, on the host."""

@@ -65,22 +65,25 @@ class KVOps:
             self.cache.written(slots_of([p[1] for p in into], 0, len(into) * bs, bs))
 
     @torch.inference_mode()
-    def copy(self, src: torch.Tensor, dst: torch.Tensor, shift: int = 0) -> None:
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, shift: int | torch.Tensor = 0) -> None:
         """Copy K/V from slots ``src`` [N] to slots ``dst`` [N] in every layer.
 
-        A non-zero ``shift`` re-positions the keys (rotation by ``shift`` positions); values
-        carry no position. ``src`` and ``dst`` must not overlap.
+        A non-zero ``shift`` (one int, or [N] per row) re-positions the keys (rotation by
+        ``shift`` positions); values carry no position. ``src`` and ``dst`` must not overlap.
+        One call moves any number of ranges: every layer's rows in one rotation.
         """
         if src.numel() == 0:
             return
         k = self.cache.k.index_select(1, src)
         v = self.cache.v.index_select(1, src)
-        if shift:
+        per_row = isinstance(shift, torch.Tensor)
+        if per_row or shift:
             if self.rope is None:
                 raise RuntimeError("re-positioning keys needs the model's rotary embedding")
             layers, n, heads, dim = k.shape
+            delta = shift.to(torch.float32).repeat(layers) if per_row else shift
             k = self.rope.rotate(k.reshape(layers * n, heads, dim).float(),
-                                 shift).to(k.dtype).reshape(layers, n, heads, dim)
+                                 delta).to(k.dtype).reshape(layers, n, heads, dim)
         self.cache.k.index_copy_(1, dst, k)
         self.cache.v.index_copy_(1, dst, v)
         self.cache.written(dst)

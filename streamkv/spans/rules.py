@@ -1,0 +1,161 @@
+"""The span-query optimizer: small named rewrite rules, applied to a fixed point.
+
+Each rule maps one node to its rewrite (or ``None``: does not apply). :func:`optimize` walks
+the tree bottom-up and applies every rule until nothing changes::
+
+    desugar_chat          chat(m1..mn, s)                  -> gen(seq(m1..mn), s)
+    desugar_retrieve      retrieve(c, i1..in)              -> plus(fragment(c[i1]) .. fragment(c[in]))
+    flatten_seq           seq(a, seq(b, c), d) / seq(a)    -> seq(a, b, c, d) / a
+    flatten_plus          plus(a, plus(b, c)) / plus(a)    -> plus(a, b, c) / a
+    distribute_plus       plus(gen(seq(p, a)), gen(seq(p, b)))
+                                                           -> seq(p, plus(gen(a), gen(b)))
+    locality_k (opt-in)   gen(seq(pre, plus(g1..gn), post)), n > k
+                                                           -> gen(seq(pre, plus(J1..Jm), post)),
+                                                              Jj = gen(seq(pre, plus(k of the g), post))
+
+``distribute_plus`` resolves the dual-output paradox. An inner ``gen`` has two outputs: its
+text (returned in ``inner``) and its span (its input and output, with the KV it computed).
+A parent reuses the span exactly as the KV stored it, so the inner generation must have
+seen the context the parent places it in: the operands' common prefix moves in front of
+the ``plus``, every inner gen runs after it, and the parent's operands are their spans.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from streamkv.spans.ir import Chat, Gen, Node, Plus, Retrieve, Seq, SpanQueryError, Text
+
+Corpora = Mapping[str, Mapping[str, str]]
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """``locality_k``: split a gen over more than k inner gens into a k-way tree of judges
+    (None: off). ``corpora``: name -> fragment id -> text, for ``retrieve``."""
+
+    locality_k: int | None = None
+    corpora: Corpora = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.locality_k is not None and (isinstance(self.locality_k, bool) or self.locality_k < 2):
+            raise ValueError(f"locality_k must be an integer >= 2, got {self.locality_k!r}")
+
+
+Rule = Callable[[Node, OptimizerOptions], "Node | None"]
+
+
+def desugar_chat(node: Node, opts: OptimizerOptions) -> Node | None:
+    if isinstance(node, Chat):
+        return Gen(Seq(node.messages), node.sampling)
+    return None
+
+
+def desugar_retrieve(node: Node, opts: OptimizerOptions) -> Node | None:
+    if isinstance(node, Retrieve):
+        corpus = opts.corpora[node.corpus]  # checked by check_refs before optimizing
+        return Plus(tuple(Text("fragment", corpus[i]) for i in node.ids))
+    return None
+
+
+def flatten_seq(node: Node, opts: OptimizerOptions) -> Node | None:
+    if not isinstance(node, Seq):
+        return None
+    if len(node.children) == 1:
+        return node.children[0]
+    if any(isinstance(c, Seq) for c in node.children):
+        return Seq(tuple(g for c in node.children for g in (c.children if isinstance(c, Seq) else (c,))))
+    return None
+
+
+def flatten_plus(node: Node, opts: OptimizerOptions) -> Node | None:
+    if not isinstance(node, Plus):
+        return None
+    if len(node.children) == 1:
+        return node.children[0]
+    if any(isinstance(c, Plus) for c in node.children):
+        return Plus(tuple(g for c in node.children for g in (c.children if isinstance(c, Plus) else (c,))))
+    return None
+
+
+def distribute_plus(node: Node, opts: OptimizerOptions) -> Node | None:
+    if not isinstance(node, Plus) or len(node.children) < 2:
+        return None
+    if not all(isinstance(c, Gen) and isinstance(c.input, Seq) and len(c.input.children) > 1
+               for c in node.children):
+        return None
+    inputs = [c.input.children for c in node.children]  # type: ignore[union-attr]
+    common = 0
+    while (common < min(len(i) for i in inputs) - 1
+           and all(i[common] == inputs[0][common] for i in inputs)):
+        common += 1
+    if not common:
+        return None
+    rest = tuple(Gen(_join(i[common:]), c.sampling) for i, c in zip(inputs, node.children))  # type: ignore[union-attr]
+    return Seq(tuple(inputs[0][:common]) + (Plus(rest),))
+
+
+def locality_k(node: Node, opts: OptimizerOptions) -> Node | None:
+    k = opts.locality_k
+    if k is None or not isinstance(node, Gen) or not isinstance(node.input, Seq):
+        return None
+    kids = node.input.children
+    at = next((i for i, c in enumerate(kids) if isinstance(c, Plus)
+               and len(c.children) > k and all(isinstance(g, Gen) for g in c.children)), None)
+    if at is None:
+        return None
+    pre, gens, post = kids[:at], kids[at].children, kids[at + 1:]  # type: ignore[union-attr]
+    judges = tuple(Gen(Seq(pre + (Plus(gens[j:j + k]),) + post), node.sampling) for j in range(0, len(gens), k))
+    return Gen(Seq(pre + (Plus(judges),) + post), node.sampling)
+
+
+def _join(children: tuple[Node, ...]) -> Node:
+    return children[0] if len(children) == 1 else Seq(children)
+
+
+RULES: tuple[Rule, ...] = (desugar_chat, desugar_retrieve, flatten_seq, flatten_plus, distribute_plus, locality_k)
+MAX_PASSES = 64
+
+
+def optimize(node: Node, opts: OptimizerOptions | None = None) -> Node:
+    """Apply :data:`RULES` bottom-up until the tree stops changing."""
+    opts = opts or OptimizerOptions()
+    check_refs(node, opts.corpora)
+    for _ in range(MAX_PASSES):
+        new = _pass(node, opts)
+        if new == node:
+            return new
+        node = new
+    raise SpanQueryError("query", f"the optimizer did not converge in {MAX_PASSES} passes")
+
+
+def _pass(node: Node, opts: OptimizerOptions) -> Node:
+    if isinstance(node, (Seq, Plus)):
+        node = type(node)(tuple(_pass(c, opts) for c in node.children))
+    elif isinstance(node, Gen):
+        node = Gen(_pass(node.input, opts), node.sampling)
+    elif isinstance(node, Chat):
+        node = Chat(tuple(_pass(m, opts) for m in node.messages), node.sampling)
+    for rule in RULES:
+        new = rule(node, opts)
+        if new is not None:
+            return new
+    return node
+
+
+def check_refs(node: Node, corpora: Corpora, path: str = "query") -> None:
+    """Every ``retrieve`` names a known corpus and fragments; a ``gen``/``chat`` is not empty."""
+    if isinstance(node, Retrieve):
+        if node.corpus not in corpora:
+            raise SpanQueryError(path, f"unknown corpus {node.corpus!r}")
+        missing = [i for i in node.ids if i not in corpora[node.corpus]]
+        if missing:
+            raise SpanQueryError(path, f"corpus {node.corpus!r} has no fragment(s) {missing}")
+    elif isinstance(node, (Seq, Plus)):
+        for i, c in enumerate(node.children):
+            check_refs(c, corpora, f"{path}.children[{i}]")
+    elif isinstance(node, Gen):
+        check_refs(node.input, corpora, f"{path}.input")
+    elif isinstance(node, Chat):
+        for i, m in enumerate(node.messages):
+            check_refs(m, corpora, f"{path}.messages[{i}]")

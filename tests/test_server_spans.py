@@ -1,0 +1,113 @@
+"""/v1/spans, /v1/spans/explain, /v1/spans/bulk and /v1/corpora over a live server: results
+equal the offline engine's shape, permutation invariance, reuse counters, SSE, and 400s that
+name the node path before any work."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server_harness import ServerProcess
+
+DOCS = [{"kind": "fragment", "text": t} for t in (
+    "Document A: the river Loire flows through Orleans, Tours and Nantes.\n",
+    "Document B: the chateau of Chambord was built for Francis I.\n",
+    "Document C: owls hunt at night.\n")]
+
+
+def rag(docs, question="Which document is about a king?", **sampling):
+    return {"kind": "gen", "max_tokens": 8, "temperature": 0, **sampling, "input": {"kind": "seq", "children": [
+        {"kind": "system", "text": "Answer from the documents."},
+        {"kind": "plus", "children": docs},
+        {"kind": "user", "text": question}]}}
+
+
+@pytest.fixture(scope="module")
+def http():
+    srv = ServerProcess("--dtype", "float32", "--max-model-len", "1024")
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield c
+    assert srv.stop() == 0
+
+
+def test_span_query_reuses_permuted_operands(http):
+    http.delete("/v1/spans/cache")
+    a = http.post("/v1/spans", json={"query": rag(DOCS)})
+    assert a.status_code == 200, a.text
+    b = http.post("/v1/spans", json={"query": rag(DOCS[::-1])}).json()
+    a = a.json()
+    assert a["object"] == "span_query" and a["output"] == b["output"] and a["output"]
+    assert a["usage"]["computed_tokens"] > b["usage"]["computed_tokens"]
+    assert b["usage"]["reused_tokens"] > 0
+    assert set(a["usage"]) >= {"prompt_tokens", "computed_tokens", "reused_tokens", "repositioned_tokens",
+                               "completion_tokens"}
+    stats = http.get("/v1/spans/cache").json()
+    assert stats["entries"] > 0 and stats["hits"] > 0
+
+
+def test_inner_outputs_are_returned(http):
+    inner = [{"kind": "gen", "max_tokens": 4, "temperature": 0, "input": {"kind": "user", "text": q}}
+             for q in ("Name a colour.", "Name a fruit.")]
+    r = http.post("/v1/spans", json={"query": rag(inner, "Repeat both.")})
+    assert r.status_code == 200, r.text
+    assert sorted(i["path"] for i in r.json()["inner"]) == ["query.input.children[1].children[0]",
+                                                             "query.input.children[1].children[1]"]
+
+
+def test_streaming_span_query_sends_deltas_then_the_result(http):
+    plain = http.post("/v1/spans", json={"query": rag(DOCS[:2])}).json()
+    with http.stream("POST", "/v1/spans", json={"query": rag(DOCS[:2]), "stream": True}) as r:
+        assert r.status_code == 200
+        frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    body = [json.loads(f) for f in frames[:-1]]
+    assert "".join(f.get("delta", "") for f in body[:-1]) == plain["output"] == body[-1]["output"]
+
+
+def test_explain_shows_the_layout_and_hits(http):
+    http.post("/v1/spans", json={"query": rag(DOCS[:2])})
+    r = http.post("/v1/spans/explain", json={"query": rag(DOCS[:2])})
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["optimized"]["kind"] == "gen" and "plus" in info["tree"]
+    ops = [row for row in info["layout"] if row["kind"] == "operand"]
+    assert len(ops) == 2 and all(row["cached"] for row in ops)
+    assert ops[0]["computed_at"] == ops[1]["computed_at"] and ops[0]["placed_at"] != ops[1]["placed_at"]
+    assert "placed@" in info["drawing"]
+
+
+def test_corpus_and_retrieve(http):
+    r = http.post("/v1/corpora/wiki", json={"fragments": [{"id": str(i), "text": d["text"]} for i, d in enumerate(DOCS)]})
+    assert r.status_code == 200 and r.json()["fragments"] == 3
+    q = rag([{"kind": "retrieve", "corpus": "wiki", "ids": ["2", "0"]}])
+    got = http.post("/v1/spans", json={"query": q}).json()
+    assert got["output"] == http.post("/v1/spans", json={"query": rag([DOCS[0], DOCS[2]])}).json()["output"]
+    dup = http.post("/v1/corpora/wiki", json={"fragments": [{"id": "x", "text": "a"}, {"id": "x", "text": "b"}]})
+    assert dup.status_code == 400
+
+
+def test_bulk_runs_in_clustered_order_and_returns_input_order(http):
+    queries = [rag([DOCS[0], DOCS[1]]), rag([DOCS[2]]), rag([DOCS[1], DOCS[0]], "Who?"), rag([DOCS[2], DOCS[0]])]
+    r = http.post("/v1/spans/bulk", json={"queries": queries, "order": "clustered", "concurrency": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert sorted(body["order"]) == [0, 1, 2, 3] and body["order"][:2] == [0, 2]
+    single = http.post("/v1/spans", json={"query": queries[1]}).json()["output"]
+    assert body["results"][1]["output"] == single
+
+
+@pytest.mark.parametrize("query, status, words", [
+    ({"kind": "gen", "max_tokens": 2}, 400, "query: a gen node needs an 'input'"),
+    ({"kind": "seq", "children": [{"kind": "wat", "text": "x"}]}, 400, "query.children[0]: unknown kind"),
+    (rag([{"kind": "retrieve", "corpus": "nope", "ids": ["1"]}]), 400, "unknown corpus 'nope'"),
+    (rag([{"kind": "fragment", "text": "word " * 1200}]), 400, "the context is 1024"),
+    ({"kind": "user", "text": "x"}, 400, "the root must be a gen"),
+])
+def test_bad_trees_are_400_with_the_node_path(http, query, status, words):
+    r = http.post("/v1/spans", json={"query": query})
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    e = http.post("/v1/spans/explain", json={"query": query})
+    assert e.status_code == status and words in e.json()["error"]["message"]

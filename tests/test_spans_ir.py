@@ -1,0 +1,118 @@
+"""Span-query IR and optimizer: JSON round trip, errors that name the node path, and each
+rewrite rule's left and right sides (no model needed)."""
+from __future__ import annotations
+
+import pytest
+
+from streamkv.spans import ir
+from streamkv.spans.ir import SpanQueryError, fragment, gen, plus, seq, system, user
+from streamkv.spans.rules import (OptimizerOptions, desugar_chat, desugar_retrieve, distribute_plus, flatten_plus,
+                                  flatten_seq, locality_k, optimize)
+
+OPTS = OptimizerOptions()
+
+
+def test_json_round_trip_and_builder_agree():
+    tree = {"kind": "gen", "max_tokens": 8, "temperature": 0, "stop": ["\n"],
+            "input": {"kind": "seq", "children": [
+                {"kind": "system", "text": "s"},
+                {"kind": "plus", "children": [{"kind": "fragment", "text": "a"}, {"kind": "fragment", "text": "b"}]},
+                {"kind": "user", "text": "q"}]}}
+    node = ir.parse(tree)
+    assert node == gen(seq(system("s"), plus(fragment("a"), fragment("b")), user("q")),
+                       max_tokens=8, temperature=0, stop=["\n"])
+    assert ir.parse(ir.to_json(node)) == node
+    assert ir.to_json(node) == tree
+    assert "plus" in ir.draw(node)
+
+
+@pytest.mark.parametrize("tree, path, words", [
+    ({"kind": "nope"}, "query", "unknown kind"),
+    ({"kind": "gen", "max_tokens": 3}, "query", "needs an 'input'"),
+    ({"kind": "gen", "input": {"kind": "seq", "children": [{"kind": "user"}]}}, "query.input.children[0]",
+     "string 'text'"),
+    ({"kind": "gen", "input": {"kind": "user", "text": "x"}, "max_tokens": -1}, "query", "max_tokens"),
+    ({"kind": "gen", "input": {"kind": "user", "text": "x"}, "colour": 1}, "query", "unexpected"),
+    ({"kind": "plus", "children": []}, "query.children", "must not be empty"),
+    ({"kind": "retrieve", "corpus": "c"}, "query.ids", "must be a list"),
+    ([1, 2], "query", "must be an object"),
+])
+def test_bad_trees_name_the_node_path(tree, path, words):
+    with pytest.raises(SpanQueryError) as err:
+        ir.parse(tree)
+    assert err.value.path == path and words in str(err.value)
+    assert str(err.value).startswith(path + ":")
+
+
+def test_depth_and_cycles_are_bounded():
+    deep: dict = {"kind": "user", "text": "x"}
+    for _ in range(ir.MAX_DEPTH + 2):
+        deep = {"kind": "seq", "children": [deep]}
+    with pytest.raises(SpanQueryError, match="deeper than"):
+        ir.parse(deep)
+    cyclic: dict = {"kind": "seq", "children": []}
+    cyclic["children"].append(cyclic)  # a Python dict can be cyclic; JSON cannot
+    with pytest.raises(SpanQueryError, match="cycle"):
+        ir.parse(cyclic)
+
+
+def test_unknown_corpus_and_fragment_are_named():
+    corpora = {"wiki": {"a": "text a"}}
+    with pytest.raises(SpanQueryError, match=r"query.input.children\[1\]: unknown corpus 'web'"):
+        optimize(gen(seq(user("q"), ir.retrieve("web", "a"))), OptimizerOptions(corpora=corpora))
+    with pytest.raises(SpanQueryError, match=r"has no fragment\(s\) \['b'\]"):
+        optimize(gen(ir.retrieve("wiki", "a", "b")), OptimizerOptions(corpora=corpora))
+
+
+# ------------------------------------------------------------------- the rules, left -> right
+def test_desugar_chat():
+    assert desugar_chat(ir.chat(system("s"), user("u"), max_tokens=4), OPTS) == gen(seq(system("s"), user("u")),
+                                                                                   max_tokens=4)
+    assert desugar_chat(user("u"), OPTS) is None
+
+
+def test_desugar_retrieve():
+    opts = OptimizerOptions(corpora={"c": {"x": "text x", "y": "text y"}})
+    assert desugar_retrieve(ir.retrieve("c", "y", "x"), opts) == plus(fragment("text y"), fragment("text x"))
+
+
+def test_flatten_seq():
+    a, b, c = user("a"), user("b"), user("c")
+    assert flatten_seq(seq(a, seq(b, c)), OPTS) == seq(a, b, c)
+    assert flatten_seq(seq(a), OPTS) == a
+    assert flatten_seq(seq(a, b), OPTS) is None
+
+
+def test_flatten_plus():
+    a, b, c = fragment("a"), fragment("b"), fragment("c")
+    assert flatten_plus(plus(a, plus(b, c)), OPTS) == plus(a, b, c)
+    assert flatten_plus(plus(a), OPTS) == a
+    assert flatten_plus(plus(a, seq(b, c)), OPTS) is None  # a seq operand is one piece, not two
+
+
+def test_distribute_plus_moves_the_shared_prefix_in_front():
+    p, a, b = system("p"), user("a"), user("b")
+    left = plus(gen(seq(p, a), max_tokens=3), gen(seq(p, b), max_tokens=3))
+    assert distribute_plus(left, OPTS) == seq(p, plus(gen(a, max_tokens=3), gen(b, max_tokens=3)))
+    assert distribute_plus(plus(gen(seq(p, a)), gen(seq(user("other"), b))), OPTS) is None
+    assert distribute_plus(plus(fragment("x"), gen(seq(p, a))), OPTS) is None
+
+
+def test_locality_k_builds_a_k_way_tree_of_judges():
+    gens = [gen(user(f"name {i}"), max_tokens=2) for i in range(4)]
+    pre, post = system("judge"), user("list every name")
+    left = gen(seq(pre, plus(*gens), post), max_tokens=9)
+    right = locality_k(left, OptimizerOptions(locality_k=2))
+    judge = lambda gs: gen(seq(pre, plus(*gs), post), max_tokens=9)  # noqa: E731
+    assert right == gen(seq(pre, plus(judge(gens[:2]), judge(gens[2:])), post), max_tokens=9)
+    assert locality_k(left, OPTS) is None  # opt-in
+    assert locality_k(right, OptimizerOptions(locality_k=2)) is None  # fixed point: no plus over > k gens
+
+
+def test_optimize_reaches_a_fixed_point():
+    tree = ir.chat(system("s"), seq(user("u"), plus(plus(fragment("a")), fragment("b"))), max_tokens=2)
+    out = optimize(tree)
+    assert out == gen(seq(system("s"), user("u"), plus(fragment("a"), fragment("b"))), max_tokens=2)
+    assert optimize(out) == out
+    with pytest.raises(ValueError, match="locality_k"):
+        OptimizerOptions(locality_k=1)
