@@ -18,6 +18,7 @@ import torch
 from streamkv import LLM
 from streamkv.spans import ir
 from streamkv.spans.lower import Piece, PlusPlan
+from tests.session_reference import rotate_keys
 from tests.tiny_checkpoints import make_tiny_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -40,15 +41,6 @@ def _query(docs):
                   max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)
 
 
-def _rotate(k: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Post-RoPE keys [1, heads, T, D] moved by ``delta`` positions (rotate-half convention)."""
-    ang = delta * inv_freq.double()
-    cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
-    half = k.shape[-1] // 2
-    rot = torch.cat([-k[..., half:], k[..., :half]], -1)
-    return k * cos + rot * sin
-
-
 def _reference(hf, plan) -> torch.Tensor:
     pieces, plus, tail = plan.segments[:-2], plan.segments[-2], plan.segments[-1]
     assert isinstance(plus, PlusPlan) and isinstance(tail, Piece)
@@ -68,7 +60,7 @@ def _reference(hf, plan) -> torch.Tensor:
                 if i == 0:
                     ks[layer].append(k[:, :, :P])
                     vs[layer].append(v[:, :, :P])
-                ks[layer].append(_rotate(k[:, :, P:], placed - P, inv_freq))
+                ks[layer].append(rotate_keys(k[:, :, P:], placed - P, inv_freq))
                 vs[layer].append(v[:, :, P:])
             placed += len(ids) - P
         cache = transformers.DynamicCache(config=hf.config)

@@ -59,6 +59,12 @@ class RotaryEmbedding:
         sin = self.sin_table.index_select(0, positions).unsqueeze(1)
         return cos.to(dtype), sin.to(dtype)
 
+    def rotation_table(self, delta: torch.Tensor) -> torch.Tensor:
+        """(cos, sin) of a rotation by ``delta`` [N] positions: [N, head_dim // 2, 2] float32
+        (what :meth:`rotate` applies; the native KV mover takes this table)."""
+        freqs = delta.to(torch.float32).reshape(-1, 1) * self.inv_freq.cpu()
+        return torch.stack([freqs.cos(), freqs.sin()], dim=-1)
+
     def rotate(self, x: torch.Tensor, delta: torch.Tensor | int) -> torch.Tensor:
         """Rotate already-embedded keys x [N, n_heads, D] by ``delta`` positions ([N] or scalar, may be < 0)."""
         d = torch.as_tensor(delta, dtype=torch.float32, device=x.device).reshape(-1, 1)

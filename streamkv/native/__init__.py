@@ -25,7 +25,8 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c")]
 # The batch-invariant kernels are compiled without -ffast-math: each output element's chain of
 # roundings is written out in the source and the compiler may not reassociate or contract it.
-_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "layer.c")]
+_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "layer.c",
+                                      "kv_move.c")]
 _HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h")]
 # STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
 # CPU that would not take it; tests do this in a subprocess with their own cache directory)
@@ -139,6 +140,9 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = ctypes.c_int
     lib.streamkv_fwd_workspace.argtypes = [p, i64]
     lib.streamkv_fwd_workspace.restype = ctypes.c_size_t
+    fn = lib.streamkv_kv_move
+    fn.restype = ctypes.c_int
+    fn.argtypes = [i32, p, p, i32, i64, i32, i32, p, p, i64, p]
     fn = lib.streamkv_page_bounds
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -252,6 +256,29 @@ def _q8(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor,
     if m and fn(x.data_ptr(), m, k, w.data_ptr(), d.data_ptr(), n, out.data_ptr()) != 0:
         raise ValueError(f"q8 GEMM rejected x {tuple(x.shape)} for {n} outputs")
     return out
+
+
+def kv_move() -> Callable[..., None] | None:
+    """The native KV row mover with key rotation (``kv_move.c``), or None without the kernels."""
+    lib = _library()
+    return None if lib is None else functools.partial(_kv_move, lib.streamkv_kv_move)
+
+
+def _kv_move(fn: ctypes._CFuncPtr, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+             cos_sin: torch.Tensor | None) -> None:
+    """Rows ``src`` [N] -> ``dst`` [N] of caches k, v [L, S, H, D]; ``cos_sin`` [N, D/2, 2] float32
+    rotates the keys (None: plain copy)."""
+    if k.dtype not in (torch.bfloat16, torch.float32) or v.dtype != k.dtype:
+        raise TypeError(f"native kv_move supports bfloat16/float32 caches, got {k.dtype}")
+    if not (k.is_contiguous() and v.is_contiguous()) or k.device.type != "cpu":
+        raise ValueError("native kv_move needs contiguous CPU caches")
+    src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
+    cs = None if cos_sin is None else cos_sin.to(torch.float32).contiguous()
+    layers, slots, heads, dim = k.shape
+    rc = fn(int(k.dtype == torch.bfloat16), k.data_ptr(), v.data_ptr(), layers, slots, heads, dim,
+            src.data_ptr(), dst.data_ptr(), src.numel(), None if cs is None else cs.data_ptr())
+    if rc != 0:
+        raise ValueError(f"native kv_move rejected the move (code {rc})")
 
 
 def page_select() -> Callable[..., torch.Tensor] | None:

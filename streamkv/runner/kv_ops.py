@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from streamkv import native
 from streamkv.attention.backend import KVCache
 from streamkv.models.rope import RotaryEmbedding
 
@@ -30,6 +31,8 @@ class KVOps:
         self.host_k: torch.Tensor | None = None  # swap space [layers, host_blocks * bs, kv_heads, head_dim]
         self.host_v: torch.Tensor | None = None
         self.swap_bytes = 0
+        # one pass over the rows in C (gather, rotate, scatter) where the kernels exist
+        self._move = native.kv_move() if cache.k.device.type == "cpu" and cache.k.is_contiguous() else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -74,12 +77,20 @@ class KVOps:
         """
         if src.numel() == 0:
             return
+        per_row = isinstance(shift, torch.Tensor)
+        if (per_row or shift) and self.rope is None:
+            raise RuntimeError("re-positioning keys needs the model's rotary embedding")
+        if self._move is not None:
+            table = None
+            if per_row or shift:
+                delta = shift if per_row else torch.full((src.numel(),), shift, dtype=torch.int64)  # type: ignore[union-attr]
+                table = self.rope.rotation_table(delta)  # type: ignore[union-attr]
+            self._move(self.cache.k, self.cache.v, src, dst, table)
+            self.cache.written(dst)
+            return
         k = self.cache.k.index_select(1, src)
         v = self.cache.v.index_select(1, src)
-        per_row = isinstance(shift, torch.Tensor)
         if per_row or shift:
-            if self.rope is None:
-                raise RuntimeError("re-positioning keys needs the model's rotary embedding")
             layers, n, heads, dim = k.shape
             delta = shift.to(torch.float32).repeat(layers) if per_row else shift
             k = self.rope.rotate(k.reshape(layers * n, heads, dim).float(),

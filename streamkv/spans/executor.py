@@ -15,6 +15,7 @@ re-positioned KV is never recomputed as a plain causal prompt.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generator
 
@@ -60,9 +61,10 @@ class Query:
     private: list[Sequence] = field(default_factory=list)  # streams to close at the end
     internal: set[str] = field(default_factory=set)
     final: Sequence | None = None
+    submitted: float = field(default_factory=time.perf_counter)
 
     def report(self) -> dict[str, Any]:
-        return {"usage": self.usage.as_dict(), "inner": list(self.inner)}
+        return {"usage": self.usage.as_dict(), "inner": list(self.inner), "submitted": self.submitted}
 
 
 def _forks(plan: SpanPlan) -> int:
@@ -147,7 +149,6 @@ class SpanQueries:
             return False
         query.admitted = True
         self._reserved += query.blocks
-        self.cache.trim(min(query.blocks, self.engine.pool.num_blocks))
         return True
 
     def add_corpus(self, name: str, fragments: dict[str, str]) -> dict[str, int]:
@@ -181,8 +182,14 @@ class SpanQueries:
         for query in list(self._queries.values()):
             if self._admit(query):
                 self._emit.extend(self._advance(query))
-        if self._queries:
-            self.cache.trim(max(1, self.engine.pool.num_blocks // 8))
+        if self._queries:  # room for the span streams now waiting to compute, and some slack
+            self.cache.trim(self._pending_blocks() + max(1, self.engine.pool.num_blocks // 8))
+
+    def _pending_blocks(self) -> int:
+        kv = self.engine.kv
+        return sum(kv.growth_cost(s.seq_id, len(s.tokens)) if kv.has(s.seq_id) else kv.blocks_for(len(s.tokens))
+                   for q in self._queries.values() if q.admitted for s in q.private
+                   if s.status is not SeqStatus.FINISHED)
 
     def after_step(self, outputs: list[Any]) -> list[Any]:
         """Take internal requests' outputs; return the others (the final one with its report)."""
