@@ -76,6 +76,7 @@ def part_rag(llm: LLM, args, rng: random.Random) -> dict:
         t_miss = []
         for o in orders[1:]:
             llm.engine.spans.cache.clear()
+            llm.engine.pool.reset_prefix_cache()  # the prefix state would hit the plain runs' blocks
             t_miss.append(timed(lambda o=o: llm.span_queries(one_token(q, o)))[0])
         llm.engine.spans.cache.clear()
         llm.span_queries(one_token(q, orders[0]))
@@ -127,39 +128,53 @@ def run_vllm_prompts(groups: dict, args) -> dict:
 
 # ------------------------------------------------------------------------ 2. nested generation
 def part_nested(llm: LLM, args, rng: random.Random) -> list[dict]:
+    """A judge over fan-out inner gens (each: a document + an instruction). ``cold``: no cache
+    on either side; ``warm``: the same documents were used by the previous pipeline (span
+    cache / prefix cache warm), with a new instruction."""
     tok = llm.engine.tokenizer
-    ask, judge_q = "Summarize the document in one short sentence.", "Which summary mentions a castle?"
+    asks = ["Summarize the document in one short sentence.", "Give the document a short title."]
+    judge_q = "Which answer mentions a castle?"
     out = []
     for fanout in (1, 8):
         docs = [doc_text(rng, tok, 300, str(i)) for i in range(fanout)]
         for temp in (0.0, 0.5):
-            inner = [gen(seq(fragment(d), user(ask)), max_tokens=24, temperature=temp, ignore_eos=True) for d in docs]
-            query = gen(seq(SYS, plus(*inner), user(judge_q)), max_tokens=16, temperature=0, ignore_eos=True)
-            llm.engine.spans.cache.clear()
-            t_span, _ = timed(lambda: llm.span_queries(query))
-            t_conc = plain_pipeline(llm, docs, ask, judge_q, temp, concurrent=True)
-            t_seq = plain_pipeline(llm, docs, ask, judge_q, temp, concurrent=False)
-            row = {"fanout": fanout, "temperature": temp, "span_s": t_span, "plain_concurrent_s": t_conc,
-                   "plain_sequential_s": t_seq}
+            row: dict = {"fanout": fanout, "temperature": temp}
+            for phase, ask in zip(("cold", "warm"), asks):
+                inner = [gen(seq(fragment(d), user(ask)), max_tokens=24, temperature=temp, ignore_eos=True)
+                         for d in docs]
+                query = gen(seq(SYS, plus(*inner), user(judge_q)), max_tokens=16, temperature=0, ignore_eos=True)
+                if phase == "cold":
+                    llm.engine.spans.cache.clear()
+                    llm.engine.pool.reset_prefix_cache()
+                t_span, _ = timed(lambda: llm.span_queries(query))
+                before = None if phase == "cold" else asks[0]
+                t_conc = plain_pipeline(llm, docs, ask, judge_q, temp, concurrent=True, before=before)
+                t_seq = plain_pipeline(llm, docs, ask, judge_q, temp, concurrent=False, before=before)
+                row[phase] = {"span_s": t_span, "plain_concurrent_s": t_conc, "plain_sequential_s": t_seq}
+                print(f"  nested fan-out {fanout} T={temp} {phase}: span {t_span:.2f} s  plain (inner concurrent) "
+                      f"{t_conc:.2f} s ({t_conc / t_span:.2f}x)  plain (inner one by one) {t_seq:.2f} s "
+                      f"({t_seq / t_span:.2f}x)", flush=True)
             out.append(row)
-            print(f"  nested fan-out {fanout} T={temp}: span {t_span:.2f} s  plain (inner concurrent) {t_conc:.2f} s "
-                  f"({t_conc / t_span:.2f}x)  plain (inner one by one) {t_seq:.2f} s ({t_seq / t_span:.2f}x)", flush=True)
     return out
 
 
-def plain_pipeline(llm: LLM, docs, ask, judge_q, temp, concurrent: bool) -> float:
-    """The same pipeline as plain requests: inner prompts, then a judge prompt holding their text."""
+def plain_pipeline(llm: LLM, docs, ask, judge_q, temp, concurrent: bool, before: str | None) -> float:
+    """The same pipeline as plain requests: inner prompts, then a judge prompt holding their text.
+    The prefix cache starts empty; with ``before``, the inner prompts of that instruction ran
+    first (untimed), as a previous pipeline over the same documents would have."""
     tok = llm.engine.tokenizer
-    msgs = lambda d: [{"role": "system", "content": SYS.text}, {"role": "user", "content": d + ask}]  # noqa: E731
-    inner_prompts = [tok.apply_chat_template(msgs(d), add_generation_prompt=True) for d in docs]
+    msgs = lambda d, a: [{"role": "system", "content": SYS.text}, {"role": "user", "content": d + a}]  # noqa: E731
+    inner_prompts = [tok.apply_chat_template(msgs(d, ask), add_generation_prompt=True) for d in docs]
     p_in = SamplingParams(max_tokens=24, temperature=temp, ignore_eos=True)
     llm.engine.pool.reset_prefix_cache()
+    if before is not None:
+        llm.generate([tok.apply_chat_template(msgs(d, before), add_generation_prompt=True) for d in docs], p_in)
     t = time.perf_counter()
     if concurrent:
         answers = [o.text for o in llm.generate(inner_prompts, p_in)]
     else:
         answers = [llm.generate([p], p_in)[0].text for p in inner_prompts]
-    body = "".join(f"{d}{ask}\nSummary: {a}\n" for d, a in zip(docs, answers))
+    body = "".join(f"{d}{ask}\nAnswer: {a}\n" for d, a in zip(docs, answers))
     judge = tok.apply_chat_template([{"role": "system", "content": SYS.text},
                                      {"role": "user", "content": body + judge_q}], add_generation_prompt=True)
     llm.generate([judge], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
@@ -224,21 +239,21 @@ def part_locality(llm: LLM, args, rng: random.Random) -> list[dict]:
 
 # ------------------------------------------------------------------------------ 5. fidelity
 def part_fidelity(llm: LLM, args, rng: random.Random) -> dict:
-    tok = llm.engine.tokenizer
-    colours = ["red", "blue", "green", "black", "white", "yellow", "purple", "orange"]
+    """Generated QA: four one-sentence facts (the documents), one question about one of them."""
+    people = ["Alice", "Bruno", "Chloe", "David", "Emma", "Farid", "Grace", "Hiro"]
+    fruits = ["apple", "banana", "cherry", "mango", "peach", "lemon", "grape", "plum"]
     agree = span_ok = plain_ok = 0
     for _ in range(args.qa):
-        cols = rng.sample(colours, 4)
-        codes = [str(rng.randint(1000, 9999)) for _ in cols]
-        docs = [f"The code of the {c} vault is {k}. " + doc_text(rng, tok, 60, c) for c, k in zip(cols, codes)]
+        who, what = rng.sample(people, 4), rng.sample(fruits, 4)
+        docs = [f"{p}'s favourite fruit is the {f}.\n" for p, f in zip(who, what)]
         ask = rng.randrange(4)
-        question = f"What is the code of the {cols[ask]} vault?"
-        query = gen(seq(SYS, plus(*[fragment(d) for d in docs]), user(question)), max_tokens=10, temperature=0)
+        question = f"What is {who[ask]}'s favourite fruit? Answer with one word."
+        query = gen(seq(SYS, plus(*[fragment(d) for d in docs]), user(question)), max_tokens=16, temperature=0)
         span = llm.span_queries(query)[0].text
-        plain = llm.generate([plain_ids(llm, question, docs)], SamplingParams(max_tokens=10, temperature=0))[0].text
+        plain = llm.generate([plain_ids(llm, question, docs)], SamplingParams(max_tokens=16, temperature=0))[0].text
         agree += span.strip() == plain.strip()
-        span_ok += codes[ask] in span
-        plain_ok += codes[ask] in plain
+        span_ok += what[ask] in span.lower()
+        plain_ok += what[ask] in plain.lower()
     res = {"questions": args.qa, "agreement": agree / args.qa, "span_correct": span_ok / args.qa,
            "plain_correct": plain_ok / args.qa}
     print(f"  fidelity: answers equal {res['agreement']:.0%}; correct: span {res['span_correct']:.0%}, "
@@ -297,7 +312,8 @@ def main() -> int:
           flush=True)
     parts = args.parts.split(",")
     result: dict = {"machine": machine, "args": {k: v for k, v in vars(args).items()}}
-    llm = LLM(dtype=args.dtype, max_num_batched_tokens=args.budget)
+    # no response cache: a repeated plain prompt must be computed, as for the peers
+    llm = LLM(dtype=args.dtype, max_num_batched_tokens=args.budget, response_cache_entries=0)
     rng = random.Random(args.seed)
     if "rag" in parts:
         result["rag"] = part_rag(llm, args, rng)

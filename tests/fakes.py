@@ -106,13 +106,14 @@ class FakeKVOps:
                         dst_map[dst * bs + i] = entry
             self.swap_bytes += len(pairs) * self.bytes_per_block
 
-    def copy(self, src, dst, shift: int = 0) -> None:
+    def copy(self, src, dst, shift=0) -> None:
         moved = [self.slots.get(int(s)) for s in src.tolist()]
-        for d, entry in zip(dst.tolist(), moved):
+        shifts = shift.tolist() if hasattr(shift, "tolist") else [shift] * len(moved)  # per row or one int
+        for d, entry, sh in zip(dst.tolist(), moved, shifts):
             if entry is None:
                 self.slots.pop(d, None)
             else:
-                self.slots[d] = (entry[0] + shift, entry[1])
+                self.slots[d] = (entry[0] + sh, entry[1])
         self.copies += 1
 
     def export(self, slots):

@@ -83,6 +83,13 @@ def test_corpus_and_retrieve(http):
     q = rag([{"kind": "retrieve", "corpus": "wiki", "ids": ["2", "0"]}])
     got = http.post("/v1/spans", json={"query": q}).json()
     assert got["output"] == http.post("/v1/spans", json={"query": rag([DOCS[0], DOCS[2]])}).json()["output"]
+    prep = http.post("/v1/corpora/notes", json={"fragments": [{"id": "x", "text": DOCS[1]["text"]}],
+                                                "prefix": {"kind": "system", "text": "Answer from the documents."}})
+    assert prep.status_code == 200, prep.text
+    done = prep.json()["prepared"]  # computed now, or already cached by an earlier query
+    assert done["computed_tokens"] + done["reused_tokens"] > 0
+    again = http.post("/v1/spans", json={"query": rag([{"kind": "retrieve", "corpus": "notes", "ids": ["x"]}])})
+    assert again.json()["usage"]["reused_tokens"] > 0
     dup = http.post("/v1/corpora/wiki", json={"fragments": [{"id": "x", "text": "a"}, {"id": "x", "text": "b"}]})
     assert dup.status_code == 400
 

@@ -184,3 +184,19 @@ def test_cache_pressure_evicts_and_every_query_finishes():
     assert all(o.finish_reason in ("stop", "length") for o in outs)
     assert llm.engine.spans.cache.stats.evictions > 0
     no_leaks(llm)
+
+
+def test_a_prepared_corpus_is_a_hit_for_queries_after_its_prefix(llm):
+    llm.engine.spans.cache.clear()
+    spans = llm.engine.spans
+    spans.add_corpus("prep", {f"d{i}": d.text for i, d in enumerate(DOCS)})
+    spans.prepare("prep-1", "prep", SYS)
+    out = llm.engine.run_to_completion(["prep-1"])["prep-1"]
+    assert out.finish_reason == "stop" and out.metrics["spans"]["usage"]["computed_tokens"] > 0
+    q = gen(seq(SYS, ir.retrieve("prep", "d3", "d1")), **T0)
+    usage = llm.span_queries(q)[0].metrics["spans"]["usage"]
+    doc_tokens = sum(len(spans.renderer.text(DOCS[i])) for i in (1, 3))
+    assert usage["reused_tokens"] >= doc_tokens  # both fragments (and the prefix) were ready
+    with pytest.raises(InvalidRequestError, match="unknown corpus"):
+        spans.prepare("prep-2", "nope")
+    no_leaks(llm)

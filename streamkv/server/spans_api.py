@@ -5,7 +5,8 @@
     POST   /v1/spans             {"query": <tree>, "stream": false}  -> {"output", "inner", "usage"}
     POST   /v1/spans/explain     {"query": <tree>}                   -> optimized tree + layout (JSON and text)
     POST   /v1/spans/bulk        {"queries": [<tree>...], "order": "clustered"|"given"} -> results in input order
-    POST   /v1/corpora/{name}    {"fragments": [{"id", "text"}]}     -> the corpus size
+    POST   /v1/corpora/{name}    {"fragments": [{"id", "text"}], "prefix": <text node>} -> size; computes and
+                                 caches each fragment after the prefix (as a retrieve after it needs them)
     GET    /v1/spans/cache       cache statistics;  DELETE: drop every unused cached span
 
 Trees are checked (kinds, fields, depth, corpora, token counts) before any work: a bad
@@ -61,6 +62,8 @@ class FragmentIn(_Body):
 
 class CorpusBody(_Body):
     fragments: Annotated[list[FragmentIn], Field(min_length=1)]
+    prepare: StrictBool = True
+    prefix: dict[str, Any] | None = None  # text node(s) the fragments will follow in queries
 
 
 def _engine(request: Request) -> AsyncEngine:
@@ -154,8 +157,20 @@ async def add_corpus(name: str, body: CorpusBody, request: Request) -> dict[str,
     frags = {f.id: f.text for f in body.fragments}
     if len(frags) != len(body.fragments):
         raise APIError(400, "fragment ids must be unique", param="fragments")
-    info = await _engine(request).call(lambda e: e.spans.add_corpus(name, frags))
-    return {"object": "corpus", "name": name, **info}
+    prefix = ir.parse(body.prefix, "prefix") if body.prefix is not None else None
+    engine = _engine(request)
+    info = await engine.call(lambda e: e.spans.add_corpus(name, frags))
+    out: dict[str, Any] = {"object": "corpus", "name": name, **info}
+    if body.prepare:  # compute and cache every fragment after the prefix now
+        rid = new_id("prep")
+        last = None
+        async for item in engine.generate(rid, "", SamplingParams(),
+                                          submit=lambda e: e.spans.prepare(rid, name, prefix)):
+            last = item
+        if last is None or last.finish_reason == "error":
+            raise APIError(500, f"preparing corpus {name!r} failed: {last.error if last else 'no output'}")
+        out["prepared"] = last.metrics["spans"]["usage"]
+    return out
 
 
 @router.get("/spans/cache")

@@ -1,76 +1,32 @@
 """Span queries on one engine: parse -> optimize -> lower -> run as a task between engine steps.
 
-How a ``plus`` runs from state S (P tokens), with the span cache (``cache.py``)::
+::
 
-    S ──fork──▶ A: [S | a a a]      each operand computed right after S, in parallel
-      ──fork──▶ B: [S | b b]        (cached under key(S, operand))
-    plus state: fork(A) + splice(B, rotated by +3) = [S | a a a | b b]   (cached under key(S, plus))
+    submit(tree) ─▶ plan (rules.py, lower.py) ─▶ Query (admitted while the pool can hold it)
+    engine.step():  before_step ─▶ tasks resume (execution.py) ─▶ model step ─▶ after_step
+                    (internal requests' outputs are taken; the answer passes with its report)
 
-Only text no cached state covers is computed. An inner ``gen`` generates from its input's
-state (an internal request), then its span (input + generation prompt + output) becomes a
-state its parent reuses. The root ``gen`` is an ordinary request under the query's id, so
-its outputs stream like any other; its final output carries ``metrics["spans"]`` (usage and
-the inner outputs). Every sequence a span query creates is pinned: never preempted, so its
-re-positioned KV is never recomputed as a plain causal prompt.
+The root ``gen``'s outputs stream like any other request's; its final output carries
+``metrics["spans"]`` (usage and the inner outputs).
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generator
+from typing import TYPE_CHECKING, Any
 
 from streamkv.errors import InvalidRequestError
-from streamkv.kv.block_pool import OutOfBlocksError
-from streamkv.sched.sequence import PriorityClass, Sequence, SeqStatus
-from streamkv.spans.cache import SpanCache, State
+from streamkv.sched.sequence import SeqStatus
+from streamkv.spans.cache import SpanCache
+from streamkv.spans.execution import Execution
 from streamkv.spans.ir import Node
-from streamkv.spans.lower import (ROOT_KEY, Piece, PlusPlan, Renderer, SpanPlan, check_ids, gen_key, layout,
-                                  lower, state_key)
+from streamkv.spans.lower import Renderer, SpanPlan, check_ids, layout, lower, lower_prepare
+from streamkv.spans.query import Query, forks
 from streamkv.spans.rules import OptimizerOptions, optimize
-from streamkv.spans.tasks import All, Done, Idle, Step, Task, TaskFailed, advance
+from streamkv.spans.tasks import Done, Idle, Step, Task, TaskFailed, advance
 
 if TYPE_CHECKING:
     from streamkv.ops.core import EngineCore
 
-_RETRY_STEPS = 64  # steps a query waits for blocks (the cache trims meanwhile) before it fails
 MAX_FRAGMENTS = 100_000
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    computed_tokens: int = 0
-    reused_tokens: int = 0
-    repositioned_tokens: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-@dataclass
-class Query:
-    request_id: str
-    plan: SpanPlan
-    priority: int
-    blocks: int = 0  # the most KV blocks it may hold at once (admission)
-    admitted: bool = False
-    task: Task = field(init=False)
-    usage: Usage = field(default_factory=Usage)
-    inner: list[dict[str, str]] = field(default_factory=list)
-    held: list[State] = field(default_factory=list)  # cache uses to release at the end
-    private: list[Sequence] = field(default_factory=list)  # streams to close at the end
-    internal: set[str] = field(default_factory=set)
-    final: Sequence | None = None
-    submitted: float = field(default_factory=time.perf_counter)
-
-    def report(self) -> dict[str, Any]:
-        return {"usage": self.usage.as_dict(), "inner": list(self.inner), "submitted": self.submitted}
-
-
-def _forks(plan: SpanPlan) -> int:
-    """Streams a plan creates (each fork may copy one partial block)."""
-    n = len(plan.segments) + (2 if plan.gen is not None else 0)
-    return n + sum(1 + sum(_forks(o) for o in seg.operands) for seg in plan.segments if isinstance(seg, PlusPlan))
 
 
 class SpanQueries:
@@ -84,9 +40,9 @@ class SpanQueries:
         self._queries: dict[str, Query] = {}
         self._outputs: dict[str, Any] = {}  # finished internal requests, by id
         self._owner: dict[str, Query] = {}  # internal request id -> its query
-        self._counter = 0
         self._steps = 0
         self._reserved = 0  # blocks admitted span queries may hold (see _admit)
+        self.run = Execution(engine, self.cache, self._owner, lambda: self._steps)
         self._emit: list[Any] = []  # outputs made outside a step (aborts), returned by after_step
 
     # ------------------------------------------------------------------ intake
@@ -114,7 +70,7 @@ class SpanQueries:
     def _need(self, plan: SpanPlan) -> int:
         """Blocks a query may hold at once, at most: every span and its placed copy, plus one
         partial block copied per fork."""
-        return self.engine.kv.blocks_for(2 * plan.max_len()) + _forks(plan) + 2
+        return self.engine.kv.blocks_for(2 * plan.max_len()) + forks(plan) + 2
 
     def explain(self, tree: Node, locality_k: int | None = None) -> dict[str, Any]:
         optimized, plan = self.plan(tree, locality_k)
@@ -126,13 +82,34 @@ class SpanQueries:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         _, plan = self.plan(tree, locality_k)
         query = Query(request_id, plan, priority, blocks=self._need(plan))
-        query.task = Task(self._run_root(query))
+        query.task = Task(self.run.run_root(query))
         self._queries[request_id] = query
         if self._admit(query):
             advance(query.task, self._ready)
             if query.task.error is not None:  # failed before any step: nothing queued
                 self._end(query)
                 raise query.task.error
+        return query
+
+    def prepare(self, request_id: str, corpus: str, prefix: Node | None = None) -> Query:
+        """Compute and cache every fragment of ``corpus`` right after ``prefix`` (text; None:
+        the bare start), as a query whose ``retrieve`` follows that prefix will need them.
+        Ends with a finished output under ``request_id`` carrying the usage."""
+        if corpus not in self.corpora:
+            raise InvalidRequestError(f"unknown corpus {corpus!r}")
+        if request_id in self._queries:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        plan, ops = lower_prepare(prefix, self.corpora[corpus], self.renderer, self.engine.max_model_len)
+        for op in ops:
+            check_ids(op, self.engine.bundle.vocab_size)  # type: ignore[attr-defined]
+        budget = max(self._need(SpanPlan(plan.segments + o.segments, "x")) for o in ops)
+        query = Query(request_id, plan, 0, blocks=max(budget, self.engine.pool.num_blocks // 4))
+        if query.blocks > self.engine.pool.num_blocks:
+            raise InvalidRequestError("a fragment and the prefix do not fit the KV cache")
+        query.task = Task(self.run.run_prepare(query, ops))
+        self._queries[request_id] = query
+        if self._admit(query):
+            self._emit.extend(self._advance(query))
         return query
 
     def _admit(self, query: Query) -> bool:
@@ -225,6 +202,11 @@ class SpanQueries:
 
     def _advance(self, query: Query) -> list[Any]:
         advance(query.task, self._ready)
+        if query.task.done and query.task.error is None and query.plan.gen is None:  # a preparation
+            self._end(query)
+            out = self._error_output(query, None)
+            out.finish_reason = "stop"
+            return [out]
         if query.task.error is None:
             return []
         error = query.task.error
@@ -264,136 +246,3 @@ class SpanQueries:
         if isinstance(wait, Step):  # until the next engine step has run
             return self._steps > wait.after, None
         raise TypeError(f"unknown wait {wait!r}")
-
-    # --------------------------------------------------------------- execution
-    def _run_root(self, query: Query) -> Generator[Any, Any, None]:
-        plan = query.plan
-        state = yield from self._segments(query, plan, State(ROOT_KEY, None, 0))
-        suffix = list(plan.gen.prompt)  # type: ignore[union-attr]
-        query.usage.prompt_tokens = state.length + len(suffix)
-        query.usage.computed_tokens += len(suffix) or 1
-        seq = yield from self._fork_request(query, query.request_id, state, suffix, plan.gen.params)  # type: ignore[union-attr]
-        query.final = seq
-
-    def _segments(self, query: Query, plan: SpanPlan, state: State) -> Generator[Any, Any, State]:
-        for seg in plan.segments:
-            if isinstance(seg, Piece):
-                state = yield from self._extend(query, state, seg)
-            else:
-                state = yield from self._plus(query, state, seg)
-        return state
-
-    def _extend(self, query: Query, state: State, piece: Piece) -> Generator[Any, Any, State]:
-        key = state_key(state.key, piece.key)
-        hit = self._take(query, key, state.volatile)
-        if hit is not None:
-            query.usage.reused_tokens += len(piece.ids)
-            return hit
-        stream = yield from self._stream(query, state, list(piece.ids))
-        query.usage.computed_tokens += len(piece.ids)
-        return (yield from self._cached(query, State(key, stream, state.length + len(piece.ids),
-                                                     volatile=state.volatile)))
-
-    def _plus(self, query: Query, state: State, plus: PlusPlan) -> Generator[Any, Any, State]:
-        key = state_key(state.key, plus.key)
-        volatile = state.volatile or not plus.reproducible
-        hit = self._take(query, key, volatile)
-        if hit is not None:
-            query.usage.reused_tokens += hit.length - state.length
-            return hit
-        ops: list[State] = yield All([self._operand(query, op, state) for op in plus.operands])
-        stream = yield from self._stream(query, ops[0], [])
-        parts = [(op.stream, state.length, op.length - state.length) for op in ops[1:]]
-        for attempt in range(_RETRY_STEPS + 1):
-            try:
-                query.usage.repositioned_tokens += self.engine.seq_ops.splice(stream, parts)  # type: ignore[arg-type]
-                break
-            except OutOfBlocksError:
-                if attempt == _RETRY_STEPS:
-                    raise
-                yield from self._wait_for_blocks(sum(p[2] for p in parts))
-        return (yield from self._cached(query, State(key, stream, len(stream.tokens), volatile=volatile)))
-
-    def _operand(self, query: Query, plan: SpanPlan, base: State) -> Generator[Any, Any, State]:
-        state = yield from self._segments(query, plan, base)
-        if plan.gen is None:
-            return state
-        gen = plan.gen
-        key = state_key(state.key, gen_key(gen))
-        volatile = state.volatile or not gen.cacheable
-        hit = self._take(query, key, volatile)
-        if hit is not None:
-            query.inner.append({"path": plan.path, "text": hit.text or ""})
-            query.usage.reused_tokens += hit.length - state.length
-            return hit
-        self._counter += 1
-        rid = f"{query.request_id}/{plan.path}#{self._counter}"
-        self._owner[rid] = query
-        query.internal.add(rid)
-        yield from self._fork_request(query, rid, state, list(gen.prompt), gen.params)
-        out = yield Done(rid)
-        if out.error or out.finish_reason in ("error", "abort"):
-            raise TaskFailed(f"inner gen {plan.path} failed: {out.error or out.finish_reason}")
-        query.inner.append({"path": plan.path, "text": out.text})
-        ids = list(gen.prompt) + list(out.token_ids)
-        query.usage.computed_tokens += 2 * len(ids)  # the gen, then its span
-        stream = yield from self._stream(query, state, ids)
-        return (yield from self._cached(query, State(key, stream, state.length + len(ids), text=out.text,
-                                                     volatile=volatile)))
-
-    # ----------------------------------------------------------------- helpers
-    def _take(self, query: Query, key: bytes, volatile: bool = False) -> State | None:
-        if volatile:
-            return None
-        hit = self.cache.take(key)
-        if hit is not None:
-            query.held.append(hit)
-        return hit
-
-    def _cached(self, query: Query, state: State) -> Generator[Any, Any, State]:
-        if state.stream is not None and not self.engine.seq_ops.is_idle(state.stream):
-            yield Idle([state.stream])
-        if state.volatile:  # a sampled output's span: this query's alone (closed at its end)
-            return state
-        if state.stream is not None:
-            query.private.remove(state.stream)  # the cache owns it now (or closes a duplicate)
-        kept = self.cache.put(state)
-        query.held.append(kept)
-        return kept
-
-    def _stream(self, query: Query, base: State, suffix: list[int]) -> Generator[Any, Any, Sequence]:
-        """A new pinned stream over ``base`` + ``suffix`` (computed by the scheduler), the
-        query's own until it is cached (closed if the query ends first)."""
-        ops = self.engine.seq_ops
-        for attempt in range(_RETRY_STEPS + 1):
-            try:
-                if base.stream is None:
-                    stream = ops.open(suffix, klass=PriorityClass.POOL)
-                else:
-                    stream = ops.fork(base.stream, base.length, suffix, klass=PriorityClass.POOL)
-                query.private.append(stream)
-                return stream
-            except InvalidRequestError as exc:
-                if "full" not in str(exc) or attempt == _RETRY_STEPS:
-                    raise
-                yield from self._wait_for_blocks(1)
-        raise AssertionError("unreachable")
-
-    def _fork_request(self, query: Query, rid: str, state: State, suffix: list[int],
-                      params: Any) -> Generator[Any, Any, Sequence]:
-        for attempt in range(_RETRY_STEPS + 1):
-            try:
-                seq = self.engine.add_fork_request(rid, state.stream, state.length, suffix, params,  # type: ignore[arg-type]
-                                                   priority=query.priority, klass=PriorityClass.POOL)
-                seq.pinned = True  # re-positioned KV must never be recomputed as a causal prompt
-                return seq
-            except InvalidRequestError as exc:
-                if "full" not in str(exc) or attempt == _RETRY_STEPS:
-                    raise
-                yield from self._wait_for_blocks(1)
-        raise AssertionError("unreachable")
-
-    def _wait_for_blocks(self, tokens: int) -> Generator[Any, Any, None]:
-        need = self.engine.kv.blocks_for(tokens) + 1
-        if self.cache.trim(need) == 0 and self.engine.pool.num_free < need:
-            yield Step(self._steps)  # one engine step: running requests finish and free blocks

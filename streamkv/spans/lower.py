@@ -18,7 +18,7 @@ from typing import Any, Callable, Union
 
 from streamkv.errors import InvalidRequestError
 from streamkv.sampling.params import SamplingParams
-from streamkv.spans.ir import MESSAGE_KINDS, Gen, Node, Plus, Seq, SpanQueryError, Text
+from streamkv.spans.ir import Gen, Node, Plus, Seq, SpanQueryError, Text
 
 ROOT_KEY = b"streamkv-span-root"
 
@@ -150,6 +150,22 @@ def lower(root: Node, renderer: Renderer, max_len: int) -> SpanPlan:
     return plan
 
 
+def lower_prepare(prefix: Node | None, fragments: dict[str, str], renderer: Renderer,
+                  max_len: int) -> tuple[SpanPlan, list[SpanPlan]]:
+    """A corpus preparation: the prefix's plan and one operand per fragment, each to be
+    computed right after the prefix, as a ``plus`` in a query with that prefix computes it."""
+    segments = _segments(prefix, "prefix", renderer) if prefix is not None else ()
+    if any(not isinstance(s, Piece) for s in segments):
+        raise SpanQueryError("prefix", "a preparation prefix must be text (messages or fragments)")
+    plan = SpanPlan(((Piece(renderer.bos, "bos"),) if renderer.bos else ()) + segments, "prefix")
+    ops = [SpanPlan((Piece(renderer.text(Text("fragment", t)), f"fragments[{fid!r}]"),), f"fragments[{fid!r}]")
+           for fid, t in fragments.items()]
+    longest = plan.max_len() + max((o.max_len() for o in ops), default=0)
+    if longest >= max_len:
+        raise SpanQueryError("prefix", f"prefix and fragment need {longest} tokens; the context is {max_len}")
+    return plan, ops
+
+
 def _gen(node: Gen, path: str, r: Renderer) -> SpanPlan:
     try:
         node.params()
@@ -193,10 +209,9 @@ def _operand(node: Node, path: str, r: Renderer) -> SpanPlan:
 
 
 def _append_piece(out: list[Segment], piece: Piece) -> None:
-    if out and isinstance(out[-1], Piece):  # consecutive text: one piece (one computation)
-        out[-1] = Piece(out[-1].ids + piece.ids, out[-1].path)
-    else:
-        out.append(piece)
+    # one state per text node (not merged with its neighbours): a piece is reusable wherever
+    # the same nodes precede it, e.g. a prepared fragment after the same system message
+    out.append(piece)
 
 
 def layout(plan: SpanPlan, cached: Callable[[bytes], bool]) -> list[dict[str, Any]]:

@@ -1,0 +1,48 @@
+"""One span query's book-keeping: its plan, task, usage, and what it holds until it ends."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamkv.sched.sequence import Sequence
+from streamkv.spans.cache import State
+from streamkv.spans.lower import PlusPlan, SpanPlan
+from streamkv.spans.tasks import Task
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    reused_tokens: int = 0
+    repositioned_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Query:
+    request_id: str
+    plan: SpanPlan
+    priority: int
+    blocks: int = 0  # the most KV blocks it may hold at once (admission)
+    admitted: bool = False
+    task: Task = field(init=False)
+    usage: Usage = field(default_factory=Usage)
+    inner: list[dict[str, str]] = field(default_factory=list)
+    held: list[State] = field(default_factory=list)  # cache uses to release at the end
+    private: list[Sequence] = field(default_factory=list)  # streams to close at the end
+    internal: set[str] = field(default_factory=set)
+    final: Sequence | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def report(self) -> dict[str, Any]:
+        return {"usage": self.usage.as_dict(), "inner": list(self.inner), "submitted": self.submitted}
+
+
+def forks(plan: SpanPlan) -> int:
+    """Streams a plan creates (each fork may copy one partial block)."""
+    n = len(plan.segments) + (2 if plan.gen is not None else 0)
+    return n + sum(1 + sum(forks(o) for o in seg.operands) for seg in plan.segments if isinstance(seg, PlusPlan))
