@@ -188,3 +188,28 @@ def test_a_read_policy_covers_only_the_fork_own_rows_even_after_preemption():
     items = [s for p in runner.plans for s in p.seqs if s.seq_id == fork.seq_id]
     assert items[0].start == 0 and any(s.start >= 40 for s in items)
     assert all((s.read is policy) == (s.start >= 40) for s in items)
+
+
+def test_a_waiting_request_that_cannot_fit_does_not_stall_pinned_streams():
+    """The pool is held by pinned streams that need one more block each to finish; a waiting
+    request larger than everything free (and nothing unpinned to preempt) must not take the
+    step budget nor block them (it would never fit until they finish: a deadlock)."""
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=12, block_size=4, budget=4)
+    ops = engine.seq_ops
+    streams = [ops.open(list(range(1, 16))) for _ in range(2)]  # 2 x 4 blocks
+    for _ in range(20):
+        engine.step()
+    assert all(ops.is_idle(s) for s in streams)
+    engine.add_request("big", list(range(1, 30)), SamplingParams(max_tokens=2, temperature=0))  # 8 blocks > 4 free
+    for s in streams:
+        ops.append(s, [7, 8, 9, 10, 11])  # each needs 2 more blocks
+    for _ in range(10):
+        engine.step()
+    assert all(ops.is_idle(s) for s in streams)  # the streams progressed past the blocked request
+    for s in streams:
+        ops.close(s)
+    done = engine.run_to_completion(["big"])
+    assert done["big"].finish_reason == "length"
+    engine.check_integrity()

@@ -111,17 +111,27 @@ class Scheduler:
         """
         budget = self.config.max_num_batched_tokens
         foreground_prefill = False
+        blocked = False  # a waiting sequence that cannot fit: only pinned ones may pass it
+        reclaimable = self.kv.pool.num_free + sum(self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
+                                                  if s.status is SeqStatus.RUNNING and not s.pinned)
         out: list[_Proposal] = []
         for seq in ranked:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
                 break
             background = self.policy.background(seq)
-            if background and foreground_prefill:
+            if (background and foreground_prefill) or (blocked and not seq.pinned):
                 continue
             target = seq.computable
             computed = seq.num_computed
             if seq.status is SeqStatus.WAITING and not seq.swapped:
-                computed = self.kv.match_prefix(seq.tokens, seq.cache_key).num_tokens(self.kv.block_size)
+                hit = self.kv.match_prefix(seq.tokens, seq.cache_key)
+                computed = hit.num_tokens(self.kv.block_size)
+                # not even preempting every unpinned sequence would admit it this step: it keeps
+                # its place (nothing unpinned passes it) but spends no budget, so pinned streams
+                # (sessions, span queries), which hold the rest of the pool, keep progressing
+                if self.kv.admission_cost(hit, min(target, computed + budget)) > reclaimable:
+                    blocked = True
+                    continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, self.config.chunk_cap))
             out.append(_Proposal(seq, computed + n))
@@ -137,9 +147,10 @@ class Scheduler:
         preempted: list[int] = []
         done: list[_Proposal] = []
         done_ids: set[int] = set()
+        blocked = False
         for prop in proposals:
             seq = prop.seq
-            if seq.status is SeqStatus.WAITING and seq.seq_id in preempted:
+            if (seq.status is SeqStatus.WAITING and seq.seq_id in preempted) or (blocked and not seq.pinned):
                 continue
             while not self._try_take(prop):
                 if victims is None:
@@ -158,7 +169,7 @@ class Scheduler:
                 continue  # a stream waits for blocks; it is never preempted
             if seq.status is SeqStatus.RUNNING:
                 self._cannot_grow(seq, done, preempted)
-            break
+            blocked = True  # nothing unpinned passes it; pinned streams still take free blocks
         return done, preempted
 
     def _try_take(self, prop: _Proposal) -> bool:

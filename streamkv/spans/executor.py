@@ -159,8 +159,20 @@ class SpanQueries:
         for query in list(self._queries.values()):
             if self._admit(query):
                 self._emit.extend(self._advance(query))
-        if self._queries:  # room for the span streams now waiting to compute, and some slack
-            self.cache.trim(self._pending_blocks() + max(1, self.engine.pool.num_blocks // 8))
+        if len(self.cache):
+            self._make_room()
+
+    def _make_room(self) -> None:
+        """Evict unused cached spans while others need the blocks: the span streams waiting to
+        compute (plus 1/8 of the pool as slack), and any waiting request, which cached spans
+        must never starve."""
+        kv, pool = self.engine.kv, self.engine.pool
+        demand = self._pending_blocks() + max(1, pool.num_blocks // 8) if self._queries else 0
+        waiting = [kv.blocks_for(len(s.tokens) + 1) for s in self.engine.scheduler.seqs.values()
+                   if s.status is SeqStatus.WAITING and not s.pinned]
+        demand = min(pool.num_blocks, max([demand, *waiting]))
+        if demand > pool.num_free:
+            self.cache.trim(demand)
 
     def _pending_blocks(self) -> int:
         kv = self.engine.kv
