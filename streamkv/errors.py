@@ -18,6 +18,10 @@ class InvalidRequestError(StreamKVError, ValueError):
     """A request (prompt or sampling parameters) is invalid; nothing was scheduled."""
 
 
+class KVCacheFullError(InvalidRequestError):
+    """No free KV block for a copy-on-write fork right now (retry later); nothing changed."""
+
+
 class EngineDeadError(StreamKVError, RuntimeError):
     """The engine loop stopped and cannot serve requests any more."""
 

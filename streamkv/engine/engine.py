@@ -210,6 +210,9 @@ class Engine:
                 f"prompt has {len(ids)} tokens but the KV cache holds only "
                 f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-cache-memory")
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     def abort(self, request_id: str) -> bool:
         if self.spans.abort(request_id):  # a span query still computing its spans
             return True

@@ -43,6 +43,9 @@ class EngineCore(Protocol):
                          klass: "PriorityClass" = ..., read: "ReadPolicy | None" = None) -> "Sequence":
         """Generate from a copy-on-write fork of ``parent``'s first ``num_tokens`` tokens."""
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a live request."""
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV; False when unknown."""
 

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from streamkv.errors import InvalidRequestError
+from streamkv.errors import InvalidRequestError, KVCacheFullError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.kv.manager import KVManager
 from streamkv.runner.kv_ops import KVOps, slots_of
@@ -58,7 +58,7 @@ class SeqOps:
         try:
             copy = self._kv.fork(parent.seq_id, child.seq_id, num_tokens)
         except OutOfBlocksError:
-            raise InvalidRequestError("the KV cache is full; retry later") from None
+            raise KVCacheFullError("the KV cache is full; retry later") from None
         if copy is not None:
             self._copy_head(copy, num_tokens % self._kv.block_size)
         child.num_computed = child.num_cached_tokens = num_tokens

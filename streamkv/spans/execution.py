@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
-from streamkv.errors import InvalidRequestError
+from streamkv.errors import KVCacheFullError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sched.sequence import PriorityClass, Sequence
 from streamkv.spans.cache import SpanCache, State
@@ -96,14 +96,8 @@ class Execution:
         ops: list[State] = yield All([self._operand(query, op, state) for op in plus.operands])
         stream = yield from self._stream(query, ops[0], [])
         parts = [(op.stream, state.length, op.length - state.length) for op in ops[1:]]
-        for attempt in range(RETRY_STEPS + 1):
-            try:
-                query.usage.repositioned_tokens += self.engine.seq_ops.splice(stream, parts)  # type: ignore[arg-type]
-                break
-            except OutOfBlocksError:
-                if attempt == RETRY_STEPS:
-                    raise
-                yield from self._wait_for_blocks(sum(p[2] for p in parts))
+        query.usage.repositioned_tokens += yield from self._with_blocks(
+            lambda: self.engine.seq_ops.splice(stream, parts), sum(p[2] for p in parts))  # type: ignore[arg-type]
         return (yield from self._cached(query, State(key, stream, len(stream.tokens), volatile=volatile)))
 
     def _operand(self, query: Query, plan: SpanPlan, base: State) -> Generator[Any, Any, State]:
@@ -157,32 +151,36 @@ class Execution:
         """A new pinned stream over ``base`` + ``suffix`` (computed by the scheduler), the
         query's own until it is cached (closed if the query ends first)."""
         ops = self.engine.seq_ops
-        for attempt in range(RETRY_STEPS + 1):
-            try:
-                if base.stream is None:
-                    stream = ops.open(suffix, klass=PriorityClass.POOL)
-                else:
-                    stream = ops.fork(base.stream, base.length, suffix, klass=PriorityClass.POOL)
-                query.private.append(stream)
-                return stream
-            except InvalidRequestError as exc:
-                if "full" not in str(exc) or attempt == RETRY_STEPS:
-                    raise
-                yield from self._wait_for_blocks(1)
-        raise AssertionError("unreachable")
+
+        def make() -> Sequence:
+            if base.stream is None:
+                return ops.open(suffix, klass=PriorityClass.POOL)
+            return ops.fork(base.stream, base.length, suffix, klass=PriorityClass.POOL)
+
+        stream = yield from self._with_blocks(make, len(suffix))
+        query.private.append(stream)
+        return stream
 
     def _fork_request(self, query: Query, rid: str, state: State, suffix: list[int],
                       params: Any) -> Generator[Any, Any, Sequence]:
+        def make() -> Sequence:
+            return self.engine.add_fork_request(rid, state.stream, state.length, suffix, params,  # type: ignore[arg-type]
+                                                priority=query.priority, klass=PriorityClass.POOL)
+
+        seq = yield from self._with_blocks(make, len(suffix))
+        seq.pinned = True  # re-positioned KV must never be recomputed as a causal prompt
+        return seq
+
+    def _with_blocks(self, make: Callable[[], Any], tokens: int) -> Generator[Any, Any, Any]:
+        """``make()``, retried while the pool has no block for it (the cache trims meanwhile,
+        running requests finish); fails after RETRY_STEPS steps."""
         for attempt in range(RETRY_STEPS + 1):
             try:
-                seq = self.engine.add_fork_request(rid, state.stream, state.length, suffix, params,  # type: ignore[arg-type]
-                                                   priority=query.priority, klass=PriorityClass.POOL)
-                seq.pinned = True  # re-positioned KV must never be recomputed as a causal prompt
-                return seq
-            except InvalidRequestError as exc:
-                if "full" not in str(exc) or attempt == RETRY_STEPS:
+                return make()
+            except (KVCacheFullError, OutOfBlocksError):
+                if attempt == RETRY_STEPS:
                     raise
-                yield from self._wait_for_blocks(1)
+                yield from self._wait_for_blocks(tokens)
         raise AssertionError("unreachable")
 
     def _wait_for_blocks(self, tokens: int) -> Generator[Any, Any, None]:

@@ -78,7 +78,7 @@ class SpanQueries:
 
     def submit(self, request_id: str, tree: Node, priority: int = 0, locality_k: int | None = None) -> Query:
         """Start a span query; its outputs come out of ``engine.step`` under ``request_id``."""
-        if request_id in self._queries or request_id in getattr(self.engine, "_requests", {}):
+        if request_id in self._queries or self.engine.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         _, plan = self.plan(tree, locality_k)
         query = Query(request_id, plan, priority, blocks=self._need(plan))
