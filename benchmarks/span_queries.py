@@ -27,6 +27,7 @@ from streamkv import LLM, SamplingParams  # noqa: E402
 from streamkv.spans.ir import fragment, gen, plus, seq, system, user  # noqa: E402
 
 SYS = system("Answer the question from the documents.")
+PLOT = common.REPO / "docs" / "img" / "span_queries_rag.png"
 WORDS = ("river city light stone paper music garden window market winter summer forest ocean bridge "
          "tower engine signal number letter silver golden quiet rapid ancient modern northern southern "
          "village harbor valley mountain island desert castle library station theatre museum").split()
@@ -286,6 +287,31 @@ def part_reposition(llm: LLM, args) -> list[dict]:
     return rows
 
 
+def plot_rag(rag: dict, path: Path) -> Path | None:
+    """TTFT against the number of documents, log scale: plain, span miss / hit / operands cached, vLLM."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install -e '.[bench]')")
+        return None
+    docs = sorted(int(n) for n in rag if int(n) > 1)  # one document: no order to shuffle
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for key, name in (("plain", "streamkv plain prompt (prefix cache)"), ("vllm", "vLLM (prefix caching)"),
+                      ("miss", "span query, miss"), ("operands_cached", "span query, operands cached"),
+                      ("hit", "span query, hit")):
+        pts = [(n, med(rag[str(n)][key]) * 1e3) for n in docs if rag[str(n)].get(key)]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set(yscale="log", xlabel="documents (~300 tokens each)", ylabel="TTFT (ms)", title="RAG TTFT, documents shuffled")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def med(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -304,7 +330,11 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--qa", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot-from", help="only re-draw the RAG plot from a saved results JSON")
     args = ap.parse_args()
+    if args.plot_from:
+        print(plot_rag(json.loads(Path(args.plot_from).read_text())["rag"], PLOT))
+        return 0
     args.docs_list = [int(x) for x in args.docs.split(",")]
     args.hay_list = [int(x) for x in args.hay.split(",")]
     machine = common.machine_info(args.threads)
@@ -322,6 +352,7 @@ def main() -> int:
     if "rag" in parts:
         result["rag"] = part_rag(llm, args, rng)
         print(rag_table(result["rag"]))
+        plot_rag(result["rag"], PLOT)
     if "nested" in parts:
         result["nested"] = part_nested(llm, args, rng)
     if "locality" in parts:

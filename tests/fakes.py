@@ -95,6 +95,7 @@ class FakeKVOps:
         self.host = {}
 
     def swap(self, out, into) -> None:
+        self.flush()
         bs = self.cache.block_size
         for src_map, dst_map, pairs in ((self.slots, self.host, out), (self.host, self.slots, into)):
             for src, dst in pairs:
@@ -106,7 +107,16 @@ class FakeKVOps:
                         dst_map[dst * bs + i] = entry
             self.swap_bytes += len(pairs) * self.bytes_per_block
 
-    def copy(self, src, dst, shift=0) -> None:
+    def flush(self) -> None:
+        pending, self.pending = getattr(self, "pending", []), []
+        for src, dst, shift in pending:
+            self.copy(src, dst, shift)
+
+    def copy(self, src, dst, shift=0, defer: bool = False) -> None:
+        if defer:  # what KVOps does: queued until flush (the engine flushes before each step)
+            self.pending = getattr(self, "pending", []) + [(src, dst, shift)]
+            return
+        self.flush()
         moved = [self.slots.get(int(s)) for s in src.tolist()]
         shifts = shift.tolist() if hasattr(shift, "tolist") else [shift] * len(moved)  # per row or one int
         for d, entry, sh in zip(dst.tolist(), moved, shifts):
@@ -117,9 +127,11 @@ class FakeKVOps:
         self.copies += 1
 
     def export(self, slots):
+        self.flush()
         return [self.slots.get(int(s)) for s in slots.tolist()], None
 
     def load(self, slots, k, v) -> None:
+        self.flush()
         for d, entry in zip(slots.tolist(), k):
             self.slots[d] = entry
 

@@ -39,3 +39,26 @@ def test_bad_slots_are_rejected():
     k = torch.zeros(1, 8, 1, 4)
     with pytest.raises(ValueError, match="code 2"):
         move(k, k.clone(), torch.tensor([0]), torch.tensor([8]), None)
+
+
+def test_deferred_moves_land_together_before_anything_reads_the_cache():
+    from streamkv.attention.backend import KVCache
+    from streamkv.runner.kv_ops import KVOps
+
+    cache = KVCache(2, 8, 4, 1, 8, torch.float32)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(2)))
+    ops = KVOps(cache, RotaryEmbedding(8, 10000.0, None, 256))
+    want = KVOps(KVCache(2, 8, 4, 1, 8, torch.float32), ops.rope)
+    want.cache.k.copy_(cache.k)
+    want.cache.v.copy_(cache.v)
+    a, b = (torch.tensor([0, 1]), torch.tensor([16, 17])), (torch.tensor([4, 5, 6]), torch.tensor([20, 21, 22]))
+    ops.copy(*a, torch.tensor([3, 3]), defer=True)  # two span queries' splices in one step
+    ops.copy(*b, 7, defer=True)
+    assert ops.moves == 0 and not torch.equal(cache.k[:, 16], want.cache.k[:, 0])  # nothing moved yet
+    k_export, _ = ops.export(torch.tensor([16, 20]))  # any read flushes first
+    assert ops.moves == 1
+    want.copy(*a, torch.tensor([3, 3]))
+    want.copy(*b, 7)
+    assert torch.equal(cache.k, want.cache.k) and torch.equal(cache.v, want.cache.v)
+    assert torch.equal(k_export, want.cache.k[:, [16, 20]])

@@ -249,6 +249,8 @@ class Engine:
 
     def _run_plan(self, plan: StepPlan, outputs: list[RequestOutput]) -> list[RequestOutput]:
         try:
+            if self.kv_ops is not None:
+                self.kv_ops.flush()  # deferred KV moves (span splices) land before the model reads
             result = self.bundle.runner.execute(plan)
         except Exception as exc:  # a broken step fails its own requests, not the engine
             log.exception("engine step failed")

@@ -168,7 +168,9 @@ class SeqOps:
             src A  [ prefix | a a a ]         src B  [ prefix | b b ]
             dst    [ prefix | a a a ]  ->     dst    [ prefix | a a a | b b ]   b's keys rotated by +3
 
-        The rows are copied into fresh blocks (the sources keep theirs), all in one call.
+        The rows are copied into fresh blocks (the sources keep theirs), all in one call,
+        deferred until the next KV operation or model step (``KVOps.flush``), so the splices of
+        every span query in a step move together.
         Returns the rows moved with a non-zero shift. Raises OutOfBlocksError (nothing
         changed) when the pool is short.
         """
@@ -188,9 +190,10 @@ class SeqOps:
             shifts.append(torch.full((count,), at - start, dtype=torch.int64))
             dst.tokens.extend(src.tokens[start:start + count])
             at += count
-        if total:
+        if total:  # deferred: the engine flushes every splice of a step in one call before the model runs
             shift = torch.cat(shifts)
-            self.ops.copy(torch.cat(src_slots), slots_of(self._kv.block_table(dst.seq_id), n, total, bs), shift)
+            self.ops.copy(torch.cat(src_slots), slots_of(self._kv.block_table(dst.seq_id), n, total, bs), shift,
+                          defer=True)
         dst.num_computed = dst.num_prompt_tokens = len(dst.tokens)
         return int(sum(c for (_, s, c), sh in zip(parts, shifts) if c and int(sh[0]) != 0))
 

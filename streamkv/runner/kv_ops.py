@@ -33,6 +33,10 @@ class KVOps:
         self.swap_bytes = 0
         # one pass over the rows in C (gather, rotate, scatter) where the kernels exist
         self._move = native.kv_move() if cache.k.device.type == "cpu" and cache.k.is_contiguous() else None
+        # deferred moves (src [N], dst [N], shift [N]), done together by flush(): a step's splices
+        # of every span query in one call. Any other KV operation flushes first.
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.moves = 0  # calls that moved rows (tests count them)
 
     @property
     def bytes_per_block(self) -> int:
@@ -52,6 +56,7 @@ class KVOps:
         device block) pairs back: whole blocks, every layer."""
         if not out and not into:
             return
+        self.flush()
         if self.host_k is None or self.host_v is None:
             raise RuntimeError("swap without swap space (attach_host)")
         bs = self.cache.block_size
@@ -67,16 +72,31 @@ class KVOps:
         if into:
             self.cache.written(slots_of([p[1] for p in into], 0, len(into) * bs, bs))
 
+    def flush(self) -> None:
+        """Do every deferred move, in one call (before anything reads or writes the cache)."""
+        if not self._pending:
+            return
+        src, dst, shift = (torch.cat(t) for t in zip(*self._pending))
+        self._pending = []
+        self.copy(src, dst, shift)
+
     @torch.inference_mode()
-    def copy(self, src: torch.Tensor, dst: torch.Tensor, shift: int | torch.Tensor = 0) -> None:
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, shift: int | torch.Tensor = 0, defer: bool = False) -> None:
         """Copy K/V from slots ``src`` [N] to slots ``dst`` [N] in every layer.
 
         A non-zero ``shift`` (one int, or [N] per row) re-positions the keys (rotation by
         ``shift`` positions); values carry no position. ``src`` and ``dst`` must not overlap.
-        One call moves any number of ranges: every layer's rows in one rotation.
+        One call moves any number of ranges: every layer's rows in one rotation. ``defer``
+        queues the move for :meth:`flush` (its sources must stay unchanged until then).
         """
         if src.numel() == 0:
             return
+        if defer:
+            per_row_shift = shift if isinstance(shift, torch.Tensor) else torch.full_like(src, shift)
+            self._pending.append((src, dst, per_row_shift.to(torch.int64)))
+            return
+        self.flush()
+        self.moves += 1
         per_row = isinstance(shift, torch.Tensor)
         if (per_row or shift) and self.rope is None:
             raise RuntimeError("re-positioning keys needs the model's rotary embedding")
@@ -102,12 +122,14 @@ class KVOps:
     @torch.inference_mode()
     def export(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` as contiguous host tensors [layers, N, kv_heads, head_dim]."""
+        self.flush()
         return (self.cache.k.index_select(1, slots).to("cpu"),
                 self.cache.v.index_select(1, slots).to("cpu"))
 
     @torch.inference_mode()
     def load(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write exported K/V back into ``slots`` (any free slots: positions are in the keys)."""
+        self.flush()
         expect = (self.cache.k.shape[0], slots.numel(), *self.cache.k.shape[2:])
         if tuple(k.shape) != expect or tuple(v.shape) != expect:
             raise ValueError(f"saved KV has shape {tuple(k.shape)}, this model's cache needs {expect}")
