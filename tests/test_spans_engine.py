@@ -200,3 +200,13 @@ def test_a_prepared_corpus_is_a_hit_for_queries_after_its_prefix(llm):
     with pytest.raises(InvalidRequestError, match="unknown corpus"):
         spans.prepare("prep-2", "nope")
     no_leaks(llm)
+
+
+def test_a_corpus_with_a_bad_fragment_is_not_changed(llm):
+    spans = llm.engine.spans
+    spans.add_corpus("keep", {"a": "short text"})
+    with pytest.raises(InvalidRequestError, match="'big' has"):
+        spans.add_corpus("keep", {"b": "fine", "big": "word " * 9000})
+    with pytest.raises(InvalidRequestError):
+        spans.add_corpus("fresh", {"big": "word " * 9000})
+    assert spans.corpora["keep"] == {"a": "short text"} and "fresh" not in spans.corpora

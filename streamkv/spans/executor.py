@@ -97,7 +97,7 @@ class SpanQueries:
         Ends with a finished output under ``request_id`` carrying the usage."""
         if corpus not in self.corpora:
             raise InvalidRequestError(f"unknown corpus {corpus!r}")
-        if request_id in self._queries:
+        if request_id in self._queries or self.engine.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         plan, ops = lower_prepare(prefix, self.corpora[corpus], self.renderer, self.engine.max_model_len)
         for op in ops:
@@ -133,17 +133,17 @@ class SpanQueries:
         now (bad text fails here) and computed, then cached, the first time a query uses them."""
         if not name or len(name) > 128:
             raise InvalidRequestError("a corpus name must have 1-128 characters")
-        corpus = self.corpora.setdefault(name, {})
-        if len(corpus) + len(fragments) > MAX_FRAGMENTS:
+        corpus = self.corpora.get(name, {})
+        if len(corpus.keys() | fragments.keys()) > MAX_FRAGMENTS:
             raise InvalidRequestError(f"a corpus holds at most {MAX_FRAGMENTS} fragments")
         tokens = 0
-        for fid, text in fragments.items():
+        for fid, text in fragments.items():  # every fragment is checked before any is added
             n = len(self.engine.tokenizer.encode(text))
             if n >= self.engine.max_model_len:
                 raise InvalidRequestError(f"fragment {fid!r} has {n} tokens; the context is {self.engine.max_model_len}")
             tokens += n
-        corpus.update(fragments)
-        return {"fragments": len(corpus), "tokens_added": tokens}
+        self.corpora[name] = {**corpus, **fragments}
+        return {"fragments": len(self.corpora[name]), "tokens_added": tokens}
 
     def cache_info(self) -> dict[str, Any]:
         st = self.cache.stats
