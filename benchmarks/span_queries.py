@@ -275,7 +275,7 @@ def part_reposition(llm: LLM, args) -> list[dict]:
         times = []
         for _ in range(args.repeats):
             probe = ops.fork(dst, 1, [])
-            t, _ = timed(lambda: ops.splice(probe, [(src, 0, n)]))
+            t, _ = timed(lambda: (ops.splice(probe, [(src, 0, n)]), eng.kv_ops.flush()))  # splices are deferred
             times.append(t)
             ops.close(probe)
         ops.close(src)

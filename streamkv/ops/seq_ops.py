@@ -131,6 +131,12 @@ class SeqOps:
         """Forget the stream and release its blocks (forks keep theirs)."""
         self._scheduler.finish(seq.seq_id, "closed")
 
+    def release_kv(self, seq: Sequence) -> None:
+        """Free the KV a finished ``keep_kv`` sequence left behind (forks keep theirs; no-op
+        when already freed)."""
+        if seq.finished:
+            self._kv.free(seq.seq_id)
+
     def is_idle(self, seq: Sequence) -> bool:
         return self._kv.has(seq.seq_id) and seq.num_computed >= len(seq.tokens)
 

@@ -64,14 +64,16 @@ class Scheduler:
         self.seqs[seq.seq_id] = seq
 
     def finish(self, seq_id: int, reason: str) -> Sequence | None:
-        """Stop a sequence (stop string, abort, error) and free its KV at once."""
+        """Stop a sequence (stop string, abort, error) and free its KV at once (``keep_kv``:
+        its owner takes the KV over, then frees it)."""
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.event("finished")
-        self.kv.free(seq_id)
+        if not seq.keep_kv:
+            self.kv.free(seq_id)
         self._released.append(seq_id)
         return seq
 

@@ -54,6 +54,9 @@ class Sequence:
     samples: bool = True
     pinned: bool = False
     cacheable: bool = True
+    # ``keep_kv``: finishing leaves the KV in place for its owner to take over (a span query
+    # reuses an inner generate's KV as it was written); the owner frees it (SeqOps.release_kv).
+    keep_kv: bool = False
     # ``peek``: a non-sampling stream that still wants the next-token distribution at its
     # end (``peeked``: top logprobs, with ``params.logprobs`` alternatives) without appending.
     peek: bool = False

@@ -116,15 +116,19 @@ class Execution:
         rid = f"{query.request_id}/{plan.path}#{self.counter}"
         self.owner[rid] = query
         query.internal.add(rid)
-        yield from self._fork_request(query, rid, state, list(gen.prompt), gen.params)
+        req = yield from self._fork_request(query, rid, state, list(gen.prompt), gen.params, keep_kv=True)
+        query.kept.append(req)
         out = yield Done(rid)
         if out.error or out.finish_reason in ("error", "abort"):
             raise TaskFailed(f"inner gen {plan.path} failed: {out.error or out.finish_reason}")
         query.inner.append({"path": plan.path, "text": out.text})
-        ids = list(gen.prompt) + list(out.token_ids)
-        query.usage.computed_tokens += 2 * len(ids)  # the gen, then its span
-        stream = yield from self._stream(query, state, ids)
-        return (yield from self._cached(query, State(key, stream, state.length + len(ids), text=out.text,
+        # the span is the request's own KV, as written (prompt, then decode): a stream forks it
+        # and computes only the last sampled token, which has no KV yet
+        rest = req.tokens[req.num_computed:]
+        stream = yield from self._stream(query, State(key, req, req.num_computed), rest)
+        self.engine.seq_ops.release_kv(req)
+        query.usage.computed_tokens += len(gen.prompt) + len(out.token_ids)
+        return (yield from self._cached(query, State(key, stream, len(req.tokens), text=out.text,
                                                      volatile=volatile)))
 
     # ----------------------------------------------------------------- helpers
@@ -162,13 +166,14 @@ class Execution:
         return stream
 
     def _fork_request(self, query: Query, rid: str, state: State, suffix: list[int],
-                      params: Any) -> Generator[Any, Any, Sequence]:
+                      params: Any, keep_kv: bool = False) -> Generator[Any, Any, Sequence]:
         def make() -> Sequence:
             return self.engine.add_fork_request(rid, state.stream, state.length, suffix, params,  # type: ignore[arg-type]
                                                 priority=query.priority, klass=PriorityClass.POOL)
 
         seq = yield from self._with_blocks(make, len(suffix))
         seq.pinned = True  # re-positioned KV must never be recomputed as a causal prompt
+        seq.keep_kv = keep_kv
         return seq
 
     def _with_blocks(self, make: Callable[[], Any], tokens: int) -> Generator[Any, Any, Any]:

@@ -234,6 +234,8 @@ class SpanQueries:
             self._owner.pop(rid, None)
             if self._outputs.pop(rid, None) is None:
                 self.engine.abort(rid)
+        for req in query.kept:  # inner gens' KV not taken over (the query failed or was aborted)
+            self.engine.seq_ops.release_kv(req)
         for state in query.held:
             self.cache.release(state)
         for seq in query.private:

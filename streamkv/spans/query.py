@@ -35,6 +35,7 @@ class Query:
     held: list[State] = field(default_factory=list)  # cache uses to release at the end
     private: list[Sequence] = field(default_factory=list)  # streams to close at the end
     internal: set[str] = field(default_factory=set)
+    kept: list[Sequence] = field(default_factory=list)  # finished inner gens whose KV it takes over
     final: Sequence | None = None
     submitted: float = field(default_factory=time.perf_counter)
 
