@@ -4,6 +4,7 @@ name the node path before any work."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -44,6 +45,10 @@ def test_span_query_reuses_permuted_operands(http):
                                "completion_tokens"}
     stats = http.get("/v1/spans/cache").json()
     assert stats["entries"] > 0 and stats["hits"] > 0
+    text = http.get("/metrics").text
+    assert re.search(r"^streamkv_span_cache_hits_total [1-9]", text, re.M)
+    assert re.search(r'^streamkv_span_tokens_total\{kind="reused"\} [1-9]', text, re.M)
+    assert re.search(r"^streamkv_span_queries_total [1-9]", text, re.M)
 
 
 def test_inner_outputs_are_returned(http):

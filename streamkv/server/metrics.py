@@ -90,3 +90,21 @@ class _EngineCounters:
         yield policy
         yield CounterMetricFamily("streamkv_flash_hits", "session queries answered from the flash cache",
                                   value=e.sessions.flash.hits.value)
+        yield from _span_metrics(e.spans)
+
+
+def _span_metrics(spans: Any) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    st = spans.cache.stats
+    for name, value, doc in (("hits", st.hits, "span-cache lookups that found a computed state"),
+                             ("misses", st.misses, "span-cache lookups that computed the state"),
+                             ("evictions", st.evictions, "cached span states evicted for room")):
+        yield CounterMetricFamily(f"streamkv_span_cache_{name}", doc, value=value)
+    yield GaugeMetricFamily("streamkv_span_cache_entries", "computed span states cached", value=len(spans.cache))
+    yield GaugeMetricFamily("streamkv_span_queries_running", "span queries in progress", value=spans.num_running)
+    yield CounterMetricFamily("streamkv_span_queries", "span queries ended", value=spans.queries_ended)
+    tokens = CounterMetricFamily("streamkv_span_tokens", "tokens of ended span queries, by kind", labels=["kind"])
+    for kind in ("computed", "reused", "repositioned"):
+        tokens.add_metric([kind], getattr(spans.totals, f"{kind}_tokens"))
+    yield tokens

@@ -19,7 +19,7 @@ from streamkv.spans.cache import SpanCache
 from streamkv.spans.execution import Execution
 from streamkv.spans.ir import Node
 from streamkv.spans.lower import Renderer, SpanPlan, check_ids, layout, lower, lower_prepare
-from streamkv.spans.query import Query, forks
+from streamkv.spans.query import Query, Usage, forks
 from streamkv.spans.rules import OptimizerOptions, optimize
 from streamkv.spans.tasks import Done, Idle, Step, Task, TaskFailed, advance
 
@@ -44,6 +44,8 @@ class SpanQueries:
         self._reserved = 0  # blocks admitted span queries may hold (see _admit)
         self.run = Execution(engine, self.cache, self._owner, lambda: self._steps)
         self._emit: list[Any] = []  # outputs made outside a step (aborts), returned by after_step
+        self.totals = Usage()  # over every ended query (Prometheus)
+        self.queries_ended = 0
 
     # ------------------------------------------------------------------ intake
     @property
@@ -151,6 +153,10 @@ class SpanQueries:
                 "misses": st.misses, "evictions": st.evictions, "running": len(self._queries),
                 "corpora": {name: len(c) for name, c in self.corpora.items()}}
 
+    @property
+    def num_running(self) -> int:
+        return len(self._queries)
+
     # ---------------------------------------------------------------- the loop
     def has_work(self) -> bool:
         return bool(self._queries or self._emit)
@@ -226,7 +232,10 @@ class SpanQueries:
         return [self._error_output(query, f"{type(error).__name__}: {error}")]
 
     def _end(self, query: Query) -> None:
-        self._queries.pop(query.request_id, None)
+        if self._queries.pop(query.request_id, None) is not None:
+            self.queries_ended += 1
+            for name, value in query.usage.as_dict().items():
+                setattr(self.totals, name, getattr(self.totals, name) + value)
         if query.admitted:
             query.admitted = False
             self._reserved -= query.blocks
