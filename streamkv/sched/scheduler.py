@@ -114,8 +114,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         foreground_prefill = False
         blocked = False  # a waiting sequence that cannot fit: only pinned ones may pass it
-        reclaimable = self.kv.pool.num_free + sum(self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
-                                                  if s.status is SeqStatus.RUNNING and not s.pinned)
+        reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
         out: list[_Proposal] = []
         for seq in ranked:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
@@ -131,9 +130,15 @@ class Scheduler:
                 # not even preempting every unpinned sequence would admit it this step: it keeps
                 # its place (nothing unpinned passes it) but spends no budget, so pinned streams
                 # (sessions, span queries), which hold the rest of the pool, keep progressing
-                if self.kv.admission_cost(hit, min(target, computed + budget)) > reclaimable:
-                    blocked = True
-                    continue
+                cost = self.kv.admission_cost(hit, min(target, computed + budget))
+                if cost > self.kv.pool.num_free:
+                    if reclaimable is None:
+                        reclaimable = self.kv.pool.num_free + sum(
+                            self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
+                            if s.status is SeqStatus.RUNNING and not s.pinned)
+                    if cost > reclaimable:
+                        blocked = True
+                        continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, self.config.chunk_cap))
             out.append(_Proposal(seq, computed + n))
