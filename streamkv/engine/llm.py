@@ -41,10 +41,16 @@ class LLM:
         plist = _broadcast(params or SamplingParams(), len(batch), "params")
         prio = _broadcast(priority, len(batch), "priority")
         ids = [f"llm-{next(self._ids)}" for _ in batch]
+        return self._run_together([lambda rid=rid, a=a, p=p, pr=pr: self.engine.add_request(rid, a, p, priority=pr)
+                                   for rid, a, p, pr in zip(ids, batch, plist, prio)], ids)
+
+    def _run_together(self, starts: list[Any], ids: list[str]) -> list[RequestOutput]:
+        """Call every ``starts[i]()`` (which adds request ``ids[i]``), then step until all
+        finish; outputs in order. If one start fails, those already added are aborted."""
         added: list[str] = []
         try:
-            for rid, prompt, p, pr in zip(ids, batch, plist, prio):
-                self.engine.add_request(rid, prompt, p, priority=pr)
+            for start, rid in zip(starts, ids):
+                start()
                 added.append(rid)
         except Exception:
             for rid in added:
@@ -84,18 +90,8 @@ class LLM:
         batch = list(queries) if isinstance(queries, (list, tuple)) else [queries]
         trees = [parse(q) if isinstance(q, dict) else q for q in batch]
         ids = [f"llm-span-{next(self._ids)}" for _ in trees]
-        started: list[str] = []
-        try:
-            for rid, tree in zip(ids, trees):
-                self.engine.spans.submit(rid, tree, priority, locality_k)
-                started.append(rid)
-        except Exception:
-            for rid in started:
-                self.engine.abort(rid)
-            self.engine.step()
-            raise
-        done = self.engine.run_to_completion(ids)
-        return [done[rid] for rid in ids]
+        return self._run_together([lambda rid=rid, t=t: self.engine.spans.submit(rid, t, priority, locality_k)
+                                   for rid, t in zip(ids, trees)], ids)
 
     def span_bulk(self, queries: Seq[Any], order: str = "clustered", concurrency: int = 4,
                   locality_k: int | None = None) -> tuple[list[RequestOutput], list[int]]:

@@ -59,22 +59,21 @@ def desugar_retrieve(node: Node, opts: OptimizerOptions) -> Node | None:
 
 
 def flatten_seq(node: Node, opts: OptimizerOptions) -> Node | None:
-    if not isinstance(node, Seq):
-        return None
-    if len(node.children) == 1:
-        return node.children[0]
-    if any(isinstance(c, Seq) for c in node.children):
-        return Seq(tuple(g for c in node.children for g in (c.children if isinstance(c, Seq) else (c,))))
-    return None
+    return _flatten(node, Seq)
 
 
 def flatten_plus(node: Node, opts: OptimizerOptions) -> Node | None:
-    if not isinstance(node, Plus):
+    return _flatten(node, Plus)
+
+
+def _flatten(node: Node, kind: type[Seq] | type[Plus]) -> Node | None:
+    """A join of one child is the child; a join inside a join of the same kind is spliced in."""
+    if not isinstance(node, kind):
         return None
     if len(node.children) == 1:
         return node.children[0]
-    if any(isinstance(c, Plus) for c in node.children):
-        return Plus(tuple(g for c in node.children for g in (c.children if isinstance(c, Plus) else (c,))))
+    if any(isinstance(c, kind) for c in node.children):
+        return kind(tuple(g for c in node.children for g in (c.children if isinstance(c, kind) else (c,))))
     return None
 
 
