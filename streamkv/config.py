@@ -173,6 +173,49 @@ class InputStreamConfig:
 
 
 @dataclass(frozen=True)
+class KVPolicyConfig:
+    """Server defaults of the per-request KV policies (``streamkv.policies``); a request's own
+    ``kv_write`` / ``kv_read`` replaces them (``{"policy": "none"}`` turns one off)."""
+
+    kv_write: str | None = field(default=None, metadata={
+        "help": "default write-time KV policy, a JSON object, e.g. '{\"policy\": \"snapstream\", "
+                "\"budget_tokens\": 1024}' (snapstream | streaming_llm | none): long prompts keep sinks, "
+                "their top tokens by SnapKV score and a ring of recent tokens; the rest of their KV is freed"})
+    kv_read: str | None = field(default=None, metadata={
+        "help": "default read-time KV policy, a JSON object, e.g. '{\"policy\": \"quest\", "
+                "\"budget_tokens\": 1024}' (quest | recent | none): each step reads only the best pages"})
+
+    def __post_init__(self) -> None:
+        self.write_policy, self.read_policy  # noqa: B018  (validates: ValueError with the problem)
+
+    @property
+    def write_policy(self) -> object:
+        from streamkv.policies.write import make_write_policy
+
+        return make_write_policy(_json_object("kv_write", self.kv_write))
+
+    @property
+    def read_policy(self) -> object:
+        from streamkv.policies.read import make_read_policy
+
+        return make_read_policy(_json_object("kv_read", self.kv_read))
+
+
+def _json_object(name: str, text: str | None) -> dict[str, object] | None:
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -180,6 +223,7 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     inputs: InputStreamConfig = field(default_factory=InputStreamConfig)
+    kv_policies: KVPolicyConfig = field(default_factory=KVPolicyConfig)
 
     @classmethod
     def from_flat(cls, **kwargs: object) -> "EngineConfig":

@@ -56,8 +56,8 @@ def test_per_layer_calls_equal_the_whole_step(checkpoint, dtype):
     backend = llm.engine.bundle.runner.backend
     prepare, calls = backend.prepare, []
 
-    def every_page(spans, num_tokens):
-        meta = prepare(spans, num_tokens)
+    def every_page(spans, num_tokens, *rest):
+        meta = prepare(spans, num_tokens, *rest)
         slots = [span_slots(s.block_table, s.ctx_len, backend.cache.block_size, torch.device("cpu")) for s in spans]
         meta.selector = _EveryPage(spans, slots)
         calls.append(len(spans))

@@ -22,7 +22,12 @@ class SeqSpan:
     """One sequence's rows in the flattened batch: rows [q_start, q_start + q_len) hold
     positions [start, start + q_len); its KV lives in ``block_table``. With ``read``, each
     layer attends only to the pages that policy picks (see :mod:`streamkv.policies.read`);
-    ``seq_id`` names the sequence for state a backend keeps across steps."""
+    ``seq_id`` names the sequence for state a backend keeps across steps.
+
+    A compressed sequence (``streamkv.policies.write``) holds a fixed set of ``rows`` rows: its
+    one new row (position ``start``) is written to row ``write_row`` of its ring and attends to
+    every row. Otherwise (``rows`` = -1) row i holds position i.
+    """
 
     q_start: int
     q_len: int
@@ -30,15 +35,40 @@ class SeqSpan:
     block_table: tuple[int, ...]
     read: ReadPolicy | None = None
     seq_id: int = -1
+    rows: int = -1
+    write_row: int = -1
 
     @property
     def ctx_len(self) -> int:
-        return self.start + self.q_len
+        """Context rows the span's queries attend over (the last ``q_len`` are its own, causally)."""
+        return self.rows if self.rows >= 0 else self.start + self.q_len
+
+    @property
+    def write_from(self) -> int:
+        """Row of the span's first new token."""
+        return self.write_row if self.rows >= 0 else self.start
 
     @property
     def is_decode(self) -> bool:
         """One new token after earlier context: the row kind decode kernels and decode weights serve."""
         return self.q_len == 1 and self.start > 0
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Keep the queries (after RoPE) of rows ``[q_row, q_row + n)`` of a step in ``into[layer,
+    offset:offset + n]`` (``into`` [layers, N, heads, head_dim] float32): a write policy scores
+    the prompt's keys with its last rows' queries (``streamkv.policies.write``)."""
+
+    q_row: int
+    n: int
+    offset: int
+    into: torch.Tensor
+
+    @staticmethod
+    def record(observe: Sequence["Observation"], layer: int, q: torch.Tensor) -> None:
+        for o in observe:
+            o.into[layer, o.offset:o.offset + o.n] = q[o.q_row:o.q_row + o.n].float()
 
 
 class KVCache:
@@ -85,8 +115,9 @@ class AttentionBackend(ABC):
         self.scale = scale
 
     @abstractmethod
-    def prepare(self, spans: list[SeqSpan], num_tokens: int) -> Any:
-        """Build per-step metadata (slot mapping, gather indices, masks) for ``spans``."""
+    def prepare(self, spans: list[SeqSpan], num_tokens: int, observe: Sequence[Observation] = ()) -> Any:
+        """Build per-step metadata (slot mapping, gather indices, masks) for ``spans``; every
+        layer's queries of the ``observe`` rows are copied out as the layer runs."""
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:

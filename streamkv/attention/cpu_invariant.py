@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from streamkv.attention.backend import KVCache, SeqSpan, register_backend
+from streamkv.attention.backend import KVCache, Observation, SeqSpan, register_backend
 from streamkv.attention.torch_ref import RefMeta, TorchReferenceBackend
 
 
@@ -59,7 +59,9 @@ class InvariantCpuBackend(TorchReferenceBackend):
 
     def layer_meta(self, layer: int, q: torch.Tensor, meta: InvariantMeta) -> InvariantMeta:
         """The step's metadata for one layer: with a read policy, each selecting span's context
-        compacted to the pages that layer's queries q [T, H, D] pick."""
+        compacted to the pages that layer's queries q [T, H, D] pick (and the observed rows'
+        queries copied out)."""
+        Observation.record(meta.observe, layer, q)
         if meta.selector is None:
             return meta
         return self._build(*meta.selector.for_layer(layer, q), meta.slot_mapping)

@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from streamkv.attention.backend import KVCache, SeqSpan
-from streamkv.policies.read import PagePlan, SpanSlots
+from streamkv.policies.read import PagePlan, ReadCount, SpanSlots
+
+
+RECALL_EVERY = 16  # decode rows at positions divisible by this measure the exact attention mass they read
 
 
 @dataclass
@@ -55,6 +58,7 @@ class LayerSelector:
         self.choices = choices
         self.cache = cache
         self.scale = scale
+        self.counts: dict[int, ReadCount] = {}  # by sequence id: what its rows read this step
 
     @classmethod
     def build(cls, spans: list[SeqSpan], slots: list[torch.Tensor], cache: KVCache, scale: float,
@@ -104,4 +108,28 @@ class LayerSelector:
                     c.picks.heads[layer] = compact[:compact.numel() - tail.numel()]
             slots[c.index] = compact
             spans[c.index] = SeqSpan(span.q_start, span.q_len, compact.numel() - span.q_len, span.block_table)
+            self._count(layer, q, span, c, compact)
         return spans, slots
+
+    def _count(self, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice, compact: torch.Tensor) -> None:
+        count = self.counts.get(span.seq_id)
+        if count is None:
+            return
+        count.layer_rows += compact.numel()
+        count.layers += 1
+        count.pages_scored += c.candidates.numel()
+        count.pages_picked += c.plan.keep
+        if span.is_decode and span.start % RECALL_EVERY == 0:
+            count.recall_sum += self._recall(layer, q[span.q_start], c.slots.full, compact)
+            count.recall_n += 1
+
+    def _recall(self, layer: int, q: torch.Tensor, full: torch.Tensor, compact: torch.Tensor) -> float:
+        """Share of the exact softmax mass (mean over heads) on the ``compact`` slots: q [H, D]."""
+        heads = q.shape[0]
+
+        def lse(slots: torch.Tensor) -> torch.Tensor:
+            k = self.cache.k[layer].index_select(0, slots).float()                # [n, Hkv, D]
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)                   # [n, H, D]
+            return torch.logsumexp(torch.einsum("hd,nhd->hn", q.float(), k) * self.scale, dim=-1)
+
+        return float(torch.exp(lse(compact) - lse(full)).mean())

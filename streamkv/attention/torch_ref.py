@@ -16,8 +16,9 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from streamkv.attention.backend import AttentionBackend, KVCache, SeqSpan, register_backend
+from streamkv.attention.backend import AttentionBackend, KVCache, Observation, SeqSpan, register_backend
 from streamkv.attention.selection import LayerSelector, Picks
+from streamkv.policies.read import ReadCount
 
 
 @dataclass
@@ -37,6 +38,8 @@ class RefMeta:
     dec_mask: torch.Tensor | None = None
     all_decode: bool = False  # every row is a decode, rows 0..B-1 in order
     selector: Any = None      # LayerSelector when a span's read policy leaves pages out
+    observe: tuple[Observation, ...] = ()  # rows whose queries each layer copies out
+    reads: dict[int, ReadCount] = field(default_factory=dict)  # read-policy spans: what they read
 
 
 def span_slots(block_table: tuple[int, ...], length: int, block_size: int, device: torch.device) -> torch.Tensor:
@@ -61,16 +64,24 @@ class TorchReferenceBackend(AttentionBackend):
         for sid in seq_ids:
             self.picks.pop(sid, None)
 
-    def prepare(self, spans: list[SeqSpan], num_tokens: int) -> RefMeta:
+    def prepare(self, spans: list[SeqSpan], num_tokens: int, observe: Sequence[Observation] = ()) -> RefMeta:
         device = self.cache.k.device
         slots = [span_slots(span.block_table, span.ctx_len, self.cache.block_size, device) for span in spans]
-        mapping = torch.cat([s[span.start:] for span, s in zip(spans, slots)]) if spans \
-            else torch.empty(0, dtype=torch.int64, device=device)
+        mapping = torch.cat([s[span.write_from:span.write_from + span.q_len] for span, s in zip(spans, slots)]) \
+            if spans else torch.empty(0, dtype=torch.int64, device=device)
         meta = self._build(spans, slots, mapping)
+        meta.observe = tuple(observe)
         self.cache.written(mapping)
         if any(span.read is not None for span in spans):
             meta.selector = LayerSelector.build(spans, slots, self.cache, self.scale, self.picks)
+            meta.reads = {span.seq_id: ReadCount(1, span.ctx_len, span.ctx_len) for span in spans if span.read}
+            if meta.selector is not None:
+                meta.selector.counts = meta.reads
         return meta
+
+    def read_counts(self, meta: RefMeta) -> dict[int, ReadCount]:
+        """Per sequence with a read policy: what its rows read in the step ``meta`` ran."""
+        return {sid: count.close() for sid, count in meta.reads.items()}
 
     def _build(self, spans: list[SeqSpan], slots: list[torch.Tensor], mapping: torch.Tensor) -> RefMeta:
         """Metadata for ``spans`` whose context slots are ``slots`` (one [ctx_len] tensor each)."""
@@ -119,6 +130,7 @@ class TorchReferenceBackend(AttentionBackend):
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+        Observation.record(meta.observe, layer, q)
         if meta.selector is not None:
             meta = self._build(*meta.selector.for_layer(layer, q), meta.slot_mapping)
         if meta.all_decode:

@@ -36,6 +36,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     sink: asyncio.Queue
     submit: Any = None  # optional fn(engine) that adds ``request_id`` itself (session queries)
+    kv: dict[str, Any] | None = None  # kv_write / kv_read of the request (Engine.add_request)
 
 
 @dataclass
@@ -82,12 +83,14 @@ class AsyncEngine:
 
     # --------------------------------------------------------------- client side
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-                       priority: int = 0, submit: Any = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, submit: Any = None,
+                       kv: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; raises the engine's validation error, if any.
 
         ``submit(engine)``, when given, adds ``request_id`` itself on the engine thread
         instead of ``add_request`` (e.g. a session query forking a session's KV).
-        Cancelling the consuming task (client disconnect) aborts the request.
+        Cancelling the consuming task (client disconnect) aborts the request. ``kv``:
+        ``{"kv_write": ..., "kv_read": ...}`` policies of the request.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
@@ -97,7 +100,7 @@ class AsyncEngine:
             raise QueueFullError(f"{self.num_queued} requests are already waiting (limit {self.max_waiting})")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt, params, priority, loop, sink, submit))
+        self._commands.put(_Add(request_id, prompt, params, priority, loop, sink, submit, kv))
         self.num_queued += 1
         queued, finished = True, False
         try:
@@ -217,7 +220,8 @@ class AsyncEngine:
                 if cmd.submit is not None:
                     cmd.submit(self.engine)
                 else:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority)
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                                            **(cmd.kv or {}))
             except Exception as exc:
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
                 return

@@ -15,6 +15,7 @@ from typing import Sequence as Seq
 
 from streamkv.config import EngineConfig
 from streamkv.engine.factory import ModelBundle, build_bundle
+from streamkv.engine.kv_policies import KVPolicies, KVPolicyTotals, PolicySpec, kv_report
 from streamkv.engine.outputs import RequestOutput
 from streamkv.engine.response_cache import ResponseCache
 from streamkv.errors import InvalidRequestError
@@ -84,6 +85,8 @@ class Engine:
         self.inputs = InputStreams(self)
         self.spans = SpanQueries(self)
         self.scheduler.preemption = self._preemption()
+        self.kv_policies = KVPolicies.from_config(self.config.kv_policies)
+        self.kv_totals = KVPolicyTotals()
 
     def _host_blocks(self) -> int:
         """Swap space in blocks (0 without ``swap_space`` or a runner that can swap)."""
@@ -117,17 +120,23 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     priority: int = 0, klass: PriorityClass = PriorityClass.POOL,
-                    partial: bool = False) -> Sequence | None:
+                    partial: bool = False, kv_write: PolicySpec = None, kv_read: PolicySpec = None) -> Sequence | None:
         """Validate and queue a request; raises InvalidRequestError and queues nothing on bad input.
 
         ``partial``: a streaming-input request (``streamkv.inputs``) whose prompt (possibly
         still empty) will change through :attr:`seq_ops`; it never answers from the response
-        cache. Returns the queued sequence (None for a response-cache hit).
+        cache. ``kv_write`` / ``kv_read``: the request's KV policies (``{"policy": ...}``
+        objects; None: the server defaults). Returns the queued sequence (None for a
+        response-cache hit).
         """
         params = self._check_request(request_id, params, priority)
+        write, read = self.kv_policies.resolve(kv_write, kv_read)
+        if partial and (write is not None or read is not None):
+            raise InvalidRequestError("kv_write / kv_read are not supported on streaming-input requests")
         text, ids = self.tokenize_prompt(prompt) if not (partial and not prompt) else (None, [])
         self._validate_ids(ids, allow_empty=partial)
-        key = None if partial else self.responses.key(ids, params)
+        lossy = write is not None or read is not None  # approximate KV: never a response-cache entry
+        key = None if partial or lossy else self.responses.key(ids, params)
         hit = None if partial else self.responses.get(key, request_id, time.perf_counter())
         if hit is not None:
             hit.prompt = text
@@ -135,6 +144,7 @@ class Engine:
             return None
         seq = self._new_seq(ids, params, priority, klass)
         seq.partial = partial
+        seq.write, seq.read, seq.read_from = write, read, len(ids)  # read: the answer's rows; the prompt is exact
         self.scheduler.add(self._register(request_id, text, seq, key))
         return seq
 
@@ -306,12 +316,14 @@ class Engine:
             stop_str=req.detok.matched_stop,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens, error=req.error,
+            kv=kv_report(seq, getattr(self.kv_ops, "bytes_per_block", 0) // self.kv.block_size),
             metrics={"arrival_time": req.arrival, "first_token_time": req.first_token or 0.0,
                      "num_preemptions": seq.num_preemptions, "tokens_invalidated": seq.tokens_invalidated},
             events=[(name, t - seq.arrival) for name, t in seq.events or ()])
 
     def _finish(self, req: _Request) -> RequestOutput:
         req.detok.finish()
+        self.kv_totals.add(req.seq)
         self._requests.pop(req.request_id, None)
         self._by_seq.pop(req.seq.seq_id, None)
         out = self._snapshot(req)

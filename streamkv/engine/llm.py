@@ -35,13 +35,16 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 priority: int | Seq[int] = 0) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs keep input order."""
+                 priority: int | Seq[int] = 0, kv_write: dict[str, Any] | None = None,
+                 kv_read: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs keep input order.
+        ``kv_write`` / ``kv_read``: KV policies for every prompt (``{"policy": ..., ...}``)."""
         batch = _as_batch(prompts)
         plist = _broadcast(params or SamplingParams(), len(batch), "params")
         prio = _broadcast(priority, len(batch), "priority")
         ids = [f"llm-{next(self._ids)}" for _ in batch]
-        return self._run_together([lambda rid=rid, a=a, p=p, pr=pr: self.engine.add_request(rid, a, p, priority=pr)
+        kv = {"kv_write": kv_write, "kv_read": kv_read}
+        return self._run_together([lambda rid=rid, a=a, p=p, pr=pr: self.engine.add_request(rid, a, p, priority=pr, **kv)
                                    for rid, a, p, pr in zip(ids, batch, plist, prio)], ids)
 
     def _run_together(self, starts: list[Any], ids: list[str]) -> list[RequestOutput]:

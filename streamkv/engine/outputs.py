@@ -32,3 +32,4 @@ class RequestOutput:
     # input_appended, input_updated, preempted_swap, preempted_recompute, swapped_in, finished
     events: list[tuple[str, float]] = field(default_factory=list)
     cached: bool = False  # answered from the response cache, without model work
+    kv: dict | None = None  # with a KV policy: tokens seen / kept, bytes per token (``engine/kv_policies.py``)

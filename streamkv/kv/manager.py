@@ -101,10 +101,11 @@ class KVManager:
         self.pool.prefix_hits += len(hit.block_ids)
         self._seqs[seq_id] = SeqKV(list(hit.block_ids), list(hit.hashes), cache_key)
 
-    def grow(self, seq_id: int, num_tokens: int) -> bool:
-        """Make the table cover ``num_tokens``; False (and no change) if blocks are short."""
+    def grow(self, seq_id: int, num_tokens: int, extra: int = 0) -> bool:
+        """Make the table cover ``num_tokens`` (and ``extra`` blocks after them); False (and no
+        change) if blocks are short."""
         kv = self._seqs[seq_id]
-        need = self.blocks_for(num_tokens) - len(kv.block_ids)
+        need = self.blocks_for(num_tokens) + extra - len(kv.block_ids)
         if need <= 0:
             return True
         if need > self.pool.num_free:
@@ -195,6 +196,16 @@ class KVManager:
         self.pool.release(reversed(dropped))
         return copy
 
+    def compact(self, seq_id: int, first_block: int) -> None:
+        """The blocks from ``first_block`` on become the whole table (a write policy moved the
+        rows it keeps there); the ones before go back to the pool, keeping their prefix-cache
+        entries. The new table is never registered (see :meth:`commit`'s callers)."""
+        kv = self._seqs[seq_id]
+        old = kv.block_ids[:first_block]
+        kv.block_ids = kv.block_ids[first_block:]
+        kv.hashes = []
+        self.pool.release(reversed(old))
+
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop references taken out of a table by :meth:`rewrite_tail`."""
         self.pool.release(reversed(list(block_ids)))
@@ -241,11 +252,12 @@ class KVManager:
         """Host blocks swapped in by the previous step are free again."""
         self.host.settle()
 
-    def swap_in(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]] | None:
-        """Bring a swapped sequence back with room for ``num_tokens`` rows; None (nothing
-        changed) when the device pool is short. Returns ``(host block, device block)`` copies."""
+    def swap_in(self, seq_id: int, num_tokens: int, extra: int = 0) -> list[tuple[int, int]] | None:
+        """Bring a swapped sequence back with room for ``num_tokens`` rows (and ``extra`` blocks
+        after them); None (nothing changed) when the device pool is short. Returns ``(host
+        block, device block)`` copies."""
         kv = self._seqs[seq_id]
-        need = max(self.blocks_for(num_tokens), len(kv.host_ids))
+        need = max(self.blocks_for(num_tokens), len(kv.host_ids)) + extra
         if need > self.pool.num_free:
             return None
         kv.block_ids = self.pool.allocate(need)

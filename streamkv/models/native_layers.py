@@ -121,7 +121,7 @@ class NativeLayers:
         t = x.shape[0]
         ws = self._work(t)
         m = ctypes.addressof(self.model)
-        if meta.selector is None:
+        if meta.selector is None and not meta.observe:
             rc = self.lib.streamkv_fwd(m, _ptr(x), t, _ptr(positions), _ptr(meta.slot_mapping), _ptr(meta.seqs),
                                        meta.seqs.shape[0], _ptr(meta.slots), ws)
             self._check(rc, "forward", t)

@@ -33,6 +33,39 @@ class PagePlan:
     keep: int
 
 
+@dataclass
+class ReadCount:
+    """What one sequence's rows read in one step (or, summed, over a request): context rows
+    without the policy (``rows_full``), rows read averaged over layers (``rows_read``), pages
+    scored and picked (summed over layers), and, on sampled steps, the share of the exact
+    softmax mass the read rows hold (``recall_sum`` over ``recall_n`` layer samples)."""
+
+    steps: int = 0
+    rows_full: float = 0.0
+    rows_read: float = 0.0
+    pages_scored: int = 0
+    pages_picked: int = 0
+    recall_sum: float = 0.0
+    recall_n: int = 0
+    layer_rows: int = 0  # within a step: compacted rows summed over the layers that selected
+    layers: int = 0
+
+    def close(self) -> ReadCount:
+        """This step's count with ``rows_read`` averaged over its layers."""
+        if self.layers:
+            self.rows_read = self.layer_rows / self.layers
+        return self
+
+    def add(self, other: ReadCount) -> None:
+        self.steps += other.steps
+        self.rows_full += other.rows_full
+        self.rows_read += other.rows_read
+        self.pages_scored += other.pages_scored
+        self.pages_picked += other.pages_picked
+        self.recall_sum += other.recall_sum
+        self.recall_n += other.recall_n
+
+
 @dataclass(frozen=True)
 class SpanSlots:
     """One span's context slots ``full`` [ctx_len] int64: ``[0, sink_len)`` sinks, whole pages
@@ -188,11 +221,12 @@ def _native(q: torch.Tensor, bounds: torch.Tensor | None, keep: int) -> Callable
     return page_select()
 
 
-READ_POLICIES: dict[str, Callable[..., ReadPolicy]] = {"quest": QuestPolicy, "recent": RecentPolicy}
+READ_POLICIES: dict[str, Callable[..., ReadPolicy] | None] = {"quest": QuestPolicy, "recent": RecentPolicy, "none": None}
 
 
 def make_read_policy(spec: ReadPolicy | dict[str, Any] | None) -> ReadPolicy | None:
-    """A policy from ``{"policy": name, **hyper-parameters}`` (or one already built)."""
+    """A policy from ``{"policy": name, **hyper-parameters}`` (or one already built; ``none``:
+    every page is read, which overrides a server default)."""
     if spec is None or isinstance(spec, ReadPolicy):
         return spec
     if not isinstance(spec, dict):
@@ -202,6 +236,10 @@ def make_read_policy(spec: ReadPolicy | dict[str, Any] | None) -> ReadPolicy | N
     if name not in READ_POLICIES:
         raise ValueError(f"kv_read.policy must be one of {sorted(READ_POLICIES)}, got {name!r}")
     cls = READ_POLICIES[name]
+    if cls is None:
+        if params:
+            raise ValueError(f"kv_read: policy 'none' takes no fields, got {sorted(params)}")
+        return None
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(params) - known)
     if unknown:

@@ -12,6 +12,7 @@ import torch
 
 from streamkv.attention.backend import AttentionBackend, SeqSpan
 from streamkv.models.q4_linear import DENSE, RowSplit
+from streamkv.runner.compression import Compressor
 from streamkv.runner.kv_ops import KVOps
 from streamkv.sampling.sampler import Sampler
 from streamkv.sched.plan import StepOutput, StepPlan
@@ -27,11 +28,15 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.kv_ops = KVOps(backend.cache, getattr(model, "rope", None))
+        arch = getattr(model, "arch", None)
+        heads = arch.num_heads if arch is not None else backend.cache.k.shape[2]
+        self.compressor = Compressor(backend.cache, heads, backend.scale)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         self.sampler.release(plan.released)
         self.backend.release(plan.released)
+        self.compressor.release(plan.released)
         self.kv_ops.swap(plan.swap_out, plan.swap_in)
         if not plan.seqs:
             return StepOutput()
@@ -42,11 +47,16 @@ class ModelRunner:
         sample_items = []
         decode_rows: list[int] = []    # rows of single-token decode spans (their own kind, see RowSplit)
         decode_samples: list[int] = []  # their indices among the sampled rows
+        observe = []
         for item in plan.seqs:
             q0 = len(ids)
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + item.num_tokens))
-            span = SeqSpan(q0, item.num_tokens, item.start, item.block_table, item.read, item.seq_id)
+            span = SeqSpan(q0, item.num_tokens, item.start, item.block_table, item.read, item.seq_id,
+                           item.rows, item.write_row)
+            seen = self.compressor.observe(item, q0)
+            if seen is not None:
+                observe.append(seen)
             spans.append(span)
             decode = span.is_decode
             if decode:
@@ -58,11 +68,17 @@ class ModelRunner:
                 sample_items.append(item)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        meta = self.backend.prepare(spans, len(ids))
+        meta = self.backend.prepare(spans, len(ids), observe)
         q4_rows = getattr(self.model, "q4_max_rows", 0)
         step_split = RowSplit.build(decode_rows, len(ids), q4_rows)
         hidden = self.model(input_ids, pos, self.backend, meta, step_split)
         out = StepOutput()
+        for item in plan.seqs:
+            if item.write is not None and item.start + item.num_tokens == item.num_prompt:
+                out.compressed[item.seq_id] = self.compressor.compress(item)
+        reads = getattr(meta, "reads", None)
+        if reads:
+            out.reads = self.backend.read_counts(meta)  # type: ignore[attr-defined]
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
             # the sampled rows keep the kind they had in the step (all dense past q4_rows decodes)

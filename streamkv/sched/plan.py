@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-from streamkv.policies.read import ReadPolicy
+from streamkv.policies.read import ReadCount, ReadPolicy
+from streamkv.policies.write import WritePolicy
 from streamkv.sampling.params import SamplingParams
 
 
@@ -18,6 +19,12 @@ class ScheduledSeq:
     ``history`` is the sequence's full token list (prompt first ``num_prompt`` ids), read
     only, for penalties; ``banned_ids`` may not be sampled (stop ids before ``min_tokens``);
     ``read`` limits which cached pages attention reads (None: all of them).
+
+    ``write``: the sequence compresses its ``num_prompt``-token prompt: the runner keeps the
+    queries of its last ``write.observation`` rows as they are computed and, in the step whose
+    chunk ends at ``num_prompt``, moves the rows ``write`` keeps into the blocks of
+    ``block_table`` after the prompt's. A compressed sequence (``rows`` >= 0) computes one
+    token per step, written to row ``write_row`` of its ``rows`` rows (its ring).
     """
 
     seq_id: int
@@ -30,6 +37,9 @@ class ScheduledSeq:
     num_prompt: int = 0
     banned_ids: tuple[int, ...] = ()
     read: ReadPolicy | None = None
+    write: WritePolicy | None = None
+    rows: int = -1
+    write_row: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +81,11 @@ class TokenLogprobs:
 
 @dataclass
 class StepOutput:
-    """What the runner returns: one sampled token per sequence that sampled."""
+    """What the runner returns: one sampled token per sequence that sampled; per sequence
+    compressed this step, the seconds its selection and move took; per sequence with a read
+    policy, what it read (plain numbers)."""
 
     tokens: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    compressed: dict[int, float] = field(default_factory=dict)
+    reads: dict[int, ReadCount] = field(default_factory=dict)  # read-policy sequences: what they read

@@ -14,6 +14,7 @@ from typing import Callable
 
 from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
+from streamkv.policies.read import ReadCount
 from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
 from streamkv.sched.preemption import PreemptionPolicy, Recompute
@@ -124,13 +125,16 @@ class Scheduler:
                 continue
             target = seq.computable
             computed = seq.num_computed
+            limit = seq.chunk_limit(computed)
             if seq.status is SeqStatus.WAITING and not seq.swapped:
-                hit = self.kv.match_prefix(seq.tokens, seq.cache_key)
+                hit = self.kv.match_prefix(seq.match_tokens, seq.cache_key)
                 computed = hit.num_tokens(self.kv.block_size)
+                limit = seq.chunk_limit(computed)
+                end = min(target, computed + budget, computed + limit if limit is not None else target)
                 # not even preempting every unpinned sequence would admit it this step: it keeps
                 # its place (nothing unpinned passes it) but spends no budget, so pinned streams
                 # (sessions, span queries), which hold the rest of the pool, keep progressing
-                cost = self.kv.admission_cost(hit, min(target, computed + budget))
+                cost = self.kv.admission_cost(hit, end) + seq.extra_blocks(end, self.kv.block_size)
                 if cost > self.kv.pool.num_free:
                     if reclaimable is None:
                         reclaimable = self.kv.pool.num_free + sum(
@@ -140,7 +144,7 @@ class Scheduler:
                         blocked = True
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
-            n = max(0, min(target - computed, budget, self.config.chunk_cap))
+            n = max(0, min(target - computed, budget, self.config.chunk_cap, limit if limit is not None else budget))
             out.append(_Proposal(seq, computed + n))
             budget -= n
             foreground_prefill = foreground_prefill or (not background and n > 1)
@@ -181,10 +185,11 @@ class Scheduler:
 
     def _try_take(self, prop: _Proposal) -> bool:
         seq = prop.seq
+        extra = seq.extra_blocks(prop.end, self.kv.block_size)
         if seq.status is SeqStatus.RUNNING:
-            return self.kv.grow(seq.seq_id, prop.end)
+            return self.kv.grow(seq.seq_id, seq.kv_rows(prop.end), extra)
         if seq.swapped:
-            pairs = self.kv.swap_in(seq.seq_id, prop.end)
+            pairs = self.kv.swap_in(seq.seq_id, seq.kv_rows(prop.end), extra)
             if pairs is None:
                 return False
             self._swap_in.extend(pairs)
@@ -193,12 +198,12 @@ class Scheduler:
             return True
         # Look the prefix up again: allocations earlier in this step may have evicted
         # blocks seen in phase 1. A hit can only shrink, so ``end`` stays reachable.
-        hit = self.kv.match_prefix(seq.tokens, seq.cache_key)
+        hit = self.kv.match_prefix(seq.match_tokens, seq.cache_key)
         computed = hit.num_tokens(self.kv.block_size)
-        if self.kv.admission_cost(hit, prop.end) > self.kv.pool.num_free:
+        if self.kv.admission_cost(hit, prop.end) + extra > self.kv.pool.num_free:
             return False
         self.kv.admit(seq.seq_id, hit, seq.cache_key, len(seq.tokens))
-        if not self.kv.grow(seq.seq_id, prop.end):
+        if not self.kv.grow(seq.seq_id, prop.end, extra):
             raise RuntimeError("admission cost check and allocation disagree")
         seq.num_computed = computed
         seq.num_cached_tokens = max(seq.num_cached_tokens, computed)
@@ -218,14 +223,15 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Requeue ``seq``: swap its KV to host blocks, or drop it (recompute), as the
         preemption policy decides; the tokens are kept either way."""
-        n = seq.num_computed
+        n = seq.kv_rows(seq.num_computed)
         kind = "recompute"
         if self.kv.can_swap_out(n) and self.preemption.swap(n, self.kv.blocks_for(n)):
             self._swap_out.extend(self.kv.swap_out(seq.seq_id, n))
             seq.swapped, kind = True, "swap"
-        else:
+        else:  # a compressed sequence re-runs its prefill and compression, reaching the same rows
             self.kv.free(seq.seq_id)
             seq.num_computed = 0
+            seq.layout = None
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -235,13 +241,29 @@ class Scheduler:
     def _to_plan(self, prop: _Proposal) -> ScheduledSeq:
         seq = prop.seq
         start, end = seq.num_computed, prop.end
+        layout = seq.layout
         return ScheduledSeq(
             seq_id=seq.seq_id, start=start, token_ids=tuple(seq.tokens[start:end]),
             block_table=tuple(self.kv.block_table(seq.seq_id)),
             sample=(seq.samples or seq.peek) and end == len(seq.tokens),
             params=seq.params, history=seq.tokens, num_prompt=seq.num_prompt_tokens,
             banned_ids=tuple(seq.stop_ids) if seq.num_output < seq.params.min_tokens else (),
-            read=seq.read if start >= seq.read_from else None)
+            read=seq.read if start >= seq.read_from else None,
+            write=seq.write if seq.compresses else None,
+            rows=layout.rows if layout is not None else -1,
+            write_row=layout.row(start) if layout is not None else -1)
+
+    def _enter_layout(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> None:
+        """The write policy's point is reached: from now on the sequence holds its layout's
+        rows. When the runner compressed the prompt into the blocks after it, those become
+        the table and the prompt's blocks go back to the pool (their prefix-cache entries
+        stay: the prompt is still a prefix hit for others; compressed blocks never are)."""
+        if item.write is not None:
+            if item.seq_id not in output.compressed:
+                raise RuntimeError(f"sequence {seq.seq_id} reached its compression point uncompressed")
+            self.kv.compact(seq.seq_id, self.kv.blocks_for(seq.num_computed))
+            seq.compress_s += output.compressed[item.seq_id]
+        seq.layout = seq.write.layout(seq.num_prompt_tokens)
 
     # ---------------------------------------------------------------- update
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, int | None]]:
@@ -257,8 +279,14 @@ class Scheduler:
             if item.start < seq.computable <= item.start + item.num_tokens and not seq.num_output:
                 seq.event("kv_resident")  # every token that has arrived now has KV
             seq.num_computed = item.start + item.num_tokens
-            if seq.cacheable:
+            read = output.reads.get(item.seq_id)
+            if read is not None:
+                seq.reads = seq.reads or ReadCount()
+                seq.reads.add(read)
+            if seq.cacheable and seq.layout is None:
                 self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)
+            if seq.write is not None and seq.layout is None and seq.num_computed == seq.write_point:
+                self._enter_layout(seq, item, output)
             token = output.tokens.get(item.seq_id)
             if not item.sample or token is None:
                 continue

@@ -5,7 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from streamkv.policies.read import ReadPolicy
+from streamkv.policies.read import ReadCount, ReadPolicy
+from streamkv.policies.write import KVLayout, WritePolicy
 from streamkv.sampling.params import SamplingParams
 
 
@@ -66,6 +67,14 @@ class Sequence:
     # cache). Rows before ``read_from`` (recomputed after a preemption) stay exact.
     read: ReadPolicy | None = None
     read_from: int = 0
+    # ``write``: a write-time KV policy. Once ``write.point(num_prompt_tokens)`` tokens have KV
+    # the sequence switches to ``layout``: a fixed set of rows, later tokens in a ring (the
+    # prompt's middle compressed first when it is longer than the policy's capacity). Until
+    # then chunks stop at that point; after it, one row per step (each row its own ring write).
+    write: WritePolicy | None = None
+    layout: KVLayout | None = None
+    compress_s: float = 0.0  # selection + move time of its compressions
+    reads: ReadCount | None = None  # what its read policy read, summed over its steps
     # Streaming input (``streamkv.inputs``): while ``partial`` the prompt may still change.
     # Its last token is held back (it is computed, and sampled from, once the input is
     # finished: the tail's tokenization may change with the next chunk anyway) and the
@@ -98,6 +107,44 @@ class Sequence:
         """Rows to compute, or swapped-out rows to bring back (idle streams and inputs waiting
         for more text have none and are not even ranked)."""
         return self.num_computed < self.computable or self.swapped
+
+    @property
+    def write_point(self) -> int:
+        """Token count at which the write policy's layout starts (0: no policy)."""
+        return self.write.point(self.num_prompt_tokens) if self.write is not None else 0
+
+    @property
+    def compresses(self) -> bool:
+        """Reaching the layout moves rows (a prompt longer than the policy keeps), not yet done."""
+        return self.write is not None and self.layout is None and self.write.moves(self.num_prompt_tokens)
+
+    def chunk_limit(self, computed: int) -> int | None:
+        """Most rows one step may compute from ``computed`` (None: no limit of its own). A
+        request whose answer re-scores its pages every step recomputes that answer row by
+        row after a preemption, so each row picks the pages it picked the first time."""
+        if self.write is None:
+            if self.read is not None and self.read.rescore and computed >= self.read_from > 0:
+                return 1
+            return None
+        return 1 if self.layout is not None else self.write_point - computed
+
+    def kv_rows(self, end: int) -> int:
+        """Rows of KV that hold tokens ``[0, end)``."""
+        return self.layout.rows if self.layout is not None else end
+
+    def extra_blocks(self, end: int, block_size: int) -> int:
+        """Blocks taken on top of ``end`` rows: the chunk reaching a compression point also
+        holds the compressed rows' blocks (the runner moves the kept rows there)."""
+        if not self.compresses or end != self.write_point:
+            return 0
+        return -(-self.write.capacity // block_size)
+
+    @property
+    def match_tokens(self) -> list[int]:
+        """Tokens a prefix-cache lookup may cover: never a compression point's observed rows."""
+        if self.write is None or self.layout is not None:
+            return self.tokens
+        return self.tokens[:self.write_point - self.write.observation + 1]
 
     @property
     def num_output(self) -> int:

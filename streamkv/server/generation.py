@@ -72,12 +72,31 @@ def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=(params.seed + i) % (2 ** 64)) for i in range(n)]
 
 
+def kv_options(state: Any, req: Any) -> dict[str, Any]:
+    """The request's ``kv_write`` / ``kv_read`` (checked now: a 400 naming the problem)."""
+    kv = {"kv_write": req.kv_write, "kv_read": req.kv_read}
+    try:
+        state.engine.engine.kv_policies.resolve(**kv)
+    except InvalidRequestError as exc:
+        param = "kv_read" if str(exc).startswith("kv_read") else "kv_write"
+        raise APIError(400, str(exc), param=param) from None
+    return kv
+
+
+def kv_extension(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """``{"streamkv": {"kv": ...}}`` for requests with a KV policy (a list with several choices)."""
+    reports = [o.kv for o in outs]
+    if all(r is None for r in reports):
+        return {}
+    return {"streamkv": {"kv": reports[0] if len(reports) == 1 else reports}}
+
+
 async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], params: Sequence[SamplingParams],
-                  priority: int) -> list[RequestOutput]:
+                  priority: int, kv: dict[str, Any] | None = None) -> list[RequestOutput]:
     """Non-streaming: final output of every (prompt, params) pair, in order."""
     async def one(i: int) -> RequestOutput:
         last = None
-        async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority):
+        async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv):
             last = out
         if last is None:
             raise APIError(500, "the engine returned no output")
@@ -92,13 +111,13 @@ async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], par
 
 
 async def stream_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], params: Sequence[SamplingParams],
-                     priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                     priority: int, kv: dict[str, Any] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Streaming: ``(choice index, output)`` as they come; cancelling aborts every choice."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority):
+            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv):
                 await queue.put((i, out))
         except Exception as exc:
             await queue.put((i, exc))

@@ -64,6 +64,7 @@ class _EngineCounters:
         yield CounterMetricFamily("streamkv_engine_busy_seconds", "wall time the engine spent in model steps",
                                   value=e.stats.busy_s)
         yield CounterMetricFamily("streamkv_engine_steps", "model steps the engine ran", value=e.stats.steps)
+        yield from _kv_policy_metrics(e.kv_totals)
         yield CounterMetricFamily("streamkv_response_cache_hits", "stateless requests answered from the "
                                   "response cache", value=e.responses.hits)
         inputs = e.inputs.stats
@@ -91,6 +92,25 @@ class _EngineCounters:
         yield CounterMetricFamily("streamkv_flash_hits", "session queries answered from the flash cache",
                                   value=e.sessions.flash.hits.value)
         yield from _span_metrics(e.spans)
+
+
+def _kv_policy_metrics(t: Any) -> Any:
+    """Totals of finished requests with a KV policy (``engine/kv_policies.py``)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    for name, doc, value in [
+            ("tokens_seen", "KV rows computed by requests with a write policy", t.tokens_seen),
+            ("tokens_kept", "KV rows those requests still held at the end", t.tokens_kept),
+            ("compressions", "prompts compressed by a write policy", t.compressions),
+            ("compress_seconds", "time spent selecting and moving compressed rows", t.compress_s),
+            ("read_steps", "steps of requests with a read policy", t.read_steps),
+            ("read_rows", "KV rows those steps read (averaged over layers, summed over steps)", t.rows_read),
+            ("read_rows_full", "KV rows those steps would have read without the policy", t.rows_full),
+            ("pages_scored", "pages a read policy scored (summed over layers)", t.pages_scored),
+            ("pages_picked", "pages a read policy picked (summed over layers)", t.pages_picked),
+            ("recall_samples", "sampled layer-steps measuring the exact attention mass kept", t.recall_n),
+            ("recall_sum", "sum of those samples' kept share (divide by recall_samples)", t.recall_sum)]:
+        yield CounterMetricFamily(f"streamkv_kv_policy_{name}", doc, value=value)
 
 
 def _span_metrics(spans: Any) -> Any:

@@ -10,8 +10,9 @@ from fastapi.responses import StreamingResponse
 
 from streamkv.errors import InvalidRequestError
 from streamkv.server.errors import APIError, error_body
-from streamkv.server.generation import (chat_prompt_ids, check_model, check_output, finish_reason, make_params, new_id,
-                                        per_choice, resolve_max_tokens, run_all, stream_all, token_text)
+from streamkv.server.generation import (chat_prompt_ids, check_model, check_output, finish_reason, kv_extension,
+                                        kv_options, make_params, new_id, per_choice, resolve_max_tokens, run_all,
+                                        stream_all, token_text)
 from streamkv.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
 from streamkv.server.state import ServerState
 
@@ -91,14 +92,15 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     choice_params = per_choice(base, req.n)
     flat_prompts = [p for p in prompts for _ in range(req.n)]
     flat_params = choice_params * len(prompts)
+    kv = kv_options(state, req)
     rid, created = new_id("cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        outputs = stream_all(state.engine, rid, flat_prompts, flat_params, req.priority)
+        outputs = stream_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
         return stream_sse(completion_chunks(state, request, head, outputs, include_usage,
                                             sum(len(p) for p in prompts)))
-    outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority)
+    outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
@@ -106,7 +108,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         choices.append({"index": i, "text": out.text, "logprobs": completion_logprobs(out.logprobs, state.tokenizer),
                         "finish_reason": finish_reason(out)})
     totals = usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs))
-    return {**head, "choices": choices, "usage": totals, **_cache_mark(outs)}
+    return {**head, "choices": choices, "usage": totals, **_cache_mark(outs), **kv_extension(outs)}
 
 
 async def completion_chunks(state: ServerState, request: Request, head: dict[str, Any],
@@ -130,6 +132,7 @@ async def completion_chunks(state: ServerState, request: Request, head: dict[str
         if out.finished:
             completion_tokens += len(out.token_ids)
             state.observe(out, request)
+            chunk.update(kv_extension([out]))
         yield _sse(chunk)
     if include_usage:
         yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
@@ -164,14 +167,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     base = make_params(max_tokens=resolve_max_tokens(requested, len(ids), state.limits, param),
                        logprobs=logprobs, **sampling_fields(req))
     params = per_choice(base, req.n)
+    kv = kv_options(state, req)
     rid, created = new_id("chatcmpl"), int(time.time())
     head = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        outputs = stream_all(state.engine, rid, [ids] * req.n, params, req.priority)
+        outputs = stream_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
         return stream_sse(chat_chunks(state, request, {**head, "object": "chat.completion.chunk"}, outputs, req.n,
                                       len(ids), include_usage))
-    outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority)
+    outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
@@ -180,7 +184,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
                         "logprobs": chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
                         "finish_reason": finish_reason(out)})
     return {**head, "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for o in outs)),
-            **_cache_mark(outs)}
+            **_cache_mark(outs), **kv_extension(outs)}
 
 
 async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any],
@@ -203,7 +207,8 @@ async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any]
             sent[i] = len(out.logprobs)
         delta = {"content": out.delta_text} if out.delta_text else {}
         yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                         "finish_reason": finish_reason(out)}], **extra})
+                                         "finish_reason": finish_reason(out)}], **extra,
+                    **(kv_extension([out]) if out.finished else {})})
         if out.finished:
             completion_tokens += len(out.token_ids)
             state.observe(out, request)

@@ -42,6 +42,8 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
     priority: StrictInt = 0
+    kv_write: dict[str, Any] | None = None  # streamkv: write-time KV policy ({"policy": "snapstream", ...})
+    kv_read: dict[str, Any] | None = None   # streamkv: read-time KV policy ({"policy": "quest", ...})
 
 
 class CompletionRequest(_Sampling):
@@ -92,6 +94,8 @@ class MessagesRequest(_Body):
     top_k: StrictInt | None = None
     stream: StrictBool = False
     metadata: dict[str, Any] | None = None
+    kv_write: dict[str, Any] | None = None
+    kv_read: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -1,0 +1,213 @@
+"""Write-time KV policies: what a sequence keeps of its KV, so memory really comes back.
+
+Once the prompt (``L`` tokens) is prefilled, a write policy keeps three parts and the
+sequence's other blocks return to the pool::
+
+    prompt rows   [ s s | m m m m m m m m m m m m m m m m m m m m | w w w w ]   L rows
+    kept rows     [ s s | m     m m       m   m   (top budget)     | w w w w ]   R = S + K + W rows
+                   sinks  per (layer, kv head): that head's own picks  ring of the W newest
+
+    decode token i (>= L) overwrites ring row  S + K + (i - (L - W)) % W   (the oldest)
+
+Keys keep their RoPE positions (they are cached after RoPE); new tokens take positions
+``L, L + 1, ...``. A row may hold different tokens in different (layer, kv head) pairs:
+attention never asks which token a row was, only for its key and value.
+
+A prompt that already fits (``L <= S + K + W``) is not compressed; the ring starts when the
+sequence reaches ``S + K + W`` rows, with nothing moved (:meth:`WritePolicy.point`). Either
+way a sequence never holds more than ``ceil((S + K + W) / block_size)`` blocks afterwards.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where a compressed sequence's tokens live (tensor-free; ``rows`` = S + K + W)."""
+
+    at: int      # the tokens [0, at) were compressed (the prompt); later ones go through the ring
+    sink: int
+    kept: int
+    window: int
+
+    @property
+    def rows(self) -> int:
+        return self.sink + self.kept + self.window
+
+    def row(self, index: int) -> int:
+        """Cache row that token ``index`` (>= ``at``) is written to."""
+        return self.sink + self.kept + (index - (self.at - self.window)) % self.window
+
+
+@dataclass(frozen=True)
+class WritePolicy(ABC):
+    """Hyper-parameters of one write policy; validated on construction (ValueError).
+
+    Template: :meth:`point` says (from lengths alone) when a sequence is compressed and
+    :meth:`select` picks the middle tokens each (layer, kv head) keeps. A new policy is one
+    subclass and a line in :data:`WRITE_POLICIES`.
+    """
+
+    name = ""
+    sink_tokens: int = 64
+    window_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"kv_write {self.name}: {f.name} must be an integer >= 0, got {value!r}")
+        if self.window_tokens < 1:
+            raise ValueError(f"kv_write {self.name}: window_tokens must be >= 1 (the ring holds each new token)")
+
+    @property
+    def budget(self) -> int:
+        """Middle tokens kept per (layer, kv head)."""
+        return 0
+
+    @property
+    def observation(self) -> int:
+        """Trailing prompt rows whose queries :meth:`select` needs (0: none)."""
+        return 0
+
+    @property
+    def capacity(self) -> int:
+        return self.sink_tokens + self.budget + self.window_tokens
+
+    def point(self, prompt_len: int) -> int:
+        """Token count at which a sequence with this prompt length switches to its layout."""
+        return max(prompt_len, self.capacity)
+
+    def layout(self, prompt_len: int) -> KVLayout:
+        return KVLayout(self.point(prompt_len), self.sink_tokens, self.budget, self.window_tokens)
+
+    def moves(self, prompt_len: int) -> bool:
+        """Whether reaching the layout moves rows (the prompt is longer than the capacity)."""
+        return prompt_len > self.capacity
+
+    def select(self, q: torch.Tensor | None, keys: torch.Tensor, scale: float) -> torch.Tensor:
+        """Middle tokens kept by one layer: [kv_heads, budget] int64, ascending, in ``[sink, L - window)``.
+
+        ``q`` [observation, heads, head_dim] float32: the layer's queries (after RoPE) of the
+        prompt's last rows; ``keys`` [L, kv_heads, head_dim]: the layer's cached keys.
+        """
+        return torch.empty(keys.shape[1], 0, dtype=torch.int64)
+
+    def rows(self, picks: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """Source token of every kept row: [layers, R, kv_heads] int64 from ``picks`` [layers, kv_heads, K]."""
+        layers, kvh, _ = picks.shape
+        sink = torch.arange(self.sink_tokens).view(1, -1, 1).expand(layers, -1, kvh)
+        tail = torch.arange(prompt_len - self.window_tokens, prompt_len).view(1, -1, 1).expand(layers, -1, kvh)
+        return torch.cat([sink, picks.transpose(1, 2), tail], dim=1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.name, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class StreamingLLMPolicy(WritePolicy):
+    """StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention
+    Sinks"): the first tokens and a recent window, nothing in between."""
+
+    name = "streaming_llm"
+
+
+@dataclass(frozen=True)
+class SnapStreamPolicy(WritePolicy):
+    """SnapStream (Li et al., 2025): SnapKV selection (Li et al., 2024, "SnapKV: LLM Knows What
+    You are Looking for Before Generation") of the prompt's middle, plus attention sinks and a
+    ring buffer of recent tokens, so a sequence's KV stays constant under continuous batching.
+
+    Score of middle token j for kv head h: the softmax attention of the last
+    ``observation_tokens`` prompt rows, averaged over those rows (a constant multiple of their
+    sum: the same ranking), pooled over ``pool_kernel`` neighbours (``pooling`` max, as
+    specified; ``avg`` is kvpress's and the SnapKV repository's default), averaged over the
+    query heads sharing h. Each (layer, kv head) keeps its own top ``budget_tokens``: heads
+    attend to different tokens, and per-head picks are what SnapKV and kvpress do.
+    """
+
+    name = "snapstream"
+    budget_tokens: int = 1024
+    observation_tokens: int = 32
+    pool_kernel: int = 7
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"kv_write snapstream: pooling must be 'max' or 'avg', got {self.pooling!r}")
+        if self.observation_tokens < 1:
+            raise ValueError("kv_write snapstream: observation_tokens must be >= 1")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"kv_write snapstream: pool_kernel must be odd and >= 1, got {self.pool_kernel}")
+        if self.window_tokens < self.observation_tokens:
+            raise ValueError(f"kv_write snapstream: window_tokens ({self.window_tokens}) must be >= observation_tokens "
+                             f"({self.observation_tokens}): the observed rows are the newest and stay in the window")
+
+    @property
+    def budget(self) -> int:
+        return self.budget_tokens
+
+    @property
+    def observation(self) -> int:
+        return self.observation_tokens
+
+    def select(self, q: torch.Tensor | None, keys: torch.Tensor, scale: float) -> torch.Tensor:
+        scores = self.scores(q, keys, scale)[:, self.sink_tokens:keys.shape[0] - self.window_tokens]
+        return scores.topk(self.budget_tokens, dim=-1).indices.sort(dim=-1).values + self.sink_tokens
+
+    def scores(self, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+        """SnapKV scores [kv_heads, L - observation] of the keys before the observed rows.
+
+        The arithmetic follows kvpress's ``SnapKVPress`` op for op (same shapes into the same
+        torch calls), so with ``pooling="avg"`` the scores are its bits, not just its ranking.
+        """
+        obs, heads, dim = q.shape
+        length, kvh, _ = keys.shape
+        group = heads // kvh
+        qs = q.float().transpose(0, 1)[None]                                           # [1, H, obs, D]
+        ks = keys.float().permute(1, 0, 2)[:, None].expand(kvh, group, length, dim).reshape(1, heads, length, dim)
+        attn = torch.matmul(qs, ks.transpose(2, 3))                                    # [1, H, obs, L]
+        attn = attn / math.sqrt(dim) if abs(scale * math.sqrt(dim) - 1) < 1e-9 else attn * scale
+        mask = torch.triu(torch.full_like(attn, float("-inf")), diagonal=length - obs + 1)
+        attn = torch.softmax(attn + mask, dim=-1, dtype=torch.float32)[..., :-obs]
+        scores = attn.mean(dim=-2)
+        pad = self.pool_kernel // 2
+        if self.pooling == "avg":
+            scores = F.avg_pool1d(scores, kernel_size=self.pool_kernel, padding=pad, stride=1)
+        else:
+            scores = F.max_pool1d(scores, kernel_size=self.pool_kernel, padding=pad, stride=1)
+        return scores.view(1, kvh, group, length - obs).mean(2)[0]
+
+
+WRITE_POLICIES: dict[str, Callable[..., WritePolicy] | None] = {
+    "snapstream": SnapStreamPolicy, "streaming_llm": StreamingLLMPolicy, "none": None}
+
+
+def make_write_policy(spec: WritePolicy | dict[str, Any] | None) -> WritePolicy | None:
+    """A policy from ``{"policy": name, **hyper-parameters}`` (``none``: no compression)."""
+    if spec is None or isinstance(spec, WritePolicy):
+        return spec
+    if not isinstance(spec, dict):
+        raise ValueError(f"kv_write must be an object like {{\"policy\": \"snapstream\", ...}}, got {spec!r}")
+    params = dict(spec)
+    name = params.pop("policy", None)
+    if name not in WRITE_POLICIES:
+        raise ValueError(f"kv_write.policy must be one of {sorted(WRITE_POLICIES)}, got {name!r}")
+    cls = WRITE_POLICIES[name]
+    if cls is None:
+        if params:
+            raise ValueError(f"kv_write: policy 'none' takes no fields, got {sorted(params)}")
+        return None
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"kv_write: unknown fields {unknown} for policy {name!r}; known: {sorted(known)}")
+    return cls(**params)

@@ -1,0 +1,73 @@
+"""Write-policy compression in the runner: observe the prompt's last queries, then move the kept rows.
+
+For a plan item with ``write`` (see :class:`streamkv.sched.plan.ScheduledSeq`)::
+
+    chunks        [ 0 ........ c1 | c1 ......... c2 | c2 ........... L ]
+    observed                                    [ L - obs ......... L )   queries of every layer, kept
+                                                                          here by position (a recompute
+                                                                          rewrites the same rows)
+    step reaching L:  picks = policy.select(q_obs[l], keys[l]) per layer
+                      rows  = sinks | picks | last W      [layers, R, kv_heads] source tokens
+                      table [ prompt blocks ............ | R-row blocks ]  <- gather per (layer, head)
+
+The scheduler then drops the prompt blocks from the table (``KVManager.compact``).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from streamkv.attention.backend import KVCache, Observation
+from streamkv.attention.torch_ref import span_slots
+from streamkv.sched.plan import ScheduledSeq
+
+
+class Compressor:
+    """Per-sequence observation buffers and the compaction of a prompt's rows."""
+
+    def __init__(self, cache: KVCache, num_heads: int, scale: float) -> None:
+        self.cache = cache
+        self.num_heads = num_heads
+        self.scale = scale
+        self._observed: dict[int, torch.Tensor] = {}  # seq id -> [layers, obs, heads, head_dim] float32
+
+    def release(self, seq_ids: list[int] | tuple[int, ...]) -> None:
+        for sid in seq_ids:
+            self._observed.pop(sid, None)
+
+    def observe(self, item: ScheduledSeq, q_row: int) -> Observation | None:
+        """What to keep of ``item``'s rows (its first row is row ``q_row`` of the step)."""
+        policy, prompt = item.write, item.num_prompt
+        if policy is None or not policy.observation:
+            return None
+        first = prompt - policy.observation
+        lo, hi = max(item.start, first), min(item.start + item.num_tokens, prompt)
+        if hi <= lo:
+            return None
+        buf = self._observed.get(item.seq_id)
+        if buf is None:
+            layers, _, _, dim = self.cache.k.shape
+            buf = self._observed[item.seq_id] = torch.empty(layers, policy.observation, self.num_heads, dim)
+        return Observation(q_row + lo - item.start, hi - lo, lo - first, buf)
+
+    def compress(self, item: ScheduledSeq) -> float:
+        """Move the rows ``item.write`` keeps of the prompt into the table's blocks after it;
+        returns the seconds taken (selection and move)."""
+        t0 = time.perf_counter()
+        policy, prompt, bs = item.write, item.num_prompt, self.cache.block_size
+        src = span_slots(item.block_table, prompt, bs, self.cache.k.device)
+        first = -(-prompt // bs)
+        dst = span_slots(item.block_table[first:], policy.capacity, bs, self.cache.k.device)
+        keys = self.cache.k.index_select(1, src)                      # [layers, L, kv_heads, D]
+        layers, _, kvh, dim = keys.shape
+        if policy.budget:
+            q = self._observed.pop(item.seq_id)
+            picks = torch.stack([policy.select(q[layer], keys[layer], self.scale) for layer in range(layers)])
+        else:
+            picks = torch.empty(layers, kvh, 0, dtype=torch.int64)
+        rows = policy.rows(picks, prompt)[..., None].expand(-1, -1, -1, dim)  # [layers, R, kv_heads, D]
+        self.cache.k.index_copy_(1, dst, keys.gather(1, rows))
+        self.cache.v.index_copy_(1, dst, self.cache.v.index_select(1, src).gather(1, rows))
+        self.cache.written(dst)
+        return time.perf_counter() - t0
