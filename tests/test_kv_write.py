@@ -182,16 +182,26 @@ def test_compressed_output_survives_preemption(solo, mode):
     tight = LLM(max_num_batched_tokens=256, num_blocks=72, block_size=16, preemption=mode,
                 swap_space=(64 << 20) if mode == "swap" else 0)
     engine = tight.engine
-    ids = []
-    for i in range(3):
-        engine.add_request(f"c{i}", _doc(i), PARAMS, kv_write=SNAP)
-        ids.append(f"c{i}")
+    ids = [f"c{i}" for i in range(3)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, _doc(i), PARAMS, kv_write=SNAP)
+    seqs = {rid: engine._requests[rid].seq for rid in ids}
+    done = {}
+    while any(s.layout is None for s in seqs.values()):  # they preempt each other while prefilling
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    # then higher-priority requests take the pool from the compressed ones, mid-answer
     filler = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"f{i}", " ".join(f"w{i}x{j}" for j in range(90)), filler, priority=-1)
         ids.append(f"f{i}")
-    done = engine.run_to_completion(ids)
-    assert engine.scheduler.preemptions_by_kind[mode] > 0
+        seqs[f"f{i}"] = engine._requests[f"f{i}"].seq
+    after_compression = 0
+    while len(done) < len(ids):
+        compressed = {rid: s.layout is not None and s.num_preemptions for rid, s in seqs.items()}
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        after_compression += sum(1 for rid, s in seqs.items()
+                                 if compressed[rid] is not False and s.num_preemptions > compressed[rid])
+    assert after_compression >= 1  # at least one was preempted holding its compressed rows
     assert [_result(done[f"c{i}"]) for i in range(3)] == solo
     assert engine.kv.host.num_used == 0
     engine.check_integrity()

@@ -256,3 +256,32 @@ def test_reused_picks_follow_blocks_that_moved():
     assert torch.equal(slots[0], expect)
     assert be.picks[9].table == moved[:len(be.picks[9].table)]  # resolved once, then reused
     torch.testing.assert_close(out.double(), _reference(q, cache, 0, expect, 32 ** -0.5), atol=2e-2, rtol=2e-2)
+
+
+def test_the_fused_selecting_step_equals_the_per_layer_path(monkeypatch):
+    """A request's Quest decode rows re-score every layer inside one native call
+    (``streamkv_fwd_sel``); the same rows through the per-layer Python path give the same bits."""
+    from streamkv import LLM, SamplingParams
+    from streamkv.attention.selection import LayerSelector
+
+    llm = LLM(max_num_batched_tokens=512)
+    prompt = " ".join(f"note {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} coins." for i in range(80))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    quest = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 16, "recent_tokens": 64}
+    fused = LayerSelector.fused
+    calls = []
+
+    def spy(self):
+        out = fused(self)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LayerSelector, "fused", spy)
+    a = llm.generate([prompt, "Say hi."], params, kv_read=quest)
+    assert sum(calls) >= 30 and not all(calls)  # fused, except on the steps that sample the recall
+    monkeypatch.setattr(LayerSelector, "fused", lambda self: None)
+    b = llm.generate([prompt, "Say hi."], params, kv_read=quest)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
+    assert a[0].kv == b[0].kv and a[0].kv["pages_picked"] < a[0].kv["pages_scored"]

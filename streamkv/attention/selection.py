@@ -27,7 +27,7 @@ from streamkv.attention.backend import KVCache, SeqSpan
 from streamkv.policies.read import PagePlan, ReadCount, SpanSlots
 
 
-RECALL_EVERY = 16  # decode rows at positions divisible by this measure the exact attention mass they read
+RECALL_EVERY = 16  # decode rows at positions divisible by this measure, in one layer (rotating), the exact attention mass they read
 
 
 @dataclass
@@ -50,6 +50,18 @@ class _Choice:
     picks: Picks | None       # reused (decode rows), or being filled (prompt chunks), or None
 
 
+@dataclass(frozen=True)
+class FusedSelection:
+    """A step whose selecting spans are all decode rows that re-score every layer, laid out for
+    ``native/layer.c``'s ``streamkv_fwd_sel``: context lengths are known before the layers run
+    (sinks + ``keep`` pages + tail), so one flat slot buffer serves every layer; each selecting
+    span's region of it is rewritten per layer by the C selection (``entries``)."""
+
+    seqs: torch.Tensor                      # [B, 4] int64 (row0, q_len, offset, compacted ctx_len)
+    slots: torch.Tensor                     # [sum ctx_len] int64 (selecting regions filled per layer)
+    entries: list[tuple[int, _Choice, int]]  # (q row, choice, offset of its region in ``slots``)
+
+
 class LayerSelector:
     def __init__(self, spans: list[SeqSpan], slots: list[torch.Tensor], choices: list[_Choice], cache: KVCache,
                  scale: float) -> None:
@@ -59,6 +71,7 @@ class LayerSelector:
         self.cache = cache
         self.scale = scale
         self.counts: dict[int, ReadCount] = {}  # by sequence id: what its rows read this step
+        self.layers = cache.k.shape[0]
 
     @classmethod
     def build(cls, spans: list[SeqSpan], slots: list[torch.Tensor], cache: KVCache, scale: float,
@@ -84,6 +97,37 @@ class LayerSelector:
                     picks = memory[span.seq_id] = Picks(plan, tuple(span.block_table[:plan.tail]))
             choices.append(_Choice(i, plan, candidates, SpanSlots(slots[i], plan.sink * bs, plan.tail * bs, bs), picks))
         return cls(spans, slots, choices, cache, scale) if choices else None
+
+    def fused(self) -> FusedSelection | None:
+        """The whole step for the C layer loop, or None when a span needs this Python path (it
+        reuses remembered picks, picks no page, is a prompt chunk, or samples the recall)."""
+        if any(c.picks is not None or c.plan.keep <= 0 or not self.spans[c.index].is_decode
+               or self.spans[c.index].start % RECALL_EVERY == 0 for c in self.choices):
+            return None
+        bs = self.cache.block_size
+        selecting = {c.index: c for c in self.choices}
+        rows, flat, entries, offset = [], [], [], 0
+        for i, (span, s) in enumerate(zip(self.spans, self.slots)):
+            c = selecting.get(i)
+            if c is None:
+                flat.append(s)
+                length = s.numel()
+            else:
+                length = c.slots.sink_len + c.plan.keep * bs + s.numel() - c.slots.tail_from
+                flat.append(torch.empty(length, dtype=torch.int64))
+                entries.append((span.q_start, c, offset))
+                self._count_fused(span.seq_id, c, length)
+            rows.append((span.q_start, span.q_len, offset, length))
+            offset += length
+        return FusedSelection(torch.tensor(rows, dtype=torch.int64), torch.cat(flat), entries)
+
+    def _count_fused(self, seq_id: int, c: _Choice, length: int) -> None:
+        count = self.counts.get(seq_id)
+        if count is not None:
+            count.layer_rows += length * self.layers
+            count.layers += self.layers
+            count.pages_scored += c.candidates.numel() * self.layers
+            count.pages_picked += c.plan.keep * self.layers
 
     def for_layer(self, layer: int, q: torch.Tensor) -> tuple[list[SeqSpan], list[torch.Tensor]]:
         """The step's spans and context slots with every selecting span compacted for
@@ -119,17 +163,18 @@ class LayerSelector:
         count.layers += 1
         count.pages_scored += c.candidates.numel()
         count.pages_picked += c.plan.keep
-        if span.is_decode and span.start % RECALL_EVERY == 0:
+        # sampled: one layer of the decode rows at positions divisible by RECALL_EVERY
+        if span.is_decode and span.start % RECALL_EVERY == 0 and layer == (span.start // RECALL_EVERY) % self.layers:
             count.recall_sum += self._recall(layer, q[span.q_start], c.slots.full, compact)
             count.recall_n += 1
 
     def _recall(self, layer: int, q: torch.Tensor, full: torch.Tensor, compact: torch.Tensor) -> float:
         """Share of the exact softmax mass (mean over heads) on the ``compact`` slots: q [H, D]."""
-        heads = q.shape[0]
+        kvh, dim = self.cache.k.shape[2:]
+        qg = q.float().view(kvh, -1, dim)                                          # [Hkv, G, D]
 
         def lse(slots: torch.Tensor) -> torch.Tensor:
             k = self.cache.k[layer].index_select(0, slots).float()                # [n, Hkv, D]
-            k = k.repeat_interleave(heads // k.shape[1], dim=1)                   # [n, H, D]
-            return torch.logsumexp(torch.einsum("hd,nhd->hn", q.float(), k) * self.scale, dim=-1)
+            return torch.logsumexp(torch.einsum("hgd,nhd->hgn", qg, k) * self.scale, dim=-1)
 
         return float(torch.exp(lse(compact) - lse(full)).mean())

@@ -33,6 +33,12 @@ class SkLayer(ctypes.Structure):
                 ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
 
 
+class SkSelect(ctypes.Structure):
+    _fields_ = [("q_row", ctypes.c_int64), ("cand", ctypes.c_void_p), ("P", ctypes.c_int), ("keep", ctypes.c_int),
+                ("full", ctypes.c_void_p), ("sink_len", ctypes.c_int64), ("tail_from", ctypes.c_int64),
+                ("ctx_len", ctypes.c_int64), ("out_off", ctypes.c_int64), ("pos", ctypes.c_void_p)]
+
+
 class SkModel(ctypes.Structure):
     _fields_ = [("n_layers", ctypes.c_int), ("d", ctypes.c_int), ("H", ctypes.c_int), ("Hk", ctypes.c_int),
                 ("D", ctypes.c_int), ("inter", ctypes.c_int), ("act_bf16", ctypes.c_int), ("kv_bf16", ctypes.c_int),
@@ -126,6 +132,9 @@ class NativeLayers:
                                        meta.seqs.shape[0], _ptr(meta.slots), ws)
             self._check(rc, "forward", t)
             return x
+        fused = meta.selector.fused() if meta.selector is not None and not meta.observe else None
+        if fused is not None:
+            return self._forward_selecting(x, positions, meta, fused, backend.cache, ws)
         q = torch.empty(t, self.heads, self.head_dim, dtype=torch.float32)
         attn = torch.empty_like(q)
         for layer in range(len(self.layers)):
@@ -135,6 +144,25 @@ class NativeLayers:
             self._check(self.lib.streamkv_fwd_attn(m, layer, _ptr(q), _ptr(lm.seqs), lm.seqs.shape[0],
                                                    _ptr(lm.slots), _ptr(attn)), "attention", t)
             self._check(self.lib.streamkv_fwd_post(m, layer, _ptr(x), t, _ptr(attn), ws), "post", t)
+        return x
+
+    def _forward_selecting(self, x: torch.Tensor, positions: torch.Tensor, meta: Any, fused: Any, cache: Any,
+                           ws: int) -> torch.Tensor:
+        """Every layer in one call, each re-scoring the pages of the step's selecting decode rows
+        (``streamkv_fwd_sel``: the per-layer path's functions, in its order)."""
+        keep = []  # everything the C structs point at
+        entries = (SkSelect * len(fused.entries))()
+        for j, (q_row, c, offset) in enumerate(fused.entries):
+            pos = torch.empty(c.plan.keep, dtype=torch.int64)
+            keep += [pos, c.candidates, c.slots.full]
+            entries[j] = SkSelect(q_row, _ptr(c.candidates), c.candidates.numel(), c.plan.keep, _ptr(c.slots.full),
+                                  c.slots.sink_len, c.slots.tail_from, c.slots.full.numel(), offset, _ptr(pos))
+        bounds = cache.bounds.data
+        rc = self.lib.streamkv_fwd_sel(ctypes.addressof(self.model), _ptr(x), x.shape[0], _ptr(positions),
+                                       _ptr(meta.slot_mapping), _ptr(fused.seqs), fused.seqs.shape[0],
+                                       _ptr(fused.slots), ws, ctypes.addressof(entries), len(fused.entries), _ptr(bounds),
+                                       bounds[0].numel(), cache.block_size)
+        self._check(rc, "forward with page selection", x.shape[0])
         return x
 
     def norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -268,6 +268,46 @@ int streamkv_fwd_post(const SkModel* m, int layer, float* x, int64_t T, const fl
     return 0;
 }
 
+int streamkv_page_select(const void* q, int q_bf16, int R, int kvh, int g, int D, const uint16_t* bounds,
+                         const int64_t* cand, int P, int keep, float scale, int64_t* pos, const int64_t* full,
+                         int64_t sink_len, int64_t tail_from, int64_t ctx_len, int bs, int64_t* slots);
+
+/* A decode row that picks its pages every layer (Quest, streamkv_fwd_sel): with the layer's query
+ * of row q_row it ranks the P candidate pages by their key bounds, keeps `keep`, and writes its
+ * compacted context slots (sinks, picked pages, tail of `full`) at slots + out_off. */
+typedef struct {
+    int64_t q_row;
+    const int64_t* cand;
+    int P, keep;
+    const int64_t* full;
+    int64_t sink_len, tail_from, ctx_len, out_off;
+    int64_t* pos;  /* [keep] scratch */
+} SkSelect;
+
+/* streamkv_fwd with page selection inside the layer loop: the same functions in the same order
+ * as the per-layer calls with a Python selector between them (so the same bits), without a
+ * round trip per layer. bounds: [layers][blocks][Hk][2D] bf16, `stride` elements per layer. */
+int streamkv_fwd_sel(const SkModel* m, float* x, int64_t T, const int64_t* pos, const int64_t* slot_mapping,
+                     const int64_t* seqs, int B, int64_t* slots, void* ws, const SkSelect* sel, int nsel,
+                     const uint16_t* bounds, int64_t stride, int bs) {
+    if (T <= 0 || m->D % 16 != 0 || m->D > 256) return 1;
+    Work w = carve(m, T, ws);
+    const int hd = m->H * m->D;
+    for (int l = 0; l < m->n_layers; l++) {
+        int rc = streamkv_fwd_pre(m, l, x, T, pos, slot_mapping, w.q, ws);
+        for (int s = 0; s < nsel && rc == 0; s++) {
+            const SkSelect* e = sel + s;
+            rc = streamkv_page_select(w.q + e->q_row * hd, 0, 1, m->Hk, m->H / m->Hk, m->D, bounds + l * stride,
+                                      e->cand, e->P, e->keep, m->scale, e->pos, e->full, e->sink_len, e->tail_from,
+                                      e->ctx_len, bs, slots + e->out_off);
+        }
+        if (rc == 0) rc = streamkv_fwd_attn(m, l, w.q, seqs, B, slots, w.attn);
+        if (rc == 0) rc = streamkv_fwd_post(m, l, x, T, w.attn, ws);
+        if (rc != 0) return 100 + rc;
+    }
+    return 0;
+}
+
 /* Every layer of one step: x [T, d] float32 holds the embeddings on entry and the last layer's
  * residual stream on return. */
 int streamkv_fwd(const SkModel* m, float* x, int64_t T, const int64_t* pos, const int64_t* slot_mapping,
