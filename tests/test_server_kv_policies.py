@@ -85,6 +85,19 @@ def test_quest_reports_the_attention_mass_it_kept(http, server):
     assert metric(server.url, "streamkv_kv_policy_recall_samples_total") >= 1
 
 
+def test_streaming_inputs_stay_exact_under_a_server_default(http):
+    """The default kv_write does not apply to inputs that may still change: the result equals
+    an exact completion of the final prompt."""
+    exact = http.post("/v1/completions", json={"prompt": DOC, **T0, "kv_write": {"policy": "none"}}).json()
+    r = http.post("/v1/input_streams", json={"prompt": DOC[:200], **T0})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    assert http.post(f"/v1/input_streams/{sid}/append", json={"text": DOC[200:]}).status_code == 200
+    done = http.post(f"/v1/input_streams/{sid}/finish", json={"stream": False}).json()
+    assert done["choices"][0]["text"] == exact["choices"][0]["text"]
+    assert "kv" not in done.get("streamkv", {})
+
+
 @pytest.mark.parametrize("kv,param", [({"kv_write": {"policy": "snapstream", "budget_tokens": -1}}, "kv_write"),
                                       ({"kv_write": {"policy": "zip"}}, "kv_write"),
                                       ({"kv_read": {"policy": "quest", "budget_tokens": 10}}, "kv_read"),

@@ -130,9 +130,10 @@ class Engine:
         response-cache hit).
         """
         params = self._check_request(request_id, params, priority)
-        write, read = self.kv_policies.resolve(kv_write, kv_read)
-        if partial and (write is not None or read is not None):
+        if partial and (kv_write is not None or kv_read is not None):
             raise InvalidRequestError("kv_write / kv_read are not supported on streaming-input requests")
+        # streaming inputs keep exact KV whatever the server defaults (their prompt may still change)
+        write, read = (None, None) if partial else self.kv_policies.resolve(kv_write, kv_read)
         text, ids = self.tokenize_prompt(prompt) if not (partial and not prompt) else (None, [])
         self._validate_ids(ids, allow_empty=partial)
         lossy = write is not None or read is not None  # approximate KV: never a response-cache entry
