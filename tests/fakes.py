@@ -54,7 +54,8 @@ class FakeRunner:
             assert list(item.history[:item.start]) == have, "chunk does not continue the computed KV"
             have.extend(item.token_ids)
             end = item.start + item.num_tokens
-            assert len(item.block_table) * self.block_size >= end, "block table too short"
+            rows = item.rows if item.rows >= 0 else end  # a write policy's layout holds a fixed set of rows
+            assert len(item.block_table) * self.block_size >= rows, "block table too short"
             if item.sample:
                 hist = list(item.history[:end])
                 n_out = end - item.num_prompt
@@ -145,20 +146,58 @@ class SlotFakeRunner(FakeRunner):
         super().__init__(block_size, vocab)
         self.slots: dict[int, tuple[int, int]] = {}
         self.kv_ops = FakeKVOps(self.slots, num_blocks, block_size)
+        self.write = None  # the write policy a test's compressed requests use
 
     def _slot(self, table, pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.kv_ops.swap(plan.swap_out, plan.swap_in)
+        compressed: dict[int, float] = {}
         for item in plan.seqs:
             end = item.start + item.num_tokens
+            if item.rows >= 0:  # a write policy's layout: check every row, write the ring's
+                self._check_layout(item)
+                self.slots[self._slot(item.block_table, item.write_row)] = (item.start, item.history[item.start])
+                continue
             for p in range(item.start):
                 got = self.slots.get(self._slot(item.block_table, p))
                 assert got == (p, item.history[p]), f"seq {item.seq_id}: row {p} holds {got}"
             for p in range(item.start, end):
                 self.slots[self._slot(item.block_table, p)] = (p, item.history[p])
-        return super().execute(plan)
+            if item.write is not None and end == item.write.point(item.num_prompt):
+                self._compact(item)
+                compressed[item.seq_id] = 0.0
+        out = super().execute(plan)
+        out.compressed = compressed
+        return out
+
+    @staticmethod
+    def _kept(write, prompt: int) -> list[int]:
+        """Tokens a compressed prompt keeps, row by row (the fake picks the middle's first ones)."""
+        s, k, w = write.sink_tokens, write.budget, write.window_tokens
+        return list(range(s)) + list(range(s, s + k)) + list(range(prompt - w, prompt))
+
+    def _compact(self, item) -> None:
+        """What ``runner/compression.py`` does: the kept rows into the blocks after the point."""
+        point = item.write.point(item.num_prompt)
+        first = -(-point // self.block_size)
+        for row, p in enumerate(self._kept(item.write, point)):
+            self.slots[self._slot(item.block_table[first:], row)] = self.slots[self._slot(item.block_table, p)]
+
+    def _check_layout(self, item) -> None:
+        """Rows of a sequence in its layout (``self.write``: the policy the test uses): sinks and
+        kept rows in order, then the ring holding the last ``window - 1`` tokens where
+        ``KVLayout.row`` puts them."""
+        w = self.write
+        layout = w.layout(item.num_prompt)
+        assert item.rows == layout.rows and len(item.block_table) <= -(-layout.rows // self.block_size)
+        head = self._kept(w, layout.at)[:layout.sink + layout.kept]
+        expect = {row: p for row, p in enumerate(head)}
+        expect.update({layout.row(j): j for j in range(item.start - layout.window + 1, item.start)})
+        for row, p in expect.items():
+            got = self.slots.get(self._slot(item.block_table, row))
+            assert got == (p, item.history[p]), f"seq {item.seq_id}: row {row} holds {got}, not token {p}"
 
 
 def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_model_len: int = 512,

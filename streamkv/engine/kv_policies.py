@@ -99,7 +99,7 @@ class KVPolicyTotals:
         if seq.write is not None:
             self.tokens_seen += seq.num_computed
             self.tokens_kept += seq.kv_rows(seq.num_computed)
-            self.compressions += int(seq.compress_s > 0)
+            self.compressions += int(seq.layout is not None and seq.write.moves(seq.num_prompt_tokens))
             self.compress_s += seq.compress_s
         r = seq.reads
         if r is not None:

@@ -14,8 +14,10 @@ Keys keep their RoPE positions (they are cached after RoPE); new tokens take pos
 attention never asks which token a row was, only for its key and value.
 
 A prompt that already fits (``L <= S + K + W``) is not compressed; the ring starts when the
-sequence reaches ``S + K + W`` rows, with nothing moved (:meth:`WritePolicy.point`). Either
-way a sequence never holds more than ``ceil((S + K + W) / block_size)`` blocks afterwards.
+sequence reaches ``S + K + W`` rows (:meth:`WritePolicy.point`), its rows copied unchanged
+into fresh blocks first: the ring never writes into a block the prefix cache or another
+sequence reads. Either way a sequence never holds more than ``ceil((S + K + W) /
+block_size)`` blocks afterwards.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ class WritePolicy(ABC):
         return KVLayout(self.point(prompt_len), self.sink_tokens, self.budget, self.window_tokens)
 
     def moves(self, prompt_len: int) -> bool:
-        """Whether reaching the layout moves rows (the prompt is longer than the capacity)."""
+        """Whether reaching the layout drops rows (the prompt is longer than the capacity)."""
         return prompt_len > self.capacity
 
     def select(self, q: torch.Tensor | None, keys: torch.Tensor, scale: float) -> torch.Tensor:

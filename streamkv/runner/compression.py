@@ -39,7 +39,7 @@ class Compressor:
     def observe(self, item: ScheduledSeq, q_row: int) -> Observation | None:
         """What to keep of ``item``'s rows (its first row is row ``q_row`` of the step)."""
         policy, prompt = item.write, item.num_prompt
-        if policy is None or not policy.observation:
+        if policy is None or not policy.observation or not policy.moves(prompt):
             return None
         first = prompt - policy.observation
         lo, hi = max(item.start, first), min(item.start + item.num_tokens, prompt)
@@ -51,22 +51,30 @@ class Compressor:
             buf = self._observed[item.seq_id] = torch.empty(layers, policy.observation, self.num_heads, dim)
         return Observation(q_row + lo - item.start, hi - lo, lo - first, buf)
 
+    @staticmethod
+    def due(item: ScheduledSeq) -> bool:
+        """This step's chunk reaches the write policy's point."""
+        return item.write is not None and item.start + item.num_tokens == item.write.point(item.num_prompt)
+
     def compress(self, item: ScheduledSeq) -> float:
-        """Move the rows ``item.write`` keeps of the prompt into the table's blocks after it;
-        returns the seconds taken (selection and move)."""
+        """Move the rows ``item.write`` keeps of the first ``point`` tokens into the table's
+        blocks after them (a prompt that fits: all of them, unchanged); returns the seconds
+        taken (selection and move)."""
         t0 = time.perf_counter()
-        policy, prompt, bs = item.write, item.num_prompt, self.cache.block_size
-        src = span_slots(item.block_table, prompt, bs, self.cache.k.device)
-        first = -(-prompt // bs)
+        policy, bs = item.write, self.cache.block_size
+        point = policy.point(item.num_prompt)
+        src = span_slots(item.block_table, point, bs, self.cache.k.device)
+        first = -(-point // bs)
         dst = span_slots(item.block_table[first:], policy.capacity, bs, self.cache.k.device)
         keys = self.cache.k.index_select(1, src)                      # [layers, L, kv_heads, D]
         layers, _, kvh, dim = keys.shape
-        if policy.budget:
+        if policy.budget and policy.moves(item.num_prompt):
             q = self._observed.pop(item.seq_id)
             picks = torch.stack([policy.select(q[layer], keys[layer], self.scale) for layer in range(layers)])
-        else:
-            picks = torch.empty(layers, kvh, 0, dtype=torch.int64)
-        rows = policy.rows(picks, prompt)[..., None].expand(-1, -1, -1, dim)  # [layers, R, kv_heads, D]
+        else:  # no middle, or all of it (the prompt fits)
+            middle = torch.arange(policy.sink_tokens, policy.sink_tokens + policy.budget)
+            picks = middle.view(1, 1, -1).expand(layers, kvh, -1)
+        rows = policy.rows(picks, point)[..., None].expand(-1, -1, -1, dim)  # [layers, R, kv_heads, D]
         self.cache.k.index_copy_(1, dst, keys.gather(1, rows))
         self.cache.v.index_copy_(1, dst, self.cache.v.index_select(1, src).gather(1, rows))
         self.cache.written(dst)

@@ -74,7 +74,7 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, self.backend, meta, step_split)
         out = StepOutput()
         for item in plan.seqs:
-            if item.write is not None and item.start + item.num_tokens == item.num_prompt:
+            if self.compressor.due(item):
                 out.compressed[item.seq_id] = self.compressor.compress(item)
         reads = getattr(meta, "reads", None)
         if reads:

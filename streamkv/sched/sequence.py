@@ -115,8 +115,10 @@ class Sequence:
 
     @property
     def compresses(self) -> bool:
-        """Reaching the layout moves rows (a prompt longer than the policy keeps), not yet done."""
-        return self.write is not None and self.layout is None and self.write.moves(self.num_prompt_tokens)
+        """The write policy's layout is still ahead: reaching it moves the kept rows into fresh
+        blocks (the ring must never write into blocks the prefix cache or another sequence
+        reads, so even a prompt that fits is copied, unchanged, once)."""
+        return self.write is not None and self.layout is None
 
     def chunk_limit(self, computed: int) -> int | None:
         """Most rows one step may compute from ``computed`` (None: no limit of its own). A
