@@ -3,7 +3,7 @@ and kvpress's SnapKV and StreamingLLM presses on transformers; memory, throughpu
 
     .venv/bin/python benchmarks/kv_compression.py                          # both parts (~45 min, 2 cores)
     .venv/bin/python benchmarks/kv_compression.py --parts accuracy --contexts 2048 --samples 3
-    .venv/bin/python benchmarks/kv_compression.py --parts performance
+    .venv/bin/python benchmarks/kv_compression.py --parts performance   # = overhead,decode,pool
     .venv/bin/python benchmarks/kv_compression.py --model /path/to/hf-dir  # a larger model as well
     .venv/bin/python benchmarks/kv_compression.py --plot-from benchmarks/results/kv_compression-*.json
 
@@ -274,16 +274,26 @@ def decode_at(args) -> dict:
 
 
 def performance(args) -> dict:
-    res = {"overhead": overhead(args), "decode_ms_per_token": decode_at(args)}
+    res = {}
+    if "overhead" in args.parts or "performance" in args.parts:
+        res["overhead"] = overhead(args)
+    if "decode" in args.parts or "performance" in args.parts:
+        res["decode_ms_per_token"] = decode_at(args)
     print(json.dumps(res), flush=True)
-    res["pool"] = {"none": pool_run(args, {}),
-                   "snapstream_1024": pool_run(args, {"kv_write": {"policy": "snapstream", "budget_tokens": 1024}})}
-    none, snap = res["pool"]["none"], res["pool"]["snapstream_1024"]
-    res["pool"]["concurrency_ratio"] = round(snap["max_concurrent"] / none["max_concurrent"], 2)
-    res["pool"]["throughput_ratio"] = round(snap["tok_per_s_end_to_end"] / none["tok_per_s_end_to_end"], 2)
-    if none["decode_only_tok_per_s"] and snap["decode_only_tok_per_s"]:
-        res["pool"]["decode_ratio"] = round(snap["decode_only_tok_per_s"] / none["decode_only_tok_per_s"], 2)
-    print(json.dumps(res["pool"]), flush=True)
+    if "pool" not in args.parts and "performance" not in args.parts:
+        return res
+    configs = {"none": {}, "snapstream_1024": {"budget_tokens": 1024},  # defaults: 64 sinks, 512 window
+               "snapstream_1024_w128": {"budget_tokens": 1024, "window_tokens": 128}}
+    res["pool"] = {}
+    for name, kw in configs.items():
+        res["pool"][name] = run = pool_run(args, {"kv_write": {"policy": "snapstream", **kw}} if kw else {})
+        if name != "none":
+            base = res["pool"]["none"]
+            run["concurrency_ratio"] = round(run["max_concurrent"] / base["max_concurrent"], 2)
+            run["throughput_ratio"] = round(run["tok_per_s_end_to_end"] / base["tok_per_s_end_to_end"], 2)
+            if base["decode_only_tok_per_s"] and run["decode_only_tok_per_s"]:
+                run["decode_ratio"] = round(run["decode_only_tok_per_s"] / base["decode_only_tok_per_s"], 2)
+        print(json.dumps({name: run}), flush=True)
     return res
 
 
@@ -325,7 +335,7 @@ def main() -> None:
         plot(res["accuracy"], args.budgets, PLOT)
         tables = summarize(res["accuracy"], args.budgets)
         print("\n\n".join(tables))
-    if "performance" in args.parts:
+    if any(p in args.parts for p in ("performance", "overhead", "decode", "pool")):
         res["performance"] = performance(args)
     path = common.write_json("kv_compression", res)
     print(f"cpu: {machine['cpu']['model']} {machine['cpu']['flags']}; results: {path}")

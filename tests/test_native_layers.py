@@ -33,6 +33,9 @@ class _EveryPage:
     def __init__(self, spans, slots):
         self.spans, self.slots = spans, slots
 
+    def fused(self):
+        return None  # never the one-call selecting step: this selector exists to force the per-layer path
+
     def for_layer(self, layer, q):
         return list(self.spans), list(self.slots)
 
