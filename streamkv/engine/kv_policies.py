@@ -2,12 +2,12 @@
 and what each request reports about its KV (``RequestOutput.kv``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from streamkv.config import KVPolicyConfig
 from streamkv.errors import InvalidRequestError
-from streamkv.policies.read import ReadPolicy, make_read_policy
+from streamkv.policies.read import ReadCount, ReadPolicy, make_read_policy
 from streamkv.policies.write import WritePolicy, make_write_policy
 from streamkv.sched.sequence import Sequence
 
@@ -66,7 +66,7 @@ def kv_report(seq: Sequence, bytes_per_row: int) -> dict[str, Any] | None:
     out: dict[str, Any] = {"tokens_seen": seen, "tokens_kept": kept, "kv_bytes_read_per_token": kept * bytes_per_row}
     if seq.write is not None:
         out["write"] = seq.write.to_dict()
-        out["compressed"] = seq.layout is not None and seq.write.moves(seq.num_prompt_tokens)
+        out["compressed"] = seq.compressed
         out["compress_ms"] = round(seq.compress_s * 1e3, 3)
     if seq.read is not None:
         out["read"] = seq.read.to_dict()
@@ -87,26 +87,13 @@ class KVPolicyTotals:
     tokens_kept: int = 0
     compressions: int = 0
     compress_s: float = 0.0
-    read_steps: int = 0
-    rows_read: float = 0.0
-    rows_full: float = 0.0
-    pages_scored: int = 0
-    pages_picked: int = 0
-    recall_sum: float = 0.0
-    recall_n: int = 0
+    reads: ReadCount = field(default_factory=ReadCount)
 
     def add(self, seq: Sequence) -> None:
         if seq.write is not None:
             self.tokens_seen += seq.num_computed
             self.tokens_kept += seq.kv_rows(seq.num_computed)
-            self.compressions += int(seq.layout is not None and seq.write.moves(seq.num_prompt_tokens))
+            self.compressions += int(seq.compressed)
             self.compress_s += seq.compress_s
-        r = seq.reads
-        if r is not None:
-            self.read_steps += r.steps
-            self.rows_read += r.rows_read
-            self.rows_full += r.rows_full
-            self.pages_scored += r.pages_scored
-            self.pages_picked += r.pages_picked
-            self.recall_sum += r.recall_sum
-            self.recall_n += r.recall_n
+        if seq.reads is not None:
+            self.reads.add(seq.reads)

@@ -120,6 +120,11 @@ class Sequence:
         reads, so even a prompt that fits is copied, unchanged, once)."""
         return self.write is not None and self.layout is None
 
+    @property
+    def compressed(self) -> bool:
+        """In its write policy's layout, with rows of the prompt dropped."""
+        return self.layout is not None and self.write is not None and self.write.moves(self.num_prompt_tokens)
+
     def chunk_limit(self, computed: int) -> int | None:
         """Most rows one step may compute from ``computed`` (None: no limit of its own). A
         request whose answer re-scores its pages every step recomputes that answer row by

@@ -103,13 +103,13 @@ def _kv_policy_metrics(t: Any) -> Any:
             ("tokens_kept", "KV rows those requests still held at the end", t.tokens_kept),
             ("compressions", "prompts compressed by a write policy", t.compressions),
             ("compress_seconds", "time spent selecting and moving compressed rows", t.compress_s),
-            ("read_steps", "steps of requests with a read policy", t.read_steps),
-            ("read_rows", "KV rows those steps read (averaged over layers, summed over steps)", t.rows_read),
-            ("read_rows_full", "KV rows those steps would have read without the policy", t.rows_full),
-            ("pages_scored", "pages a read policy scored (summed over layers)", t.pages_scored),
-            ("pages_picked", "pages a read policy picked (summed over layers)", t.pages_picked),
-            ("recall_samples", "sampled layer-steps measuring the exact attention mass kept", t.recall_n),
-            ("recall_sum", "sum of those samples' kept share (divide by recall_samples)", t.recall_sum)]:
+            ("read_steps", "steps of requests with a read policy", t.reads.steps),
+            ("read_rows", "KV rows those steps read (averaged over layers, summed over steps)", t.reads.rows_read),
+            ("read_rows_full", "KV rows those steps would have read without the policy", t.reads.rows_full),
+            ("pages_scored", "pages a read policy scored (summed over layers)", t.reads.pages_scored),
+            ("pages_picked", "pages a read policy picked (summed over layers)", t.reads.pages_picked),
+            ("recall_samples", "sampled layer-steps measuring the exact attention mass kept", t.reads.recall_n),
+            ("recall_sum", "sum of those samples' kept share (divide by recall_samples)", t.reads.recall_sum)]:
         yield CounterMetricFamily(f"streamkv_kv_policy_{name}", doc, value=value)
 
 
