@@ -127,6 +127,28 @@ def test_max_pooling_ranks_a_token_next_to_a_hot_one_above_a_cold_one():
     assert policy.select(q, keys, 1.0)[0].tolist() == list(range(97, 104))
 
 
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_scores_follow_their_definition(pooling):
+    """Mean softmax attention of the observed rows (causal), pooled as named, averaged over the
+    query heads of each kv head; written here from scratch in float64."""
+    g = torch.Generator().manual_seed(3)
+    length, obs, heads, kvh, dim = 90, 6, 4, 2, 16
+    q, keys = torch.randn(obs, heads, dim, generator=g), torch.randn(length, kvh, dim, generator=g)
+    policy = SnapStreamPolicy(budget_tokens=10, sink_tokens=2, window_tokens=8, observation_tokens=obs,
+                              pool_kernel=5, pooling=pooling)
+    ref = torch.zeros(kvh, length - obs, dtype=torch.float64)
+    for h in range(heads):
+        kv = h // (heads // kvh)
+        att = torch.zeros(length - obs, dtype=torch.float64)
+        for r in range(obs):
+            visible = length - obs + r + 1
+            att += torch.softmax(keys[:visible, kv].double() @ q[r, h].double() * 0.25, dim=0)[:length - obs] / obs
+        pad = torch.nn.functional.pad(att, (2, 2), value=float("-inf") if pooling == "max" else 0.0)
+        win = pad.unfold(0, 5, 1)
+        ref[kv] += (win.amax(-1) if pooling == "max" else win.sum(-1) / 5) / (heads // kvh)
+    torch.testing.assert_close(policy.scores(q, keys, 0.25).double(), ref, atol=1e-6, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def llm():
