@@ -98,10 +98,12 @@ class FakeKVOps:
     def swap(self, out, into) -> None:
         self.flush()
         bs = self.cache.block_size
+        # copies, as KVOps.swap does: a swapped-out block that another sequence shares (a
+        # prefix hit) keeps its rows on the device for that sequence
         for src_map, dst_map, pairs in ((self.slots, self.host, out), (self.host, self.slots, into)):
             for src, dst in pairs:
                 for i in range(bs):
-                    entry = src_map.pop(src * bs + i, None)
+                    entry = src_map.get(src * bs + i)
                     if entry is None:
                         dst_map.pop(dst * bs + i, None)
                     else:

@@ -33,7 +33,7 @@ def _run(requests, **kw):
     return out, engine
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(requests=st.lists(st.tuples(st.text("abcdefgh", min_size=2, max_size=40), st.integers(1, 24), st.booleans()),
                          min_size=1, max_size=6),
        num_blocks=st.integers(16, 40), budget=st.integers(4, 32), swap=st.booleans())
