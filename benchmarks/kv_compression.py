@@ -286,6 +286,8 @@ def performance(args) -> dict:
                "snapstream_1024_w128": {"budget_tokens": 1024, "window_tokens": 128}}
     res["pool"] = {}
     for name, kw in configs.items():
+        if name not in args.pool_configs:
+            continue
         res["pool"][name] = run = pool_run(args, {"kv_write": {"policy": "snapstream", **kw}} if kw else {})
         if name != "none":
             base = res["pool"]["none"]
@@ -307,6 +309,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a Hugging Face directory: also measure this model")
     ap.add_argument("--no-kvpress", dest="kvpress", action="store_false")
     ap.add_argument("--pool-blocks", type=int, default=2400, help="fixed KV pool (blocks of 16) for the pool run")
+    ap.add_argument("--pool-configs", default="none,snapstream_1024,snapstream_1024_w128",
+                    help="pool runs: none (always first), snapstream_1024, snapstream_1024_w128")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=6000)
     ap.add_argument("--gen-tokens", type=int, default=64)
@@ -316,6 +320,7 @@ def main() -> None:
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.budgets = [int(x) for x in args.budgets.split(",")]
     args.tasks = args.tasks.split(",")
+    args.pool_configs = ["none"] + [c for c in args.pool_configs.split(",") if c != "none"]
     if args.plot_from:
         data = json.loads(Path(args.plot_from).read_text())
         plot(data["accuracy"], data["budgets"], PLOT)
