@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from streamkv.native import page_select
+from streamkv.policies.registry import build_policy
 
 
 @dataclass(frozen=True)
@@ -229,19 +230,4 @@ def make_read_policy(spec: ReadPolicy | dict[str, Any] | None) -> ReadPolicy | N
     every page is read, which overrides a server default)."""
     if spec is None or isinstance(spec, ReadPolicy):
         return spec
-    if not isinstance(spec, dict):
-        raise ValueError(f"kv_read must be an object like {{\"policy\": \"quest\", ...}}, got {spec!r}")
-    params = dict(spec)
-    name = params.pop("policy", None)
-    if name not in READ_POLICIES:
-        raise ValueError(f"kv_read.policy must be one of {sorted(READ_POLICIES)}, got {name!r}")
-    cls = READ_POLICIES[name]
-    if cls is None:
-        if params:
-            raise ValueError(f"kv_read: policy 'none' takes no fields, got {sorted(params)}")
-        return None
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ValueError(f"kv_read: unknown fields {unknown} for policy {name!r}; known: {sorted(known)}")
-    return cls(**params)
+    return build_policy("kv_read", READ_POLICIES, spec, "quest")

@@ -29,6 +29,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from streamkv.policies.registry import build_policy
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -197,19 +199,4 @@ def make_write_policy(spec: WritePolicy | dict[str, Any] | None) -> WritePolicy 
     """A policy from ``{"policy": name, **hyper-parameters}`` (``none``: no compression)."""
     if spec is None or isinstance(spec, WritePolicy):
         return spec
-    if not isinstance(spec, dict):
-        raise ValueError(f"kv_write must be an object like {{\"policy\": \"snapstream\", ...}}, got {spec!r}")
-    params = dict(spec)
-    name = params.pop("policy", None)
-    if name not in WRITE_POLICIES:
-        raise ValueError(f"kv_write.policy must be one of {sorted(WRITE_POLICIES)}, got {name!r}")
-    cls = WRITE_POLICIES[name]
-    if cls is None:
-        if params:
-            raise ValueError(f"kv_write: policy 'none' takes no fields, got {sorted(params)}")
-        return None
-    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ValueError(f"kv_write: unknown fields {unknown} for policy {name!r}; known: {sorted(known)}")
-    return cls(**params)
+    return build_policy("kv_write", WRITE_POLICIES, spec, "snapstream")
