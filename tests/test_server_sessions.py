@@ -189,6 +189,11 @@ BAD = [
     ("POST", "/v1/sessions", {"kv_read": {"policy": "everything"}}, 400),
     ("POST", "/v1/sessions", {"kv_read": {"policy": "quest", "budget_tokens": 8}}, 400),
     ("POST", "/v1/sessions", {"kv_read": "quest"}, 400),
+    ("POST", "/v1/sessions", {"evict": "lru"}, 400),
+    ("POST", "/v1/sessions", {"kv_write": {"policy": "snapstream"}}, 400),
+    ("POST", "/v1/sessions", {"evict": "snapkv", "kv_write": {"budget_tokens": 4096}}, 400),
+    ("POST", "/v1/sessions", {"evict": "snapkv", "kv_write": {"sink_tokens": 8}}, 400),
+    ("POST", "/v1/sessions", {"evict": "snapkv", "kv_write": "snapstream"}, 400),
     ("GET", "/v1/sessions/sess_doesnotexist", None, 404),
     ("DELETE", "/v1/sessions/sess_doesnotexist", None, 404),
     ("POST", "/v1/sessions/sess_doesnotexist/data", {"records": ["x"]}, 404),
@@ -231,6 +236,21 @@ def test_a_session_created_with_a_read_policy_answers_and_reports_it(client):
     answer = sess.query("What was reading 7?", max_tokens=6)
     assert answer.data_version == 1 and answer.usage["completion_tokens"] >= 1
     assert sess.stats()["spec"]["kv_read"] == {**policy, "rescore": False}
+    sess.delete()
+
+
+def test_a_snapkv_session_keeps_a_memory_of_evicted_records(client):
+    write = {"policy": "snapstream", "budget_tokens": 48, "observation_tokens": 16, "pool_kernel": 5}
+    sess = client.create_session(system="Answer from the data.", retention_tokens=200, evict_tokens=40,
+                                 evict="snapkv", kv_write=write)
+    for i in range(16):
+        sess.push([f"reading {i}: {i * 13 % 97} units", f"note {i}: stable"])
+    st = _wait_version(sess, 16)
+    assert st["evictions"] >= 2 and st["memory_tokens"] == 48 and st["snapkv_fallbacks"] == 0
+    assert st["spec"]["evict"] == "snapkv"
+    assert st["spec"]["kv_write"] == {**write, "sink_tokens": 0, "window_tokens": 16, "pooling": "max"}
+    assert st["tokens"]["sliding"] <= 200
+    assert sess.query("What was reading 15?", max_tokens=6).data_version == 16
     sess.delete()
 
 

@@ -75,7 +75,8 @@ class Engine:
         self.kv_ops = getattr(self.bundle.runner, "kv_ops", None)
         self.kv = KVManager(self.pool, HostPool(self._host_blocks()))
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        self.seq_ops = SeqOps(self.scheduler, self.kv, self.kv_ops, self.max_model_len, itertools.count())
+        self.seq_ops = SeqOps(self.scheduler, self.kv, self.kv_ops, self.max_model_len, itertools.count(),
+                              getattr(self.bundle.runner, "recent", None))
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}

@@ -144,6 +144,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.streamkv_kv_move
     fn.restype = ctypes.c_int
     fn.argtypes = [i32, p, p, i32, i64, i32, i32, p, p, i64, p]
+    fn = lib.streamkv_kv_move_between
+    fn.restype = ctypes.c_int
+    fn.argtypes = [i32, p, p, i64, p, p, i64, i32, i32, i32, p, p, i64, p]
     fn = lib.streamkv_page_bounds
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -262,13 +265,15 @@ def _q8(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor,
 def kv_move() -> Callable[..., None] | None:
     """The native KV row mover with key rotation (``kv_move.c``), or None without the kernels."""
     lib = _library()
-    return None if lib is None else functools.partial(_kv_move, lib.streamkv_kv_move)
+    return None if lib is None else functools.partial(_kv_move, lib.streamkv_kv_move_between)
 
 
 def _kv_move(fn: ctypes._CFuncPtr, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
              cos_sin: torch.Tensor | None) -> None:
     """Rows ``src`` [N] -> ``dst`` [N] of caches k, v [L, S, H, D]; ``cos_sin`` [N, D/2, 2] float32
-    rotates the keys (None: plain copy)."""
+    rotates the keys (None: plain copy). When a destination slot is also a source slot (an
+    in-place eviction moving rows down), the source rows are staged first (an exact copy), so
+    threads never read a row another thread already overwrote; the arithmetic is the same."""
     if k.dtype not in (torch.bfloat16, torch.float32) or v.dtype != k.dtype:
         raise TypeError(f"native kv_move supports bfloat16/float32 caches, got {k.dtype}")
     if not (k.is_contiguous() and v.is_contiguous()) or k.device.type != "cpu":
@@ -276,8 +281,15 @@ def _kv_move(fn: ctypes._CFuncPtr, k: torch.Tensor, v: torch.Tensor, src: torch.
     src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
     cs = None if cos_sin is None else cos_sin.to(torch.float32).contiguous()
     layers, slots, heads, dim = k.shape
-    rc = fn(int(k.dtype == torch.bfloat16), k.data_ptr(), v.data_ptr(), layers, slots, heads, dim,
-            src.data_ptr(), dst.data_ptr(), src.numel(), None if cs is None else cs.data_ptr())
+    ks, vs, src_slots = k, v, slots
+    if bool(torch.isin(dst, src).any()):
+        if bool(((src < 0) | (src >= slots)).any()):
+            raise ValueError("native kv_move rejected the move (code 2)")
+        ks, vs, src_slots = k.index_select(1, src), v.index_select(1, src), src.numel()
+        src = torch.arange(src.numel(), dtype=torch.int64)
+    rc = fn(int(k.dtype == torch.bfloat16), ks.data_ptr(), vs.data_ptr(), src_slots, k.data_ptr(), v.data_ptr(),
+            slots, layers, heads, dim, src.data_ptr(), dst.data_ptr(), src.numel(),
+            None if cs is None else cs.data_ptr())
     if rc != 0:
         raise ValueError(f"native kv_move rejected the move (code {rc})")
 

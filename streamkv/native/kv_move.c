@@ -2,7 +2,8 @@
  * the native form of streamkv.runner.kv_ops.KVOps.copy, all ranges of a call at once.
  *
  * k, v    [L, S, H, D] bfloat16 (bf16 = 1) or float32 caches, contiguous
- * src,dst [N] slots; row i of every layer goes from src[i] to dst[i] (no overlap)
+ * src,dst [N] slots; row i of every layer goes from src[i] to dst[i] (no dst slot is a src slot:
+ *         KVOps.copy stages an overlapping move, see streamkv_kv_move_between)
  * cs      [N, D/2, 2] float32 (cos, sin) of row i's shift per frequency, or NULL (no rotation)
  *
  * Keys use the rotate-half layout (x1 = x[:D/2], x2 = x[D/2:]); in float32, rounded once:
@@ -51,30 +52,41 @@ static void rotate_f32(const float *x, float *y, const float *cs, int half) {
     }
 }
 
-int streamkv_kv_move(int bf16, void *k, void *v, int layers, int64_t slots, int heads, int dim,
-                     const int64_t *src, const int64_t *dst, int64_t n, const float *cs) {
+/* Rows src[i] of (ks, vs) [L, src_slots, H, D] -> rows dst[i] of (kd, vd) [L, dst_slots, H, D]. The
+ * two pairs may be the same tensors only when no dst slot is also a src slot (threads run over
+ * rows in any order): an in-place move whose ranges overlap goes through a staging copy
+ * (streamkv_kv_move_between with the staged rows as the source; the same arithmetic, the same bits). */
+int streamkv_kv_move_between(int bf16, const void *ks, const void *vs, int64_t src_slots, void *kd, void *vd,
+                             int64_t dst_slots, int layers, int heads, int dim,
+                             const int64_t *src, const int64_t *dst, int64_t n, const float *cs) {
     if (dim % 2 || layers < 1 || heads < 1 || n < 0) return 1;
     const int64_t row = (int64_t)heads * dim, esz = bf16 ? 2 : 4;
     const int half = dim / 2;
     for (int64_t i = 0; i < n; i++)
-        if (src[i] < 0 || src[i] >= slots || dst[i] < 0 || dst[i] >= slots) return 2;
-    char *kb = (char *)k, *vb = (char *)v;
+        if (src[i] < 0 || src[i] >= src_slots || dst[i] < 0 || dst[i] >= dst_slots) return 2;
+    const char *ksb = (const char *)ks, *vsb = (const char *)vs;
+    char *kdb = (char *)kd, *vdb = (char *)vd;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < (int64_t)layers * n; t++) {
         int64_t l = t / n, i = t % n;
-        int64_t so = (l * slots + src[i]) * row, d = (l * slots + dst[i]) * row;
-        memcpy(vb + d * esz, vb + so * esz, row * esz);
+        int64_t so = (l * src_slots + src[i]) * row, d = (l * dst_slots + dst[i]) * row;
+        memcpy(vdb + d * esz, vsb + so * esz, row * esz);
         if (cs == NULL) {
-            memcpy(kb + d * esz, kb + so * esz, row * esz);
+            memcpy(kdb + d * esz, ksb + so * esz, row * esz);
             continue;
         }
         const float *c = cs + i * dim;  /* half pairs of (cos, sin) */
         for (int h = 0; h < heads; h++) {
             if (bf16)
-                rotate_bf16((const uint16_t *)kb + so + h * dim, (uint16_t *)kb + d + h * dim, c, half);
+                rotate_bf16((const uint16_t *)ksb + so + h * dim, (uint16_t *)kdb + d + h * dim, c, half);
             else
-                rotate_f32((const float *)kb + so + h * dim, (float *)kb + d + h * dim, c, half);
+                rotate_f32((const float *)ksb + so + h * dim, (float *)kdb + d + h * dim, c, half);
         }
     }
     return 0;
+}
+
+int streamkv_kv_move(int bf16, void *k, void *v, int layers, int64_t slots, int heads, int dim,
+                     const int64_t *src, const int64_t *dst, int64_t n, const float *cs) {
+    return streamkv_kv_move_between(bf16, k, v, slots, k, v, slots, layers, heads, dim, src, dst, n, cs);
 }

@@ -22,7 +22,9 @@ import torch
 from streamkv.errors import InvalidRequestError, KVCacheFullError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.kv.manager import KVManager
-from streamkv.runner.kv_ops import KVOps, slots_of
+from streamkv.policies.write import WritePolicy
+from streamkv.runner.kv_ops import KVOps, slots_at, slots_of
+from streamkv.runner.recent_queries import RecentQueries
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.scheduler import Scheduler
 from streamkv.sched.sequence import PriorityClass, Sequence
@@ -34,8 +36,9 @@ class SeqOps:
     """Sequence operations of one engine: its scheduler, KV manager and KV tensors (``kv_ops``)."""
 
     def __init__(self, scheduler: Scheduler, kv: KVManager, kv_ops: KVOps | None, max_model_len: int,
-                 seq_ids: Iterator[int]) -> None:
+                 seq_ids: Iterator[int], recent: RecentQueries | None = None) -> None:
         self._scheduler = scheduler
+        self._recent = recent  # query windows of streams that observe their newest rows
         self._kv = kv
         self._kv_ops = kv_ops
         self._max_len = max_model_len
@@ -110,9 +113,11 @@ class SeqOps:
         self.ops.copy(slots_of([copy[0]], 0, rows, bs), slots_of([copy[1]], 0, rows, bs))
 
     # ------------------------------------------------------- persistent streams
-    def open(self, tokens: Seq[int], klass: PriorityClass = PriorityClass.STREAM) -> Sequence:
-        """A new stream over ``tokens`` (computed in the background at ``klass``)."""
+    def open(self, tokens: Seq[int], klass: PriorityClass = PriorityClass.STREAM, observe: int = 0) -> Sequence:
+        """A new stream over ``tokens`` (computed in the background at ``klass``); ``observe`` > 0
+        keeps the queries of its newest rows (:meth:`rank` scores with them)."""
         seq = self._new(list(tokens), klass)
+        seq.observe = observe
         self._scheduler.add(seq)
         return seq
 
@@ -140,32 +145,58 @@ class SeqOps:
     def is_idle(self, seq: Sequence) -> bool:
         return self._kv.has(seq.seq_id) and seq.num_computed >= len(seq.tokens)
 
-    def evict(self, seq: Sequence, start: int, count: int) -> None:
-        """Remove tokens ``[start, start+count)`` of an idle stream, re-positioning the rest.
+    def evict(self, seq: Sequence, start: int, count: int, keep: Seq[int] = ()) -> None:
+        """Remove tokens ``[start, start+count)`` of an idle stream but the offsets ``keep``
+        (ascending, into that range), re-positioning every later row::
 
-        Raises OutOfBlocksError (nothing changed) if forks share the tail and the pool has no
-        room for a fresh copy of it.
+            before   [ frozen | a b c d e | t t ]     keep = (1, 3)
+            after    [ frozen | b d | t t ]          b by -1, d by -2, t by -3 (RoPE rotation)
+
+        The stream's query window (``RecentQueries``) follows the same moves. Raises
+        OutOfBlocksError (nothing changed) if forks share the tail and the pool has no room for
+        a fresh copy of it.
         """
         if not self.is_idle(seq):
             raise RuntimeError("evict needs an idle stream (all tokens computed)")
         n, bs, kv = len(seq.tokens), self._kv.block_size, self._kv
         if not (0 <= start and count > 0 and start + count <= n):
             raise ValueError(f"bad eviction range [{start}, {start + count}) of {n} tokens")
+        kept = torch.as_tensor(list(keep), dtype=torch.int64)
+        if kept.numel() and (kept.min() < 0 or kept.max() >= count or bool((kept.diff() <= 0).any())):
+            raise ValueError(f"kept offsets must ascend within [0, {count})")
+        removed = count - kept.numel()
         first = start // bs
         old_table = list(kv.block_table(seq.seq_id))
-        old, new = kv.rewrite_tail(seq.seq_id, first, n - count)
+        old, new = kv.rewrite_tail(seq.seq_id, first, n - removed)
         new_table = kv.block_table(seq.seq_id)
         head = start - first * bs
         if new[:1] != old[:1] and head:
             self.ops.copy(slots_of(old_table, first * bs, head, bs), slots_of(new_table, first * bs, head, bs))
-        moved = n - start - count
-        if moved:
-            self.ops.copy(slots_of(old_table, start + count, moved, bs), slots_of(new_table, start, moved, bs),
-                          shift=-count)
-        keep = set(new)
-        kv.release_blocks([b for b in old if b not in keep])
-        del seq.tokens[start:start + count]
+        src = torch.cat([kept + start, torch.arange(start + count, n, dtype=torch.int64)])
+        if src.numel():
+            dst = torch.arange(start, start + src.numel(), dtype=torch.int64)
+            self.ops.copy(slots_at(old_table, src, bs), slots_at(new_table, dst, bs), dst - src)
+        kv.release_blocks([b for b in old if b not in set(new)])
+        if self._recent is not None:
+            moved = {int(a): int(b) for a, b in zip(kept + start, range(start, start + kept.numel()))}
+            self._recent.shift(seq.seq_id, start, count, moved, n)
+        ids = [seq.tokens[start + i] for i in kept.tolist()]
+        seq.tokens[start:start + count] = ids
         seq.num_computed = seq.num_prompt_tokens = len(seq.tokens)
+
+    def rank(self, seq: Sequence, start: int, count: int, keep: int, policy: WritePolicy) -> list[int] | None:
+        """Offsets of the ``keep`` tokens of ``[start, start+count)`` that ``policy`` ranks highest
+        (:meth:`SnapStreamPolicy.rank_span`), scored with the stream's query window; None when
+        the stream has no window that ends at its last row (nothing observed yet)."""
+        if self._recent is None or not self.is_idle(seq):
+            return None
+        q = self._recent.get(seq.seq_id, len(seq.tokens))
+        if q is None:
+            return None
+        k, _ = self.export(seq, len(seq.tokens))
+        with torch.inference_mode():
+            picks = policy.rank_span(q, k, start, count, keep, self._recent.scale)  # type: ignore[attr-defined]
+        return picks.tolist()
 
     def splice(self, dst: Sequence, parts: Seq[tuple[Sequence, int, int]]) -> int:
         """Append to idle stream ``dst`` the KV rows ``[start, start+count)`` of each
@@ -211,13 +242,21 @@ class SeqOps:
         table = self._kv.block_table(seq.seq_id)
         return self.ops.export(slots_of(table, 0, num_tokens, self._kv.block_size))
 
+    def queries(self, seq: Sequence) -> torch.Tensor | None:
+        """A copy of the stream's query window [layers, n, heads, head_dim] if it ends at the
+        stream's last row (offload saves it with the KV), else None."""
+        return None if self._recent is None else self._recent.export(seq.seq_id, len(seq.tokens))
+
     def restore(self, tokens: Seq[int], k: torch.Tensor, v: torch.Tensor,
-                klass: PriorityClass = PriorityClass.STREAM) -> Sequence:
-        """A stream over ``tokens`` whose KV is ``k``/``v`` (from :meth:`export`).
+                klass: PriorityClass = PriorityClass.STREAM, observe: int = 0,
+                queries: torch.Tensor | None = None) -> Sequence:
+        """A stream over ``tokens`` whose KV is ``k``/``v`` (from :meth:`export`), observing its
+        newest ``observe`` rows, its window ``queries`` (from :meth:`queries`) when given.
 
         Raises OutOfBlocksError (nothing changed) when the pool is short.
         """
         seq = self._new(list(tokens), klass)
+        seq.observe = observe
         blocks = self._kv.adopt(seq.seq_id, len(tokens))
         try:
             self.ops.load(slots_of(blocks, 0, len(tokens), self._kv.block_size), k, v)
@@ -225,6 +264,8 @@ class SeqOps:
             self._kv.free(seq.seq_id)
             raise
         seq.num_computed = len(tokens)
+        if queries is not None and observe and self._recent is not None:
+            self._recent.load(seq.seq_id, queries, len(tokens), observe)
         self._scheduler.add_running(seq)
         return seq
 

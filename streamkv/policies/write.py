@@ -190,6 +190,23 @@ class SnapStreamPolicy(WritePolicy):
             scores = F.max_pool1d(scores, kernel_size=self.pool_kernel, padding=pad, stride=1)
         return scores.view(1, kvh, group, length - obs).mean(2)[0]
 
+    def rank_span(self, q: torch.Tensor, keys: torch.Tensor, start: int, count: int, keep: int,
+                  scale: float) -> torch.Tensor:
+        """Offsets (ascending int64 [keep]) of the tokens ``[start, start + count)`` a session keeps.
+
+        ``q`` [layers, obs, heads, head_dim]: the queries of the stream's last ``obs`` rows (its
+        newest records); ``keys`` [layers, L, kv_heads, head_dim]. One choice for every layer and
+        kv head: a session stream is a sequence of token ids that forks, snapshots and offload
+        address (per-head picks would give each row a different token per head). A token's score
+        is its SnapKV score (:meth:`scores`) averaged over layers and kv heads; the observed rows
+        themselves, if they fall in the span, always stay.
+        """
+        obs = q.shape[1]
+        total = torch.stack([self.scores(q[layer], keys[layer], scale).mean(0) for layer in range(q.shape[0])]).mean(0)
+        total = torch.cat([total, torch.full((obs,), float("inf"))])                  # [L]
+        span = total[start:start + count]
+        return span.topk(keep).indices.sort().values if keep < count else torch.arange(count)
+
 
 WRITE_POLICIES: dict[str, Callable[..., WritePolicy] | None] = {
     "snapstream": SnapStreamPolicy, "streaming_llm": StreamingLLMPolicy, "none": None}

@@ -17,9 +17,13 @@ from streamkv.models.rope import RotaryEmbedding
 
 def slots_of(block_table: Sequence[int], start: int, count: int, block_size: int) -> torch.Tensor:
     """Slot indices [count] of token positions ``start .. start+count-1`` under ``block_table``."""
-    pos = torch.arange(start, start + count, dtype=torch.int64)
+    return slots_at(block_table, torch.arange(start, start + count, dtype=torch.int64), block_size)
+
+
+def slots_at(block_table: Sequence[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot indices [N] of token ``positions`` [N] (int64) under ``block_table``."""
     table = torch.as_tensor(list(block_table), dtype=torch.int64)
-    return table[pos // block_size] * block_size + pos % block_size
+    return table[positions // block_size] * block_size + positions % block_size
 
 
 class KVOps:
@@ -85,7 +89,8 @@ class KVOps:
         """Copy K/V from slots ``src`` [N] to slots ``dst`` [N] in every layer.
 
         A non-zero ``shift`` (one int, or [N] per row) re-positions the keys (rotation by
-        ``shift`` positions); values carry no position. ``src`` and ``dst`` must not overlap.
+        ``shift`` positions); values carry no position. A slot may be both a source and a
+        destination (an in-place eviction): every source row is read before any is written.
         One call moves any number of ranges: every layer's rows in one rotation. ``defer``
         queues the move for :meth:`flush` (its sources must stay unchanged until then).
         """

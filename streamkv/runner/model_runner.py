@@ -14,6 +14,7 @@ from streamkv.attention.backend import AttentionBackend, SeqSpan
 from streamkv.models.q4_linear import DENSE, RowSplit
 from streamkv.runner.compression import Compressor
 from streamkv.runner.kv_ops import KVOps
+from streamkv.runner.recent_queries import RecentQueries
 from streamkv.sampling.sampler import Sampler
 from streamkv.sched.plan import StepOutput, StepPlan
 
@@ -31,12 +32,15 @@ class ModelRunner:
         arch = getattr(model, "arch", None)
         heads = arch.num_heads if arch is not None else backend.cache.k.shape[2]
         self.compressor = Compressor(backend.cache, heads, backend.scale)
+        layers, _, _, head_dim = backend.cache.k.shape
+        self.recent = RecentQueries(layers, heads, head_dim, getattr(model, "rope", None), backend.scale)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         self.sampler.release(plan.released)
         self.backend.release(plan.released)
         self.compressor.release(plan.released)
+        self.recent.release(plan.released)
         self.kv_ops.swap(plan.swap_out, plan.swap_in)
         if not plan.seqs:
             return StepOutput()
@@ -54,9 +58,9 @@ class ModelRunner:
             positions.extend(range(item.start, item.start + item.num_tokens))
             span = SeqSpan(q0, item.num_tokens, item.start, item.block_table, item.read, item.seq_id,
                            item.rows, item.write_row)
-            seen = self.compressor.observe(item, q0)
-            if seen is not None:
-                observe.append(seen)
+            for seen in (self.compressor.observe(item, q0), self.recent.observe(item, q0)):
+                if seen is not None:
+                    observe.append(seen)
             spans.append(span)
             decode = span.is_decode
             if decode:

@@ -25,6 +25,7 @@ class ScheduledSeq:
     chunk ends at ``num_prompt``, moves the rows ``write`` keeps into the blocks of
     ``block_table`` after the prompt's. A compressed sequence (``rows`` >= 0) computes one
     token per step, written to row ``write_row`` of its ``rows`` rows (its ring).
+    ``observe`` > 0: the runner keeps the queries of the sequence's newest ``observe`` rows.
     """
 
     seq_id: int
@@ -40,6 +41,7 @@ class ScheduledSeq:
     write: WritePolicy | None = None
     rows: int = -1
     write_row: int = -1
+    observe: int = 0  # keep the queries of the sequence's newest rows (``RecentQueries``)
 
     @property
     def num_tokens(self) -> int:

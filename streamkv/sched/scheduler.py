@@ -251,7 +251,7 @@ class Scheduler:
             read=seq.read if start >= seq.read_from else None,
             write=seq.write if seq.compresses else None,
             rows=layout.rows if layout is not None else -1,
-            write_row=layout.row(start) if layout is not None else -1)
+            write_row=layout.row(start) if layout is not None else -1, observe=seq.observe)
 
     def _enter_layout(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> None:
         """The write policy's point is reached: from now on the sequence holds its layout's

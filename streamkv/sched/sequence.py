@@ -74,6 +74,9 @@ class Sequence:
     write: WritePolicy | None = None
     layout: KVLayout | None = None
     compress_s: float = 0.0  # selection + move time of its compressions
+    # ``observe``: the runner keeps the queries of this stream's newest ``observe`` rows as they
+    # are computed (a session evicting by SnapKV score ranks with them; ``RecentQueries``).
+    observe: int = 0
     reads: ReadCount | None = None  # what its read policy read, summed over its steps
     # Streaming input (``streamkv.inputs``): while ``partial`` the prompt may still change.
     # Its last token is held back (it is computed, and sampled from, once the input is

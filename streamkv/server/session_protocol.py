@@ -42,6 +42,8 @@ class CreateSession(Body):
     ready_exit_vocab: list[StrictStr] = list(_SPEC.ready_exit_vocab)
     ready_exit_min_gap: Number = _SPEC.ready_exit_min_gap
     kv_read: dict[str, Any] | None = None
+    evict: StrictStr = _SPEC.evict
+    kv_write: dict[str, Any] | None = None
     flash: Annotated[list[FlashSpec], Field(max_length=MAX_QUESTIONS)] = []
 
 

@@ -58,7 +58,7 @@ class SessionManager:
         session = Session(session_id or new_session_id(), SessionData(spec, layout))
         if created is not None:
             session.created = created
-        session.stream = self.engine.seq_ops.open(layout.frozen)
+        session.stream = self.engine.seq_ops.open(layout.frozen, observe=spec.kv_write.observation if spec.kv_write else 0)
         self.sessions[session.id] = session
         self.offload.created(session)
         return session
@@ -117,9 +117,9 @@ class SessionManager:
             if len(rec) > spec.max_record_chars:
                 raise InvalidRequestError(f"records[{i}] has {len(rec)} characters (limit {spec.max_record_chars})")
             ids = session.layout.record_ids(spec, self.engine.tokenizer, rec)
-            if len(ids) > min(spec.retention_tokens, spec.max_queue_tokens):
-                raise InvalidRequestError(f"records[{i}] is {len(ids)} tokens, more than the session's retention "
-                                          f"({spec.retention_tokens}) or queue ({spec.max_queue_tokens})")
+            if len(ids) > min(spec.record_window, spec.max_queue_tokens):
+                raise InvalidRequestError(f"records[{i}] is {len(ids)} tokens, more than the session's record window "
+                                          f"({spec.record_window}) or queue ({spec.max_queue_tokens})")
             out.append(ids)
         return out
 
@@ -214,20 +214,44 @@ class SessionManager:
         data, stream, streams = session.data, session.stream, self.engine.seq_ops
         if not data.queue or stream is None or not streams.is_idle(stream):
             return
-        batch = data.take_batch(min(data.spec.ingest_batch_tokens, data.spec.retention_tokens))
+        batch = data.take_batch(min(data.spec.ingest_batch_tokens, data.spec.record_window))
         incoming = sum(len(r.ids) for r in batch)
         n_rec, n_tok = data.eviction_for(incoming)
         if n_tok:
             try:
-                streams.evict(stream, data.frozen_len, n_tok)
+                memory = self._evict(session, n_tok)
             except OutOfBlocksError:
                 data.requeue(batch)
                 return
-            data.evicted(n_rec, n_tok)
-            session.emit("evicted", records=n_rec, tokens=n_tok, total_evicted=data.counters.records_evicted)
+            removed = data.evicted(n_rec, n_tok, memory)
+            session.emit("evicted", records=n_rec, tokens=removed, memory_tokens=data.memory,
+                         total_evicted=data.counters.records_evicted)
         streams.append(stream, [t for r in batch for t in r.ids])
         for rec in batch:
             data.fed(rec)
+
+    def _evict(self, session: Session, num_tokens: int) -> int | None:
+        """Evict the oldest ``num_tokens`` record tokens of the stream; returns the snapkv memory
+        size after it (None: ``oldest``, nothing kept)::
+
+            oldest   [ frozen | r0 r1 | r2 r3 ]           -> [ frozen | r2 r3 ]
+            snapkv   [ frozen | memory | r0 r1 | r2 r3 ]   -> [ frozen | memory' | r2 r3 ]
+                     memory' = top budget of (memory, r0, r1) by SnapKV score, the queries of
+                     the newest rows (r3's) observing; kept keys re-positioned, order kept
+        """
+        data, stream, streams = session.data, session.stream, self.engine.seq_ops
+        policy = session.spec.kv_write
+        if policy is None:
+            streams.evict(stream, data.frozen_len, num_tokens)
+            return None
+        count = data.memory + num_tokens
+        keep = min(policy.budget, count)
+        picks = streams.rank(stream, data.frozen_len, count, keep, policy)
+        if picks is None:  # no observed queries (a restore without its window): keep the newest
+            picks = list(range(count - keep, count))
+            data.counters.snapkv_fallbacks += 1
+        streams.evict(stream, data.frozen_len, count, picks)
+        return keep
 
     def _refresh_ready(self, session: Session) -> None:
         data, stream = session.data, session.stream

@@ -70,6 +70,7 @@ class Offloader:
             return 0
         held = self.engine.kv.num_blocks_held(stream.seq_id)
         session.host_kv = self.engine.seq_ops.export(stream, len(stream.tokens))
+        session.host_q = self.engine.seq_ops.queries(stream)
         session.offloaded_tokens = list(stream.tokens)
         self.manager.drop_kv(session)
         session.emit("offloaded", where="host", tokens=len(session.offloaded_tokens))
@@ -85,7 +86,7 @@ class Offloader:
                 break
             total -= session.host_kv[0].nbytes * 2  # type: ignore[index]
             self._save_host_copy(session)
-            session.host_kv = None
+            session.host_kv = session.host_q = None
             session.emit("offloaded", where="disk", tokens=len(session.offloaded_tokens or []))
 
     def ensure_resident(self, session: Session) -> None:
@@ -93,20 +94,22 @@ class Offloader:
             return
         tokens = session.offloaded_tokens or []
         if session.host_kv is not None:
-            k, v = session.host_kv
+            (k, v), q = session.host_kv, session.host_q
         elif self.store is not None:
             self.flush()
-            k, v = self.store.load_kv(session.id)
+            k, v, q = self.store.load_kv(session.id)
         else:
             raise RuntimeError(f"session {session.id} has no KV anywhere")
+        policy = session.spec.kv_write
         while True:
             try:
-                session.stream = self.engine.seq_ops.restore(tokens, k, v)
+                session.stream = self.engine.seq_ops.restore(tokens, k, v, observe=policy.observation if policy else 0,
+                                                             queries=q)
                 break
             except OutOfBlocksError:
                 if not self._offload_one(exclude=session):
                     raise QueueFullError("the KV cache is full; retry later", retry_after=1.0) from None
-        session.host_kv, session.offloaded_tokens = None, None
+        session.host_kv, session.host_q, session.offloaded_tokens = None, None, None
         session.emit("restored", tokens=len(tokens))
 
     def _offload_one(self, exclude: Session | None = None) -> int:
@@ -151,9 +154,10 @@ class Offloader:
             return
         n = session.data.snapshot_len()
         k, v = self.engine.seq_ops.export(stream, n)
+        q = self.engine.seq_ops.queries(stream) if n == len(stream.tokens) else None  # the window ends at n
         session.saved_version = session.data.data_version
         self._writes.append(self._writer.submit(self.store.save_kv, session.id, k, v,
-                                                self._meta(session, list(stream.tokens[:n]))))
+                                                self._meta(session, list(stream.tokens[:n])), q))
 
     def save_all(self) -> None:
         """Snapshot every resident session at its newest complete version (shutdown)."""
@@ -169,7 +173,7 @@ class Offloader:
         if self.store is None or session.host_kv is None:
             return
         k, v = session.host_kv
-        self.store.save_kv(session.id, k, v, self._meta(session, session.offloaded_tokens or []))
+        self.store.save_kv(session.id, k, v, self._meta(session, session.offloaded_tokens or []), session.host_q)
         session.saved_version = session.data.data_version
 
     def flush(self) -> None:
@@ -180,7 +184,7 @@ class Offloader:
     def _meta(self, session: Session, tokens: list[int]) -> dict[str, Any]:
         d = session.data
         spans = [[s.start, s.end, s.version] for s in d.spans if s.end <= len(tokens)]
-        return {"tokens": tokens, "spans": spans, "data_version": d.data_version,
+        return {"tokens": tokens, "spans": spans, "data_version": d.data_version, "memory": d.memory,
                 "counters": vars(d.counters).copy()}
 
     def recover(self) -> None:
@@ -200,7 +204,8 @@ class Offloader:
         else:
             layout = SessionLayout.build(spec, self.engine.tokenizer)
             data = SessionData(spec, layout, spans=_spans(snap["spans"]), data_version=snap["data_version"],
-                               last_version=snap["data_version"], counters=Counters(**snap["counters"]))
+                               last_version=snap["data_version"], counters=Counters(**snap["counters"]),
+                               memory=snap.get("memory", 0))
             session = Session(stored.session_id, data, created=stored.created,
                               offloaded_tokens=list(snap["tokens"]), saved_version=snap["data_version"])
             self.manager.sessions[session.id] = session

@@ -37,6 +37,7 @@ class Session:
     ready: Sequence | None = None
     ready_version: int = -1
     host_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+    host_q: torch.Tensor | None = None  # a snapkv session's query window, offloaded with its KV
     listeners: list[Listener] = field(default_factory=list)
     event_ids: Any = field(default_factory=lambda: itertools.count(1))
     created: float = field(default_factory=time.time)
@@ -84,6 +85,7 @@ class Session:
                         "in_window": len(d.spans), "queued": len(d.queue)},
             "queue": {"records": len(d.queue), "tokens": d.queued_tokens, "capacity_tokens": d.spec.max_queue_tokens},
             "evictions": c.evictions, "tokens_evicted": c.tokens_evicted, "queries": c.queries,
+            "memory_tokens": d.memory, "snapkv_fallbacks": c.snapkv_fallbacks,
             "kv": {"where": self.where, "bytes": n * kv_bytes_per_token,
                    "blocks": -(-n // block_size) if self.where == "pool" else 0},
             "spec": d.spec.to_dict(),

@@ -16,8 +16,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from streamkv.policies.read import ReadPolicy, make_read_policy
+from streamkv.policies.write import SnapStreamPolicy, WritePolicy, make_write_policy
 
 OVERFLOW_POLICIES = ("drop_oldest", "reject", "block")
+EVICT_MODES = ("oldest", "snapkv")
 _SENTINEL = "\u2063STREAMKV-DATA\u2063"
 
 
@@ -46,6 +48,11 @@ class SessionSpec:
     # Read-time KV policy for questions and flash evaluations (None: exact attention). Its
     # answers are then no longer those of a stateless request on the same ids.
     kv_read: ReadPolicy | None = None
+    # What leaves the window when it is full: ``oldest`` drops whole oldest records;
+    # ``snapkv`` keeps a memory of the ``kv_write.budget_tokens`` evicted tokens that the newest
+    # records' queries attend to most (SnapKV scores, the ``snapstream`` plug-in).
+    evict: str = "oldest"
+    kv_write: WritePolicy | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_read", make_read_policy(self.kv_read))
@@ -73,6 +80,17 @@ class SessionSpec:
             self.record_format.format(record="x")
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"record_format is not a valid format string: {exc}") from None
+        object.__setattr__(self, "kv_write", _eviction_policy(self))
+
+    @property
+    def memory_budget(self) -> int:
+        """Evicted tokens a ``snapkv`` session keeps (0: ``oldest``)."""
+        return self.kv_write.budget if self.kv_write is not None else 0
+
+    @property
+    def record_window(self) -> int:
+        """Tokens the window holds for records: the retention less the snapkv memory."""
+        return self.retention_tokens - self.memory_budget
 
     @property
     def evict_chunk(self) -> int:
@@ -88,7 +106,46 @@ class SessionSpec:
         out = asdict(self)
         out["ready_exit_vocab"] = list(self.ready_exit_vocab)
         out["kv_read"] = self.kv_read.to_dict() if self.kv_read is not None else None
+        out["kv_write"] = self.kv_write.to_dict() if self.kv_write is not None else None
         return out
+
+
+def _eviction_policy(spec: SessionSpec) -> WritePolicy | None:
+    """The write policy a session evicts with (None for ``oldest``), from ``kv_write``.
+
+    A session has no sinks or ring of its own to configure: its frozen prefix is the sink and
+    its record window the recent part. So ``sink_tokens`` is 0 and ``window_tokens`` equals
+    ``observation_tokens`` (those rows are the newest records); ``budget_tokens`` (default: a
+    quarter of ``retention_tokens``) is the memory of evicted tokens, part of the retention.
+    """
+    if spec.evict not in EVICT_MODES:
+        raise ValueError(f"evict must be one of {EVICT_MODES}, got {spec.evict!r}")
+    raw: Any = spec.kv_write
+    if spec.evict == "oldest":
+        if raw is not None and make_write_policy(raw) is not None:
+            raise ValueError('kv_write on a session configures its snapkv eviction: also send "evict": "snapkv"')
+        return None
+    if raw is None or isinstance(raw, dict):
+        raw = {"policy": "snapstream", **(raw or {})}
+        if raw["policy"] != "snapstream":
+            raise ValueError('"evict": "snapkv" needs a policy that scores tokens: kv_write {"policy": "snapstream", ...}')
+        obs = raw.get("observation_tokens", SnapStreamPolicy.observation_tokens)
+        if raw.get("sink_tokens", 0) != 0:
+            raise ValueError("kv_write on a session: sink_tokens does not apply (the frozen prefix is the sink)")
+        if raw.get("window_tokens", obs) != obs:
+            raise ValueError("kv_write on a session: window_tokens does not apply (the record window is the "
+                             "recent part; the observed rows are the newest records)")
+        raw.update(sink_tokens=0, window_tokens=obs if isinstance(obs, int) else 1)
+        raw.setdefault("budget_tokens", max(1, spec.retention_tokens // 4))
+    policy = make_write_policy(raw)
+    if policy is None or not policy.observation:
+        raise ValueError('"evict": "snapkv" needs a policy that scores tokens: kv_write {"policy": "snapstream", ...}')
+    if policy.sink_tokens or policy.window_tokens != policy.observation:
+        raise ValueError("kv_write on a session: sink_tokens must be 0 and window_tokens equal to observation_tokens")
+    if not policy.observation <= policy.budget < spec.retention_tokens:
+        raise ValueError(f"kv_write budget_tokens ({policy.budget}) must be at least observation_tokens "
+                         f"({policy.observation}) and less than retention_tokens ({spec.retention_tokens})")
+    return policy
 
 
 @dataclass(frozen=True)

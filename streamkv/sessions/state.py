@@ -3,10 +3,11 @@
 Pure logic (no engine, no tensors), owned by the engine thread. Token positions are
 indices into the session's stream::
 
-    stream   [ frozen | span(v3) span(v3) span(v4) | span(v5, fed, not yet computed) ]
+    stream   [ frozen | memory | span(v3) span(v3) span(v4) | span(v5, fed, not yet computed) ]
     queue    (v5) (v6) (v6) ...          pushed, not yet fed to the stream
     data_version = 4   (every record of versions <= 4 has KV; v5 is still pending)
     snapshot = end of the last span with version <= 4
+    memory   = evicted tokens a ``"evict": "snapkv"`` session kept (0 otherwise; <= its budget)
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Counters:
     tokens_ingested: int = 0
     tokens_evicted: int = 0
     evictions: int = 0
+    snapkv_fallbacks: int = 0  # snapkv evictions without observed queries (kept the newest instead)
     queries: int = 0
 
 
@@ -61,6 +63,7 @@ class SessionData:
     data_version: int = 0
     counters: Counters = field(default_factory=Counters)
     last_used: float = field(default_factory=time.monotonic)
+    memory: int = 0
 
     # ------------------------------------------------------------------ intake
     def accept(self, records: list[Record], unbounded: bool = False) -> list[Record]:
@@ -118,8 +121,13 @@ class SessionData:
         return len(self.layout.frozen)
 
     @property
+    def base_len(self) -> int:
+        """Where records start: after the frozen prefix and the snapkv memory."""
+        return self.frozen_len + self.memory
+
+    @property
     def stream_len(self) -> int:
-        return self.spans[-1].end if self.spans else self.frozen_len
+        return self.spans[-1].end if self.spans else self.base_len
 
     @property
     def sliding_tokens(self) -> int:
@@ -134,11 +142,13 @@ class SessionData:
 
     def eviction_for(self, incoming: int) -> tuple[int, int]:
         """``(records, tokens)`` to evict (oldest first) so ``incoming`` more tokens fit the
-        retention window; at least ``evict_chunk`` tokens once eviction is due."""
+        retention window; at least ``evict_chunk`` tokens are freed once eviction is due. A
+        snapkv session keeps up to its budget of the memory + evicted tokens, so it evicts
+        that much more (``incoming <= record_window`` makes this always possible)."""
         over = self.sliding_tokens + incoming - self.spec.retention_tokens
         if over <= 0:
             return 0, 0
-        want = max(over, self.spec.evict_chunk)
+        want = max(over, self.spec.evict_chunk) + self.spec.memory_budget - self.memory
         n = tokens = 0
         for span in self.spans:
             if tokens >= want:
@@ -147,15 +157,21 @@ class SessionData:
             tokens += span.end - span.start
         return n, tokens
 
-    def evicted(self, num_records: int, num_tokens: int) -> None:
+    def evicted(self, num_records: int, num_tokens: int, memory: int | None = None) -> int:
+        """The oldest ``num_records`` records (``num_tokens``) left the window; a snapkv session
+        now keeps ``memory`` tokens of its old memory and those records. Returns the tokens removed."""
+        removed = num_tokens if memory is None else self.memory + num_tokens - memory
+        if memory is not None:
+            self.memory = memory
         for _ in range(num_records):
             self.spans.popleft()
         for span in self.spans:
-            span.start -= num_tokens
-            span.end -= num_tokens
+            span.start -= removed
+            span.end -= removed
         self.counters.records_evicted += num_records
-        self.counters.tokens_evicted += num_tokens
+        self.counters.tokens_evicted += removed
         self.counters.evictions += 1
+        return removed
 
     # ---------------------------------------------------------------- versions
     def advance(self, num_computed: int) -> bool:
@@ -175,7 +191,7 @@ class SessionData:
 
     def snapshot_len(self) -> int:
         """Stream tokens visible at ``data_version`` (whole records only)."""
-        end = self.frozen_len
+        end = self.base_len
         for span in self.spans:
             if span.version > self.data_version:
                 break

@@ -58,12 +58,17 @@ class SessionStore:
         f.flush()
         os.fsync(f.fileno())
 
-    def save_kv(self, session_id: str, k: torch.Tensor, v: torch.Tensor, meta: dict[str, Any]) -> None:
+    def save_kv(self, session_id: str, k: torch.Tensor, v: torch.Tensor, meta: dict[str, Any],
+                queries: torch.Tensor | None = None) -> None:
+        """K/V of the stream (and the query window of a snapkv session, when it has one)."""
         d = self._dir(session_id)
         if not d.exists():
             return  # deleted meanwhile
         tmp = d / "kv.safetensors.tmp"
-        save_file({"k": k.contiguous(), "v": v.contiguous()}, str(tmp))
+        tensors = {"k": k.contiguous(), "v": v.contiguous()}
+        if queries is not None:
+            tensors["q"] = queries.contiguous()
+        save_file(tensors, str(tmp))
         os.replace(tmp, d / "kv.safetensors")
         _atomic_write(d / "kv.json", json.dumps(meta))
 
@@ -71,9 +76,10 @@ class SessionStore:
         if self._dir(session_id).exists():
             _atomic_write(self._dir(session_id) / "flash.json", json.dumps(questions))
 
-    def load_kv(self, session_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def load_kv(self, session_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(k, v, queries or None)`` as :meth:`save_kv` wrote them."""
         tensors = load_file(str(self._dir(session_id) / "kv.safetensors"))
-        return tensors["k"], tensors["v"]
+        return tensors["k"], tensors["v"], tensors.get("q")
 
     def delete(self, session_id: str) -> None:
         f = self._logs.pop(session_id, None)
