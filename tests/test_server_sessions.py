@@ -254,6 +254,28 @@ def test_a_snapkv_session_keeps_a_memory_of_evicted_records(client):
     sess.delete()
 
 
+def test_a_session_query_with_a_response_format_gives_valid_json(client):
+    pytest.importorskip("xgrammar")
+    import json
+
+    sess = client.create_session(system="Answer from the data.")
+    sess.push([f"reading {i}: {i * 7 % 50} units" for i in range(6)])
+    _wait_version(sess, 1)
+    schema = {"type": "object", "properties": {"reading": {"type": "integer", "minimum": 0, "maximum": 5},
+                                               "units": {"type": "integer", "minimum": 0, "maximum": 100}},
+              "required": ["reading", "units"]}
+    body = {"question": "What was reading 3?", "max_tokens": 40,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}}
+    resp = httpx.post(f"{client.base_url}/v1/sessions/{sess.id}/query", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    value = json.loads(resp.json()["answer"])
+    assert set(value) == {"reading", "units"} and 0 <= value["reading"] <= 5
+    bad = httpx.post(f"{client.base_url}/v1/sessions/{sess.id}/query", timeout=60,
+                     json={"question": "x", "guided_regex": "(ab"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+    sess.delete()
+
+
 def test_api_key_guards_every_session_route():
     from websockets.sync.client import connect
 

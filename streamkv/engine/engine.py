@@ -73,6 +73,7 @@ class Engine:
         cc = self.config.cache
         self.pool = BlockPool(self.bundle.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv_ops = getattr(self.bundle.runner, "kv_ops", None)
+        self.grammars = getattr(self.bundle.runner, "grammars", None)  # structured outputs (None: unsupported)
         self.kv = KVManager(self.pool, HostPool(self._host_blocks()))
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.seq_ops = SeqOps(self.scheduler, self.kv, self.kv_ops, self.max_model_len, itertools.count(),
@@ -179,6 +180,10 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if params.guided is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs are not available with this runner")
+            self.grammars.compile(params.guided)  # a cache hit when the server compiled it already
         return params
 
     def _new_seq(self, ids: list[int], params: SamplingParams, priority: int, klass: PriorityClass) -> Sequence:

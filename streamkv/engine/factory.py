@@ -17,6 +17,7 @@ from streamkv.loading.q4_blocks import quant_summary
 from streamkv.native.tuning import KernelChoice, ModelShapes, choose, parse_kernels
 from streamkv.models.registry import model_class
 from streamkv.runner.model_runner import ModelRunner
+from streamkv.sampling.grammar import Grammars
 from streamkv.sampling.sampler import Sampler
 from streamkv.sched.plan import StepOutput, StepPlan
 
@@ -156,7 +157,8 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
         model.attach_native(backend)  # every layer of a step in one native call
     log.info("model %s (%s, %s, numerics %s): %d KV blocks x %d tokens = %.0f MiB", arch.architecture,
              ckpt.source, dtype, config.runtime.numerics, num_blocks, cc.block_size, cache.nbytes / 2 ** 20)
-    runner = ModelRunner(model, backend, Sampler(device), device)
+    grammars = Grammars(ckpt.tokenizer, arch.vocab_size)  # structured outputs (compiled on first use)
+    runner = ModelRunner(model, backend, Sampler(device, grammars), device)
     name = os.path.basename(ckpt.source.rstrip("/")) or "model"
     linear_q4 = any(k.endswith("proj.weight") for k in (q4 or {}))
     return ModelBundle(runner, ckpt.tokenizer, max_len, arch.vocab_size, num_blocks, dtype, name,

@@ -27,6 +27,7 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.sampler = sampler
+        self.grammars = sampler.guide.grammars  # structured outputs: the engine validates with them
         self.device = torch.device(device)
         self.kv_ops = KVOps(backend.cache, getattr(model, "rope", None))
         arch = getattr(model, "arch", None)

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, field
 
 from streamkv.errors import InvalidRequestError
+from streamkv.sampling.grammar import GuidedSpec
 
 MAX_LOGPROBS = 20
 
@@ -38,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    guided: GuidedSpec | None = None  # structured output: the output must match it (xgrammar masks)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +75,9 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")
+        _check(self.guided is None or isinstance(self.guided, GuidedSpec), "guided must be a GuidedSpec")
+        _check(self.guided is None or not self.ignore_eos,
+               "ignore_eos cannot be combined with a structured output (it ends where its grammar ends)")
 
     @property
     def greedy(self) -> bool:

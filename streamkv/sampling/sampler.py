@@ -11,19 +11,22 @@ from typing import Sequence
 
 import torch
 
+from streamkv.sampling.grammar import Grammars, Guide
 from streamkv.sched.plan import ScheduledSeq, TokenLogprobs
 
 
 class Sampler:
     """Holds one generator per live sequence; :meth:`release` drops finished ones."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", grammars: Grammars | None = None) -> None:
         self.device = torch.device(device)
         self._generators: dict[int, torch.Generator] = {}
+        self.guide = Guide(grammars)
 
     def release(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self._generators.pop(seq_id, None)
+        self.guide.release(seq_ids)
 
     def _generator(self, item: ScheduledSeq) -> torch.Generator:
         g = self._generators.get(item.seq_id)
@@ -43,6 +46,11 @@ class Sampler:
                 apply_penalties(logits[i], item)
             if item.banned_ids:
                 logits[i, list(item.banned_ids)] = float("-inf")
+        guided = self.guide.mask(logits, items)
+        for i in guided:  # min_tokens banned the end its grammar has reached: the end wins
+            if item_ends_only(logits[i]):
+                logits[i, list(items[i].banned_ids)] = 0.0
+                self.guide.mask(logits[i:i + 1], items[i:i + 1])
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, it in enumerate(items) if not it.params.greedy]
         if random_rows:
@@ -51,11 +59,17 @@ class Sampler:
                 noise = torch.empty_like(probs[j]).exponential_(generator=self._generator(items[i]))
                 tokens[i] = (probs[j] / noise).argmax()
         token_list = tokens.tolist()
+        self.guide.accept(guided, items, token_list)
         logprobs: dict[int, TokenLogprobs] = {}
         if raw_lp is not None:
             for j, i in enumerate(want_lp):
                 logprobs[items[i].seq_id] = token_logprobs(raw_lp[j], token_list[i], items[i].params.logprobs or 0)
         return token_list, logprobs
+
+
+def item_ends_only(row: torch.Tensor) -> bool:
+    """Every logit of ``row`` is -inf (nothing can be sampled)."""
+    return bool(torch.isneginf(row).all())
 
 
 def apply_penalties(row: torch.Tensor, item: ScheduledSeq) -> None:

@@ -15,6 +15,7 @@ from streamkv.server.generation import (chat_prompt_ids, check_model, check_outp
                                         stream_all, token_text)
 from streamkv.server.protocol import ChatCompletionRequest, CompletionRequest, message_text
 from streamkv.server.state import ServerState
+from streamkv.server.structured import compile_guided, guided_spec
 
 router = APIRouter()
 
@@ -87,8 +88,10 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.streamkv
     check_model(req.model, state.model_name)
     prompts = _completion_prompts(req, state)
+    guided, field = guided_spec(req)
     base = make_params(max_tokens=resolve_max_tokens(req.max_tokens, max(len(p) for p in prompts), state.limits),
-                       logprobs=req.logprobs, **sampling_fields(req))
+                       logprobs=req.logprobs, guided=guided, **sampling_fields(req))
+    await compile_guided(state.engine, guided, field)
     choice_params = per_choice(base, req.n)
     flat_prompts = [p for p in prompts for _ in range(req.n)]
     flat_params = choice_params * len(prompts)
@@ -164,8 +167,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    guided, field = guided_spec(req)
     base = make_params(max_tokens=resolve_max_tokens(requested, len(ids), state.limits, param),
-                       logprobs=logprobs, **sampling_fields(req))
+                       logprobs=logprobs, guided=guided, **sampling_fields(req))
+    await compile_guided(state.engine, guided, field)
     params = per_choice(base, req.n)
     kv = kv_options(state, req)
     rid, created = new_id("chatcmpl"), int(time.time())

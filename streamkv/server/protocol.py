@@ -44,6 +44,12 @@ class _Sampling(_Body):
     priority: StrictInt = 0
     kv_write: dict[str, Any] | None = None  # streamkv: write-time KV policy ({"policy": "snapstream", ...})
     kv_read: dict[str, Any] | None = None   # streamkv: read-time KV policy ({"policy": "quest", ...})
+    # structured outputs (streamkv.server.structured): OpenAI's response_format, vLLM's guided_*
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class CompletionRequest(_Sampling):

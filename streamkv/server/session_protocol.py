@@ -61,3 +61,10 @@ class SessionQuery(Body):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
+    # structured output (streamkv.server.structured); such a query is always generated, never
+    # answered from a flash result or the ready-position exit
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None

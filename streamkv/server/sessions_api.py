@@ -21,6 +21,7 @@ from streamkv.server.flash_api import instant_answer, wait_for_flash
 from streamkv.server.generation import make_params, new_id
 from streamkv.server.session_protocol import CreateSession, PushData, SessionQuery
 from streamkv.server.state import ServerState
+from streamkv.server.structured import compile_guided, guided_spec
 from streamkv.sessions.spec import SessionSpec
 
 router = APIRouter(prefix="/v1/sessions")
@@ -106,10 +107,12 @@ async def push_records(engine: AsyncEngine, session_id: str, records: list[str])
 async def query_session(session_id: str, body: SessionQuery, request: Request) -> Any:
     engine = _engine(request)
     t0 = time.perf_counter()
+    guided, field = guided_spec(body)
     params = make_params(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                         top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop)
-    instant = instant_answer(engine, session_id, body.question, t0)
-    if instant is None:
+                         top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=body.stop, guided=guided)
+    await compile_guided(engine, guided, field)
+    instant = None if guided else instant_answer(engine, session_id, body.question, t0)
+    if instant is None and guided is None:
         instant = await wait_for_flash(engine, session_id, body.question, t0)
     if instant is not None:
         return _instant_stream(instant) if body.stream else instant
