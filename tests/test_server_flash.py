@@ -113,3 +113,27 @@ def test_response_cache_marks_hits(server):
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     metrics = httpx.get(server.url + "/metrics").text
     assert "streamkv_response_cache_hits_total 1.0" in metrics
+
+
+def test_a_flash_question_with_a_response_format_answers_in_it(server):
+    pytest.importorskip("xgrammar")
+    choice = {"guided_choice": ["rising", "falling", "flat"]}
+    with Client(server.url) as c:
+        info = c.request("POST", "/v1/sessions", json={"system": "Sensor log.", "retention_tokens": 400,
+                                                        "flash": [{"question": "Trend?", "max_tokens": 6, **choice}]})
+        sid = info["id"]
+        assert info["flash_questions"][0]["guided"]["kind"] == "choice"
+        schema = {"type": "object", "properties": {"last": {"type": "integer", "minimum": 0, "maximum": 99}},
+                  "required": ["last"]}
+        c.request("POST", f"/v1/sessions/{sid}/flash", json={"question": "Last reading?", "max_tokens": 20,
+                                                              "guided_json": schema})
+        sess = c.session(sid)
+        sess.push([f"reading {i}: {i * 3}" for i in range(4)])
+        _wait(lambda: all(q.get("latest") and q["latest"]["data_version"] == 1
+                          for q in c.request("GET", f"/v1/sessions/{sid}/flash")["data"]))
+        answers = {q["question"]: q["latest"]["answer"] for q in c.request("GET", f"/v1/sessions/{sid}/flash")["data"]}
+        assert answers["Trend?"] in ("rising", "falling", "flat")
+        assert set(json.loads(answers["Last reading?"])) == {"last"}
+        bad = httpx.post(server.url + f"/v1/sessions/{sid}/flash", json={"question": "y", "guided_regex": "(ab"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+        sess.delete()

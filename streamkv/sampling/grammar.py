@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from threading import Lock
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 
 from streamkv.errors import InvalidRequestError
 
-KINDS = ("json", "regex", "choice", "grammar")
+KINDS = ("json", "regex", "choice", "grammar", "tool_call")
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 MAX_SPEC_CHARS = 1 << 20
 
@@ -36,7 +37,9 @@ class GuidedSpec:
 
     ``json``: ``value`` is a JSON schema serialized (its key order kept), or ``""`` for any
     JSON object; ``regex``: the pattern; ``choice``: a JSON list of the allowed strings;
-    ``grammar``: an EBNF grammar (xgrammar's dialect, GBNF-like, ``root`` rule).
+    ``grammar``: an EBNF grammar (xgrammar's dialect, GBNF-like, ``root`` rule);
+    ``tool_call``: ``<tool_call>`` + JSON valid against the schema ``value`` + ``</tool_call>``
+    (a forced tool call, ``streamkv.server.tools``).
     """
 
     kind: str
@@ -47,7 +50,7 @@ class GuidedSpec:
             raise InvalidRequestError(f"guided decoding kind must be one of {KINDS}, got {self.kind!r}")
         if not isinstance(self.value, str) or len(self.value) > MAX_SPEC_CHARS:
             raise InvalidRequestError(f"the {self.kind} constraint must be a string of at most {MAX_SPEC_CHARS} characters")
-        if self.kind in ("regex", "grammar", "choice") and not self.value:
+        if self.kind in ("regex", "grammar", "choice", "tool_call") and not self.value:
             raise InvalidRequestError(f"the {self.kind} constraint is empty")
 
     @classmethod
@@ -138,6 +141,12 @@ class Grammars:
             return c.compile_json_schema(spec.value or '{"type": "object"}', any_whitespace=False, strict_mode=True)
         if spec.kind == "regex":
             return c.compile_regex(spec.value)
+        if spec.kind == "tool_call":
+            grammar = self.xgrammar().Grammar
+            return c.compile_grammar(grammar.concat(
+                grammar.from_ebnf('root ::= "<tool_call>"'),
+                grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True),
+                grammar.from_ebnf('root ::= "</tool_call>"')))
         if spec.kind == "choice":
             options = json.loads(spec.value)
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
@@ -150,7 +159,8 @@ class Grammars:
         return self.xgrammar().allocate_token_bitmask(rows, self.vocab_size)
 
 
-_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+          "tool_call": "tool parameters schema"}
 
 
 @dataclass
@@ -166,6 +176,8 @@ class Guide:
     def __init__(self, grammars: Grammars | None) -> None:
         self.grammars = grammars
         self._state: dict[int, _Matched] = {}
+        self.seconds = 0.0  # spent filling masks and advancing matchers (benchmarks report it)
+        self._batch: Any = None
 
     def release(self, seq_ids: Any) -> None:
         for sid in seq_ids:
@@ -177,23 +189,32 @@ class Guide:
         rows = [i for i, it in enumerate(items) if it.params.guided is not None]
         if not rows:
             return rows
+        t0 = time.perf_counter()
         if self.grammars is None:
             raise RuntimeError("a guided row reached a sampler without grammars")
         xgr = self.grammars.xgrammar()
         bitmask = self.grammars.bitmask(len(items))
-        for i in rows:
-            self._sync(items[i]).matcher.fill_next_token_bitmask(bitmask, i)
+        matchers = [self._sync(items[i]).matcher for i in rows]
+        if len(rows) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        else:  # xgrammar's thread pool over the rows (a fill is µs, or ms inside a bounded string)
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows, vocab_size=min(logits.shape[-1],
                                                                                       self.grammars.vocab_size))
+        self.seconds += time.perf_counter() - t0
         return rows
 
     def accept(self, rows: list[int], items: list[Any], tokens: list[int]) -> None:
+        t0 = time.perf_counter()
         for i in rows:
             state = self._state[items[i].seq_id]
             if state.matcher.accept_token(tokens[i]):
                 state.accepted += 1
             else:  # not reachable from a mask it filled; start over from the history next step
                 self._state.pop(items[i].seq_id, None)
+        self.seconds += time.perf_counter() - t0
 
     def _sync(self, item: Any) -> _Matched:
         """The row's matcher, having consumed exactly the row's output tokens so far."""

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.server.session_protocol import FlashSpec
+from streamkv.server.structured import compile_guided, guided_spec
 from streamkv.server.state import ServerState
 from streamkv.sessions.flash import FlashAnswer
 
@@ -28,9 +29,13 @@ def _engine(request: Request) -> AsyncEngine:
 
 @router.post("/{session_id}/flash", status_code=201)
 async def register_flash(session_id: str, body: FlashSpec, request: Request) -> dict[str, Any]:
+    guided, field = guided_spec(body)
+    await compile_guided(_engine(request), guided, field)
+
     def reg(e: Any) -> dict[str, Any]:
         session = e.sessions.get(session_id)
-        return e.sessions.flash.register(session, body.question, body.max_tokens, float(body.temperature)).to_dict()
+        return e.sessions.flash.register(session, body.question, body.max_tokens, float(body.temperature),
+                                         guided=guided).to_dict()
 
     return await _engine(request).call(reg)
 

@@ -17,7 +17,17 @@ class Body(BaseModel):
 _SPEC = SessionSpec()  # the defaults of every create field come from the spec itself
 
 
-class FlashSpec(Body):
+class _Guided(Body):
+    """Structured-output fields (streamkv.server.structured)."""
+
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+
+
+class FlashSpec(_Guided):
     question: StrictStr
     max_tokens: StrictInt = FlashQuestion.max_tokens
     temperature: Number = FlashQuestion.temperature
@@ -51,7 +61,7 @@ class PushData(Body):
     records: Annotated[list[StrictStr], Field(min_length=1, max_length=10000)]
 
 
-class SessionQuery(Body):
+class SessionQuery(_Guided):
     question: StrictStr
     max_tokens: StrictInt = 64
     temperature: Number = 0.0
@@ -60,11 +70,4 @@ class SessionQuery(Body):
     min_p: Number | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    stream: StrictBool = False
-    # structured output (streamkv.server.structured); such a query is always generated, never
-    # answered from a flash result or the ready-position exit
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | StrictStr | None = None
-    guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
-    guided_grammar: StrictStr | None = None
+    stream: StrictBool = False  # with a structured output, always generated (never a flash/ready answer)

@@ -42,12 +42,15 @@ async def create_session(body: CreateSession, request: Request) -> dict[str, Any
         spec = SessionSpec(**fields)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
+    guided = [guided_spec(q) for q in flash]
+    for g, field in guided:
+        await compile_guided(_engine(request), g, field)
 
     def create(e: Any) -> dict[str, Any]:
         session = e.sessions.create(spec)
         try:
-            for q in flash:
-                e.sessions.flash.register(session, q["question"], q["max_tokens"], float(q["temperature"]))
+            for q, (g, _) in zip(flash, guided):
+                e.sessions.flash.register(session, q["question"], q["max_tokens"], float(q["temperature"]), guided=g)
         except Exception:
             e.sessions.delete(session.id)
             raise

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from streamkv.errors import InvalidRequestError
+from streamkv.sampling.grammar import GuidedSpec
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.sequence import PriorityClass
 
@@ -54,13 +55,14 @@ class FlashQuestion:
     question: str
     max_tokens: int = 16
     temperature: float = 0.0
+    guided: GuidedSpec | None = None  # a structured answer (response_format / guided_*)
 
     def params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, logprobs=2)
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, logprobs=2, guided=self.guided)
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "question": self.question, "max_tokens": self.max_tokens,
-                "temperature": self.temperature}
+                "temperature": self.temperature, "guided": self.guided.to_dict() if self.guided else None}
 
 
 @dataclass
@@ -139,7 +141,7 @@ class FlashEvaluator:
 
     # ------------------------------------------------------------- registration
     def register(self, session: Session, question: str, max_tokens: int = 16, temperature: float = 0.0,
-                 question_id: str | None = None) -> FlashQuestion:
+                 question_id: str | None = None, guided: GuidedSpec | None = None) -> FlashQuestion:
         flash = session.flash
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequestError("question must be a non-empty string")
@@ -147,8 +149,10 @@ class FlashEvaluator:
             raise InvalidRequestError(f"a session holds at most {MAX_QUESTIONS} flash questions")
         if flash.find(question) is not None:
             raise InvalidRequestError("this question is already registered")
-        fq = FlashQuestion(question_id or "fq_" + secrets.token_urlsafe(9), question, max_tokens, temperature)
+        fq = FlashQuestion(question_id or "fq_" + secrets.token_urlsafe(9), question, max_tokens, temperature, guided)
         fq.params()  # validates max_tokens / temperature (InvalidRequestError)
+        if guided is not None:
+            self.engine.grammars.compile(guided)  # type: ignore[union-attr]  # a bad constraint: InvalidRequestError
         flash.questions[fq.id] = fq
         flash.reindex()
         flash.evaluated_version = -1  # evaluate the new question at the current version

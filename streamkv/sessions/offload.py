@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamkv.errors import QueueFullError
 from streamkv.kv.block_pool import OutOfBlocksError
+from streamkv.sampling.grammar import GuidedSpec
 from streamkv.sched.sequence import SeqStatus
 from streamkv.sessions.session import Session
 from streamkv.sessions.spec import SessionLayout, SessionSpec
@@ -210,7 +211,8 @@ class Offloader:
                               offloaded_tokens=list(snap["tokens"]), saved_version=snap["data_version"])
             self.manager.sessions[session.id] = session
         for q in stored.flash:
-            self.manager.flash.register(session, q["question"], q["max_tokens"], q["temperature"], q["id"])
+            guided = GuidedSpec(**q["guided"]) if q.get("guided") else None
+            self.manager.flash.register(session, q["question"], q["max_tokens"], q["temperature"], q["id"], guided)
         data = session.data
         tokenizer = self.engine.tokenizer
         for version, records, drops in stored.pushes:
