@@ -183,3 +183,87 @@ def test_structured_outputs_through_the_sdk(client, model):
                   {"response_format": {"type": "xml"}}, {"response_format": {"type": "json_schema"}}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=model, prompt="x", max_tokens=4, extra_body=extra)
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}},
+           {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"type": "string", "maxLength": 30}},
+                                                 "required": ["city"]}}}]
+
+
+def test_tool_calls_round_trip_through_the_sdk(client, model):
+    """A forced call (required / named) always parses and validates; the call and its result
+    go back into the conversation; streaming delivers the same call as one tool_calls delta."""
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=model, messages=ask, tools=WEATHER, tool_choice="required",
+                                           temperature=0, max_tokens=80)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER}
+    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    named = client.chat.completions.create(model=model, messages=ask, tools=WEATHER, temperature=1, seed=4,
+                                           max_tokens=80, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_time"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_time"
+    follow = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    answer = client.chat.completions.create(model=model, messages=follow, tools=WEATHER, tool_choice="none",
+                                            temperature=0, max_tokens=24)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(model=model, messages=ask, tools=WEATHER, tool_choice="required",
+                                                 temperature=0, max_tokens=80, stream=True))
+    streamed = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [(call.function.name,
+                                                                            call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    auto = client.chat.completions.create(model=model, messages=ask, tools=WEATHER, temperature=0, max_tokens=60)
+    assert auto.choices[0].finish_reason in ("stop", "tool_calls", "length")
+    for bad in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tool_choice": "sometimes"}, {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+                {"response_format": {"type": "json_object"}, "tool_choice": "required"}):
+        kwargs = {"tools": WEATHER, **bad}
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=model, messages=ask, max_tokens=8, **kwargs)
+
+
+def test_anthropic_tool_use_round_trip(server, model):
+    """Anthropic tools: a forced call ("any") is a tool_use block whose input validates; the
+    tool_use / tool_result pair goes back; streaming gives the same block via input_json_delta."""
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused")
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in WEATHER]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    msg = client.messages.create(model=model, max_tokens=80, messages=ask, tools=tools, tool_choice={"type": "any"},
+                                 extra_body=T0)
+    assert msg.stop_reason == "tool_use"
+    use = [b for b in msg.content if b.type == "tool_use"][0]
+    jsonschema.validate(use.input, {t["name"]: t["input_schema"] for t in tools}[use.name])
+    with client.messages.stream(model=model, max_tokens=80, messages=ask, tools=tools, tool_choice={"type": "any"},
+                                extra_body=T0) as stream:
+        final = stream.get_final_message()
+    streamed = [b for b in final.content if b.type == "tool_use"][0]
+    assert (streamed.name, streamed.input) == (use.name, use.input) and final.stop_reason == "tool_use"
+    follow = ask + [{"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                  "content": "18 degrees, clear"}]}]
+    reply = client.messages.create(model=model, max_tokens=24, messages=follow, tools=tools,
+                                   tool_choice={"type": "none"}, extra_body=T0)
+    assert reply.stop_reason in ("end_turn", "max_tokens") and reply.content[0].type == "text"
+    named = client.messages.create(model=model, max_tokens=80, messages=ask, tools=tools, extra_body=T0,
+                                   tool_choice={"type": "tool", "name": "get_time"})
+    assert [b.name for b in named.content if b.type == "tool_use"] == ["get_time"]
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=model, max_tokens=8, messages=ask, tools=tools,
+                               tool_choice={"type": "tool", "name": "nope"})

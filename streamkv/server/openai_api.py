@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from streamkv.errors import InvalidRequestError
+from streamkv.server import tools as tools_mod
 from streamkv.server.errors import APIError, error_body
 from streamkv.server.generation import (chat_prompt_ids, check_model, check_output, finish_reason, kv_extension,
                                         kv_options, make_params, new_id, per_choice, resolve_max_tokens, run_all,
@@ -142,10 +143,35 @@ async def completion_chunks(state: ServerState, request: Request, head: dict[str
 
 
 # ------------------------------------------------------------- chat completions
-def _chat_prompt(req: ChatCompletionRequest, state: ServerState) -> list[int]:
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
+def _chat_tools(req: ChatCompletionRequest) -> tuple[list[tools_mod.Tool], Any]:
+    """The request's tools and resolved ``tool_choice`` (400 on bad ones)."""
+    try:
+        tools = tools_mod.parse_tools(req.tools)
+        return tools, tools_mod.resolve_choice(req.tool_choice, tools)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+
+
+def _chat_prompt(req: ChatCompletionRequest, state: ServerState, tools: list[Any], choice: Any) -> list[int]:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content),
+                 "tool_calls": [(c.function.name, c.function.arguments) for c in m.tool_calls or []]}
                 for m in req.messages]
-    return chat_prompt_ids(state.engine, messages)
+    try:
+        rendered = tools_mod.render(messages, tools, choice)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    return chat_prompt_ids(state.engine, rendered)
+
+
+def _chat_message(out: Any, tools: list[Any], choice: Any) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of an output (its tool calls parsed) and its finish reason."""
+    if not tools or choice == "none":
+        return {"role": "assistant", "content": out.text, "refusal": None}, finish_reason(out)
+    content, calls = tools_mod.parse_calls(out.text, tools)
+    msg: dict[str, Any] = {"role": "assistant", "content": content or None, "refusal": None}
+    if calls:
+        msg["tool_calls"] = [c.openai() for c in calls]
+    return msg, "tool_calls" if calls and out.finish_reason == "stop" else finish_reason(out)
 
 
 def chat_logprobs(lps: list[Any], tokenizer: Any) -> dict[str, Any]:
@@ -161,13 +187,18 @@ def chat_logprobs(lps: list[Any], tokenizer: Any) -> dict[str, Any]:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.streamkv
     check_model(req.model, state.model_name)
-    ids = _chat_prompt(req, state)
+    tools, choice = _chat_tools(req)
+    ids = _chat_prompt(req, state, tools, choice)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     guided, field = guided_spec(req)
+    forced = tools_mod.constraint(choice, tools)
+    if forced is not None and guided is not None:
+        raise APIError(400, f"{field} cannot be combined with a required or named tool_choice", param=field)
+    guided, field = (forced, "tools") if forced is not None else (guided, field)
     base = make_params(max_tokens=resolve_max_tokens(requested, len(ids), state.limits, param),
                        logprobs=logprobs, guided=guided, **sampling_fields(req))
     await compile_guided(state.engine, guided, field)
@@ -179,29 +210,33 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         outputs = stream_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
         return stream_sse(chat_chunks(state, request, {**head, "object": "chat.completion.chunk"}, outputs, req.n,
-                                      len(ids), include_usage))
+                                      len(ids), include_usage, tools if choice != "none" else []))
     outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
         state.observe(out, request)
-        choices.append({"index": i, "message": {"role": "assistant", "content": out.text, "refusal": None},
+        message, reason = _chat_message(out, tools, choice)
+        choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
-                        "finish_reason": finish_reason(out)})
+                        "finish_reason": reason})
     return {**head, "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for o in outs)),
             **_cache_mark(outs), **kv_extension(outs)}
 
 
 async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any],
                       outputs: AsyncIterator[tuple[int, Any]], n: int, prompt_tokens: int,
-                      include_usage: bool) -> AsyncIterator[str]:
-    """SSE ``chat.completion.chunk``s of ``(choice index, output)`` pairs over ``n`` choices."""
+                      include_usage: bool, tools: list[Any] = ()) -> AsyncIterator[str]:
+    """SSE ``chat.completion.chunk``s of ``(choice index, output)`` pairs over ``n`` choices.
+    With ``tools``, text that may start a ``<tool_call>`` is held back; at the end the calls go
+    out as one ``tool_calls`` delta (finish reason ``tool_calls``)."""
     extra = {"usage": None} if include_usage else {}
     for i in range(n):
         yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra})
     completion_tokens = 0
     sent: dict[int, int] = {}
+    sent_text: dict[int, int] = {}  # characters of each choice's text sent as content (tools)
     async for i, out in outputs:
         check_output(out)
         if not (out.delta_text or out.finished):
@@ -210,15 +245,32 @@ async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any]
         if out.logprobs is not None:
             lp = chat_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer)
             sent[i] = len(out.logprobs)
-        delta = {"content": out.delta_text} if out.delta_text else {}
+        delta, reason = ({"content": out.delta_text} if out.delta_text else {}), finish_reason(out)
+        if tools:
+            delta, reason = _tool_delta(out, tools, sent_text, i)
         yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                         "finish_reason": finish_reason(out)}], **extra,
+                                         "finish_reason": reason}], **extra,
                     **(kv_extension([out]) if out.finished else {})})
         if out.finished:
             completion_tokens += len(out.token_ids)
             state.observe(out, request)
     if include_usage:
         yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+
+def _tool_delta(out: Any, tools: list[Any], sent_text: dict[int, int], i: int) -> tuple[dict[str, Any], str | None]:
+    """The delta of choice ``i`` when tools may be called: content up to a possible ``<tool_call>``;
+    at the end, the rest and the parsed calls."""
+    text, done = out.text, sent_text.get(i, 0)
+    if not out.finished:
+        upto = len(text) - tools_mod.held_back(text)
+        sent_text[i] = max(done, upto)
+        return ({"content": text[done:upto]} if upto > done else {}), None
+    content, calls = tools_mod.parse_calls(text[done:], tools)
+    delta: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [c.openai(index=k) for k, c in enumerate(calls)]
+    return delta, "tool_calls" if calls and out.finish_reason == "stop" else finish_reason(out)
 
 
 def stream_sse(chunks: AsyncIterator[str]) -> StreamingResponse:

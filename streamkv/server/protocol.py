@@ -65,10 +65,23 @@ class TextPart(_Body):
     text: StrictStr
 
 
+class ToolCallFunction(_Body):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCallIn(_Body):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: calls it made
+    tool_call_id: StrictStr | None = None       # tool: the call this result answers
 
 
 class ChatCompletionRequest(_Sampling):
@@ -77,6 +90,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class AnthropicBlock(_Body):
@@ -84,9 +100,26 @@ class AnthropicBlock(_Body):
     text: StrictStr
 
 
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[AnthropicBlock] = ""
+    is_error: StrictBool = False
+
+
+AnyBlock = Annotated[Union[AnthropicBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+
+
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: StrictStr | list[AnthropicBlock]
+    content: StrictStr | list[AnyBlock]
 
 
 class MessagesRequest(_Body):
@@ -102,6 +135,8 @@ class MessagesRequest(_Body):
     metadata: dict[str, Any] | None = None
     kv_write: dict[str, Any] | None = None
     kv_read: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None        # [{"name", "description", "input_schema"}]
+    tool_choice: dict[str, Any] | None = None        # {"type": "auto" | "any" | "tool" | "none", "name"}
 
 
 class TokenizeRequest(_Body):
@@ -116,9 +151,10 @@ class DetokenizeRequest(_Body):
     tokens: list[StrictInt]
 
 
-def message_text(content: str | list[TextPart] | list[AnthropicBlock] | None) -> str:
+def message_text(content: str | list[TextPart] | list[Any] | None) -> str:
+    """The text parts of a message (tool blocks are rendered by ``streamkv.server.tools``)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.text for part in content)
+    return "".join(part.text for part in content if part.type == "text")

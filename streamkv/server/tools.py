@@ -169,3 +169,62 @@ def held_back(text: str) -> int:
         if OPEN.startswith(text[-k:]):
             return k
     return 0
+
+
+def render(messages: list[dict[str, Any]], tools: list[Tool], choice: str | Tool | None) -> list[dict[str, str]]:
+    """Template messages (role, content strings) of a chat whose messages may carry tool calls
+    (``{"role": "assistant", "content": ..., "tool_calls": [(name, arguments), ...]}``); the tools
+    go into the system message unless ``choice`` is ``none``."""
+    out = []
+    for m in messages:
+        content = m.get("content") or ""
+        calls = m.get("tool_calls") or []
+        if calls:
+            content += "".join(call_text(name, args) for name, args in calls)
+        out.append({"role": m["role"], "content": content})
+    if tools and choice not in (None, "none"):
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": system_text(out[0]["content"], tools)}
+        else:
+            out.insert(0, {"role": "system", "content": system_text("", tools)})
+    return out
+
+
+# ------------------------------------------------------------------ Anthropic shape
+def anthropic_tools(tools: Any, choice: Any) -> tuple[list[Tool], str | Tool | None]:
+    """Anthropic ``tools`` ([{"name", "description", "input_schema"}]) and ``tool_choice``
+    ({"type": "auto" | "any" | "tool" | "none", "name"}) in the OpenAI terms above."""
+    if tools is None:
+        if choice is not None:
+            raise InvalidRequestError("tool_choice needs tools")
+        return [], None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list")
+    parsed = _unique([make_tool(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
+                      if isinstance(t, dict) else make_tool(None, None, None, f"tools[{i}]")
+                      for i, t in enumerate(tools)], "tools")
+    kind = (choice or {"type": "auto"}).get("type") if isinstance(choice or {}, dict) else None
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind) if kind != "tool" else \
+        {"type": "function", "function": {"name": choice.get("name")}}
+    if mapped is None:
+        raise InvalidRequestError(f'tool_choice.type must be "auto", "any", "tool" or "none", got {kind!r}')
+    return parsed, resolve_choice(mapped, parsed)
+
+
+def anthropic_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Anthropic messages (string or blocks) -> :func:`render` messages: ``tool_use`` blocks
+    become calls of the assistant turn, each ``tool_result`` a "tool" turn before the user's text."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text = "".join(b.text for b in m.content if b.type == "text")
+        for b in m.content:
+            if b.type == "tool_result":
+                result = b.content if isinstance(b.content, str) else "".join(p.text for p in b.content)
+                out.append({"role": "tool", "content": ("error: " if b.is_error else "") + result})
+        calls = [(b.name, b.input) for b in m.content if b.type == "tool_use"]
+        if text or calls or not any(b.type == "tool_result" for b in m.content):
+            out.append({"role": m.role, "content": text, "tool_calls": calls})
+    return out
