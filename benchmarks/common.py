@@ -372,3 +372,10 @@ def wait_http_ok(proc, url: str, timeout: float, what: str) -> bool:
         time.sleep(0.3)
     return False
 
+
+
+def progress(total: int, desc: str):
+    """A progress bar on stderr for a long run (tqdm; ``bar.update()`` per unit of work)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)

@@ -112,6 +112,7 @@ def accuracy(args, llm: LLM, hf_path: Path | None) -> list[dict]:
     if args.kvpress and not presses:
         print("kvpress skipped: run `bash benchmarks/setup_peers.sh kvpress export` first", flush=True)
     rows, jobs, samples = [], [], {}
+    bar = common.progress(len(args.contexts) * len(args.tasks) * args.samples, "accuracy samples")
     for length in args.contexts:
         for task in args.tasks:
             for seed in range(args.samples):
@@ -128,6 +129,8 @@ def accuracy(args, llm: LLM, hf_path: Path | None) -> list[dict]:
                               "prompt": sample.prompt, "max_tokens": sample.max_tokens,
                               "continuation": list(sample.continuation)}
                              for p in PRESSES for b in args.budgets if b < length]
+                bar.update()
+    bar.close()
     if jobs:
         for jid, r in run_presses(jobs, hf_path, args.threads).items():
             length, task, seed, policy, budget = jid.split("/")

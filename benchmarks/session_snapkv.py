@@ -106,11 +106,14 @@ def main() -> None:
     print(json.dumps({"machine": machine}), flush=True)
     llm = LLM()
     rows = []
-    for cue, (name, spec) in [(c, item) for c in (False, True) for item in specs(args).items()]:
+    configs = [(c, item) for c in (False, True) for item in specs(args).items()]
+    bar = common.progress(len(configs) * args.samples, "session streams")
+    for cue, (name, spec) in configs:
         results = []
         for seed in range(args.samples):
             records, key = records_for(llm.tokenizer, seed, args.stream, args.record_tokens, args.retention, cue)
             results.append(run_one(llm, spec, records, key))
+            bar.update()
         n = len(results)
         row = {"config": name, "cued": cue, "accuracy": 100 * sum(r["correct"] for r in results) / n,
                "key_in_memory": 100 * sum(r["key_in_memory"] for r in results) / n,
@@ -119,6 +122,7 @@ def main() -> None:
                "fallbacks": sum(r["fallbacks"] for r in results)}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    bar.close()
     table = md_table(["config", "last record", "pass-key accuracy %", "key kept in memory %", "ingest s", "evictions"],
                      [[r["config"], "cue" if r["cued"] else "haystack", fmt(r["accuracy"]), fmt(r["key_in_memory"]) if r["config"].startswith("snapkv")
                        else "", fmt(r["ingest_s"], 2), fmt(r["evictions"], 1)] for r in rows])

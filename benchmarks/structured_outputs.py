@@ -73,7 +73,13 @@ def main() -> None:
     machine = common.machine_info(args.threads)
     print(json.dumps({"machine": machine}), flush=True)
     llm = LLM()
-    rows = [run(llm, int(b), args.repeats, bounded) for bounded in (False, True) for b in args.batches.split(",")]
+    runs = [(int(b), bounded) for bounded in (False, True) for b in args.batches.split(",")]
+    bar = common.progress(len(runs), "batches")
+    rows = []
+    for batch, bounded in runs:
+        rows.append(run(llm, batch, args.repeats, bounded))
+        bar.update()
+    bar.close()
     for r in rows:
         print(json.dumps(r), flush=True)
     print(md_table(["schema", "batch", "tokens", "plain tok/s", "guided tok/s", "slowdown", "mask s (of guided s)", "valid JSON"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import sys
 from typing import Any, Sequence
 
@@ -22,17 +23,44 @@ def _flag_type(field: dataclasses.Field) -> Any:  # type: ignore[type-arg]
     return str
 
 
+_CHOICES = re.compile(r"^([\w.-]+(?: \| [\w.-]+)+)")
+
+
+def _default_text(f: dataclasses.Field) -> str:  # type: ignore[type-arg]
+    value = f.default if f.default is not dataclasses.MISSING else None
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    unit = f.metadata.get("unit")
+    if unit == "BYTES" and isinstance(value, int) and value >= 1 << 20:
+        return f"{value} ({value / (1 << 20):g} MiB)" if value < 1 << 30 else f"{value} ({value / (1 << 30):g} GiB)"
+    return str(value)
+
+
+def flag_help(f: dataclasses.Field) -> tuple[str, str | None]:  # type: ignore[type-arg]
+    """``(help, metavar)`` of a config field: its help with the default appended (unless the
+    help states it), and its unit (``BYTES``, ``SECONDS``, ``TOKENS``...) or its choices."""
+    helptext = f.metadata.get("help", "")
+    if "default" not in helptext:
+        helptext += f" (default: {_default_text(f)})"
+    choices = _CHOICES.match(f.metadata.get("help", ""))
+    metavar = f.metadata.get("unit") or ("{" + choices.group(1).replace(" | ", ",") + "}" if choices else None)
+    return helptext, metavar
+
+
 def _add_dataclass_flags(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(f)
-        helptext = f.metadata.get("help", "")
+        helptext, metavar = flag_help(f)
         if kind == "bool":
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=helptext)
         else:
-            group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=helptext)
+            group.add_argument(flag, dest=f.name, type=kind, default=argparse.SUPPRESS, help=helptext,
+                               metavar=metavar)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -13,10 +13,10 @@ DECODE_WEIGHTS = ("auto", "dense", "q4")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = field(default=None, metadata={"help": "GGUF file or Hugging Face directory "
+    model: str | None = field(default=None, metadata={"unit": "PATH", "help": "GGUF file or Hugging Face directory "
                                                                "(default: embedded SmolLM2-135M-Instruct)"})
     dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16"})
-    max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: the model's)"})
+    max_model_len: int | None = field(default=None, metadata={"unit": "TOKENS", "help": "context limit (default: the model's)"})
     decode_weights: str = field(default="auto", metadata={
         "help": "auto | dense | q4: small batches (decode) read the GGUF's own Q4_0/Q4_1 blocks through "
                 "torch's int4 kernel; auto = q4 for such GGUFs in bfloat16 on CPU"})
@@ -32,18 +32,18 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    kv_cache_memory: int = field(default=1 << 30, metadata={"help": "bytes of KV cache (sets the pool size)"})
-    num_blocks: int | None = field(default=None, metadata={"help": "explicit pool size in blocks "
+    block_size: int = field(default=16, metadata={"unit": "TOKENS", "help": "tokens per KV block"})
+    kv_cache_memory: int = field(default=1 << 30, metadata={"unit": "BYTES", "help": "bytes of KV cache (sets the pool size)"})
+    num_blocks: int | None = field(default=None, metadata={"unit": "BLOCKS", "help": "explicit pool size in blocks "
                                                                     "(overrides --kv-cache-memory)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of shared prefixes"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto | float32 | bfloat16; auto = the model dtype (a float32 cache for a bfloat16 model "
                 "measured no faster on CPU and holds half the tokens)"})
-    swap_space: int = field(default=0, metadata={
+    swap_space: int = field(default=0, metadata={"unit": "BYTES", 
         "help": "bytes of host memory a preempted sequence's KV can be swapped to instead of being "
                 "recomputed (see --preemption); 0 = off"})
-    response_cache_entries: int = field(default=0, metadata={
+    response_cache_entries: int = field(default=0, metadata={"unit": "ENTRIES", 
         "help": "LRU cache of full responses to deterministic stateless requests (temperature 0 or a "
                 "seed), keyed by prompt ids and sampling parameters; 0 = off"})
 
@@ -64,9 +64,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = field(default=64, metadata={"help": "sequences per step"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget per step"})
-    max_chunk_tokens: int | None = field(default=None, metadata={"help": "largest prefill chunk of one "
+    max_num_seqs: int = field(default=64, metadata={"unit": "SEQUENCES", "help": "sequences per step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"unit": "TOKENS", "help": "token budget per step"})
+    max_chunk_tokens: int | None = field(default=None, metadata={"unit": "TOKENS", "help": "largest prefill chunk of one "
                                                                           "sequence per step (default: budget)"})
     queue_policy: str = field(default="fcfs", metadata={
         "help": "fifo | fcfs | mcps | lcas: order within a priority class; all but fifo rank requests whose "
@@ -77,7 +77,7 @@ class SchedulerConfig:
         "help": "recompute | swap | cost: a preempted sequence drops its KV (recompute), moves it to the "
                 "host swap space (swap, needs --swap-space), or whichever the measured cost profile says is "
                 "cheaper (cost; `streamkv profile`)"})
-    max_wait_s: float | None = field(default=None, metadata={
+    max_wait_s: float | None = field(default=None, metadata={"unit": "SECONDS", 
         "help": "aging bound: a complete request with work whose input arrived or last changed longer ago "
                 "than this ranks first in its tier, oldest first (bounds LCAS starvation); default off"})
 
@@ -102,7 +102,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    threads: int | None = field(default=None, metadata={"help": "torch CPU threads (default: all cores)"})
+    threads: int | None = field(default=None, metadata={"unit": "THREADS", "help": "torch CPU threads (default: all cores)"})
     device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
     attention_backend: str = field(default="auto", metadata={
         "help": "auto | torch | cpu: cpu = native C kernels over the paged cache (built with gcc on "
@@ -113,7 +113,7 @@ class RuntimeConfig:
                 "is chunked, with or without prefix hits or preemption; fast = torch's GEMMs and SDPA "
                 "(their blocking depends on the batch shape)"})
 
-    kernels: str = field(default="auto", metadata={
+    kernels: str = field(default="auto", metadata={"unit": "KIND=PATH,...", 
         "help": "auto | KIND=PATH,...: kernels are chosen by measurement at first start and cached per CPU "
                 "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense, gemm=amx|avx512, "
                 "lm_head=q8|dense, attention=bf16|f32, prefill_attention=native|sdpa"})
@@ -139,13 +139,13 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class SessionConfig:
-    session_dir: str | None = field(default=None, metadata={
+    session_dir: str | None = field(default=None, metadata={"unit": "DIR", 
         "help": "directory where sessions persist (push log + KV snapshots); with it, sessions "
                 "survive a restart and idle sessions can be offloaded to disk"})
-    max_sessions: int = field(default=256, metadata={"help": "live sessions at most"})
-    host_offload_bytes: int = field(default=2 << 30, metadata={
+    max_sessions: int = field(default=256, metadata={"unit": "SESSIONS", "help": "live sessions at most"})
+    host_offload_bytes: int = field(default=2 << 30, metadata={"unit": "BYTES", 
         "help": "bytes of host memory for offloaded session KV before older ones go to disk"})
-    checkpoint_idle_s: float = field(default=1.0, metadata={
+    checkpoint_idle_s: float = field(default=1.0, metadata={"unit": "SECONDS", 
         "help": "with --session-dir: snapshot a session's KV to disk once it has been idle this long"})
 
     def __post_init__(self) -> None:
@@ -159,9 +159,9 @@ class SessionConfig:
 
 @dataclass(frozen=True)
 class InputStreamConfig:
-    max_input_streams: int = field(default=256, metadata={
+    max_input_streams: int = field(default=256, metadata={"unit": "STREAMS", 
         "help": "streaming-input requests open (input not finished) at most; more are refused (429)"})
-    input_stream_ttl_s: float = field(default=300.0, metadata={
+    input_stream_ttl_s: float = field(default=300.0, metadata={"unit": "SECONDS", 
         "help": "a streaming-input request whose input got no append/update/finish for this long is "
                 "aborted and its KV freed"})
 
@@ -177,11 +177,11 @@ class KVPolicyConfig:
     """Server defaults of the per-request KV policies (``streamkv.policies``); a request's own
     ``kv_write`` / ``kv_read`` replaces them (``{"policy": "none"}`` turns one off)."""
 
-    kv_write: str | None = field(default=None, metadata={
+    kv_write: str | None = field(default=None, metadata={"unit": "JSON", 
         "help": "default write-time KV policy, a JSON object, e.g. '{\"policy\": \"snapstream\", "
                 "\"budget_tokens\": 1024}' (snapstream | streaming_llm | none): long prompts keep sinks, "
                 "their top tokens by SnapKV score and a ring of recent tokens; the rest of their KV is freed"})
-    kv_read: str | None = field(default=None, metadata={
+    kv_read: str | None = field(default=None, metadata={"unit": "JSON", 
         "help": "default read-time KV policy, a JSON object, e.g. '{\"policy\": \"quest\", "
                 "\"budget_tokens\": 1024}' (quest | recent | none): each step reads only the best pages"})
 

@@ -267,3 +267,9 @@ def test_anthropic_tool_use_round_trip(server, model):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=model, max_tokens=8, messages=ask, tools=tools,
                                tool_choice={"type": "tool", "name": "nope"})
+
+
+def test_startup_banner_names_url_model_dtype_and_kernels(server, model):
+    text = server.log_text()
+    assert f"streamkv serving {model} at {server.url}" in text
+    assert "dtype float32" in text and "kernels: " in text

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
-    port: int = field(default=8000, metadata={"help": "port to bind"})
-    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' "
+    host: str = field(default="127.0.0.1", metadata={"unit": "ADDRESS", "help": "address to bind"})
+    port: int = field(default=8000, metadata={"unit": "PORT", "help": "port to bind"})
+    api_key: str | None = field(default=None, metadata={"unit": "KEY", "help": "require 'Authorization: Bearer KEY' "
                                                                  "(default: $STREAMKV_API_KEY)"})
-    served_model_name: str | None = field(default=None, metadata={"help": "model id reported by /v1/models"})
-    max_waiting: int = field(default=256, metadata={"help": "waiting requests before 429"})
-    max_body_bytes: int = field(default=4 << 20, metadata={"help": "largest request body (413 above)"})
-    shutdown_timeout: float = field(default=10.0, metadata={"help": "seconds to finish in-flight work on "
+    served_model_name: str | None = field(default=None, metadata={"unit": "NAME", "help": "model id reported by /v1/models"})
+    max_waiting: int = field(default=256, metadata={"unit": "REQUESTS", "help": "waiting requests before 429"})
+    max_body_bytes: int = field(default=4 << 20, metadata={"unit": "BYTES", "help": "largest request body (413 above)"})
+    shutdown_timeout: float = field(default=10.0, metadata={"unit": "SECONDS", "help": "seconds to finish in-flight work on "
                                                                       "SIGINT/SIGTERM"})
 
     def __post_init__(self) -> None:

@@ -38,14 +38,23 @@ class _Server(uvicorn.Server):
                 signal.signal(s, h)
 
 
+def banner(engine: Engine, model_name: str, config: ServerConfig) -> str:
+    """What ``streamkv serve`` prints at start: the URL, the model, its dtype and the kernels."""
+    b = engine.bundle
+    dtype = str(b.dtype).removeprefix("torch.")
+    return (f"streamkv serving {model_name} at http://{config.host}:{config.port}\n"
+            f"  dtype {dtype}, numerics {engine.config.runtime.numerics}, decode weights {b.decode_weights}, "
+            f"context {b.max_model_len} tokens, KV pool {engine.pool.num_blocks} blocks of {engine.kv.block_size}\n"
+            f"  kernels: {b.kernels.describe()}")
+
+
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Blocks until SIGINT/SIGTERM; in-flight requests get ``shutdown_timeout`` seconds."""
     engine = Engine(engine_config, show_progress=sys.stderr.isatty())
     aengine = AsyncEngine(engine, max_waiting=config.max_waiting).start()
     app = create_app(aengine, config)
     state = app.state.streamkv
-    log.info("serving %s on http://%s:%d (context %d, %d KV blocks)", state.model_name, config.host, config.port,
-             state.limits.max_model_len, engine.pool.num_blocks)
+    print(banner(engine, state.model_name, config), flush=True)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=config.shutdown_timeout))
     try:
