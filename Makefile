@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv serve generate test bench-peers bench clean
+.PHONY: venv serve generate test fuzz bench-peers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# schemathesis over every route: ~2,500 generated requests (coverage phase included), no 5xx, no hang
+fuzz: $(STAMP)
+	STREAMKV_FUZZ_EXAMPLES=10 STREAMKV_FUZZ_PHASES=examples,coverage,fuzzing STREAMKV_FUZZ_MIN_REQUESTS=1000 \
+		$(VPY) -m pytest -q -s tests/test_fuzz.py
 
 bench-peers:
 	bash benchmarks/setup_peers.sh

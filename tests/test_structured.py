@@ -165,3 +165,17 @@ def test_a_matcher_follows_the_output_it_is_given(llm):
     assert allowed(Guide(llm.engine.grammars), len(out)) == masks[-1]   # replayed from scratch
     assert allowed(stepwise, 1) == masks[1]                              # rolled back: starts over
     assert masks[0] != masks[-1] and len(masks[-1]) < len(masks[0])
+
+
+def test_a_constraint_no_token_can_continue_ends_the_output_instead_of_failing(llm):
+    """Found by the API fuzzer: a constraint that admits no next token (here after "a": the
+    regex's class matches no character) left a row with nothing to sample and failed the step."""
+    spec = GuidedSpec("regex", r"a[^\s\S]")
+    out = llm.generate([_chat(llm, "Say a.")], SamplingParams(max_tokens=8, temperature=0.0, guided=spec))[0]
+    assert out.finish_reason == "stop" and out.text == "a"
+    ok = llm.generate([_chat(llm, "Say yes.")], _params(GuidedSpec.choice(["yes", "no"]), 0.0))[0]
+    assert ok.text in ("yes", "no")  # the engine goes on serving
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):
+        GuidedSpec("regex", "a\ud800")
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):
+        llm.generate(["x\udc00"], SamplingParams(max_tokens=2))

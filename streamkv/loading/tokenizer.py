@@ -16,6 +16,15 @@ from streamkv.errors import InvalidRequestError
 from streamkv.loading import chat_template
 
 
+
+def check_unicode(text: str, what: str = "text") -> None:
+    """InvalidRequestError if ``text`` is not valid Unicode (JSON can carry lone surrogates, e.g.
+    ``"\\ud800"``, which no tokenizer or grammar can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{what} is not valid Unicode: a lone surrogate at character {exc.start}") from None
+
 class Tokenizer:
     """Encode/decode text, expose exact token bytes and render the chat template.
 
@@ -53,6 +62,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a str, got {type(text).__name__}")
+        check_unicode(text)
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

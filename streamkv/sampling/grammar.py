@@ -52,6 +52,11 @@ class GuidedSpec:
             raise InvalidRequestError(f"the {self.kind} constraint must be a string of at most {MAX_SPEC_CHARS} characters")
         if self.kind in ("regex", "grammar", "choice", "tool_call") and not self.value:
             raise InvalidRequestError(f"the {self.kind} constraint is empty")
+        try:
+            self.value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(f"the {self.kind} constraint is not valid Unicode: a lone surrogate at "
+                                      f"character {exc.start}") from None
 
     @classmethod
     def json_schema(cls, schema: Any) -> GuidedSpec:
@@ -152,6 +157,10 @@ class Grammars:
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
         return c.compile_grammar(spec.value)
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(t for t in self._tokenizer.eos_token_ids if t < self.vocab_size)
+
     def matcher(self, spec: GuidedSpec) -> Any:
         return self.xgrammar().GrammarMatcher(self.compile(spec))
 
@@ -168,6 +177,7 @@ class _Matched:
     spec: GuidedSpec
     matcher: Any
     accepted: int = 0  # output tokens the matcher has consumed
+    dead: bool = False  # the constraint admits no next token: the row may only end
 
 
 class Guide:
@@ -194,15 +204,21 @@ class Guide:
             raise RuntimeError("a guided row reached a sampler without grammars")
         xgr = self.grammars.xgrammar()
         bitmask = self.grammars.bitmask(len(items))
-        matchers = [self._sync(items[i]).matcher for i in rows]
-        if len(rows) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-        else:  # xgrammar's thread pool over the rows (a fill is µs, or ms inside a bounded string)
+        states = {i: self._sync(items[i]) for i in rows}
+        live = [i for i in rows if not states[i].dead]
+        if len(live) == 1:
+            states[live[0]].matcher.fill_next_token_bitmask(bitmask, live[0])
+        elif live:  # xgrammar's thread pool over the rows (a fill is µs, or ms inside a bounded string)
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            self._batch.batch_fill_next_token_bitmask([states[i].matcher for i in live], bitmask, live)
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows, vocab_size=min(logits.shape[-1],
                                                                                       self.grammars.vocab_size))
+        for i in rows:  # a dead end (e.g. a regex no token can continue): the row may only stop
+            if states[i].dead or not bool(bitmask[i].any()):
+                states[i].dead = True
+                logits[i] = float("-inf")
+                logits[i, list(self.grammars.stop_ids)] = 0.0
         self.seconds += time.perf_counter() - t0
         return rows
 
@@ -210,10 +226,10 @@ class Guide:
         t0 = time.perf_counter()
         for i in rows:
             state = self._state[items[i].seq_id]
-            if state.matcher.accept_token(tokens[i]):
+            if not state.dead and state.matcher.accept_token(tokens[i]):
                 state.accepted += 1
-            else:  # not reachable from a mask it filled; start over from the history next step
-                self._state.pop(items[i].seq_id, None)
+            else:  # a dead end ended the row with a stop token the constraint did not allow
+                state.dead = True
         self.seconds += time.perf_counter() - t0
 
     def _sync(self, item: Any) -> _Matched:
@@ -224,7 +240,8 @@ class Guide:
         if state is None or state.spec != spec or state.accepted > len(output):
             state = self._state[item.seq_id] = _Matched(spec, self.grammars.matcher(spec))  # type: ignore[union-attr]
         for tok in output[state.accepted:]:
-            if not state.matcher.accept_token(int(tok)):
-                raise InvalidRequestError(f"the output so far does not match its {_NAMES[spec.kind]}")
+            if state.dead or not state.matcher.accept_token(int(tok)):
+                state.dead = True  # an output the constraint cannot continue: it may only stop
+                break
             state.accepted += 1
         return state

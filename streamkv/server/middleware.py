@@ -95,8 +95,10 @@ class GuardMiddleware:
     def _log(self, scope: dict, path: str, status: int, start: float) -> None:
         state = scope.get("state") or {}
         tokens = f"{state['tokens_in']}+{state['tokens_out']}" if "tokens_in" in state else "-"
-        self.metrics.requests.labels(route=path if path.startswith(("/v1/", "/health", "/tok", "/detok", "/metrics"))
-                                     else "other", status=str(status)).inc()
+        # the route's template (``/v1/sessions/{session_id}``), never the raw path: a label per
+        # session id or per fuzzed path would grow the metrics without bound
+        route = getattr(scope.get("route"), "path", None) or "unmatched"
+        self.metrics.requests.labels(route=route, status=str(status)).inc()
         log.info("%s %s %d tokens=%s %.1fms", scope.get("method", "-"), path, status, tokens,
                  (time.perf_counter() - start) * 1e3)
 

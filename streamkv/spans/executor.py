@@ -141,6 +141,8 @@ class SpanQueries:
         tokens = 0
         for fid, text in fragments.items():  # every fragment is checked before any is added
             n = len(self.engine.tokenizer.encode(text))
+            if n == 0:  # a zero-token span has no KV to compute or reuse (its prepare never finished)
+                raise InvalidRequestError(f"fragment {fid!r} is empty: it tokenizes to no tokens")
             if n >= self.engine.max_model_len:
                 raise InvalidRequestError(f"fragment {fid!r} has {n} tokens; the context is {self.engine.max_model_len}")
             tokens += n
