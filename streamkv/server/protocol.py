@@ -21,7 +21,18 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _Sampling(_Body):
+class GuidedFields(_Body):
+    """Structured-output fields (``streamkv.server.structured``): OpenAI's response_format and
+    vLLM's guided_* extras; generation routes, session queries and flash questions take them."""
+
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+
+
+class _Sampling(GuidedFields):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM-style extras)."""
 
     model: StrictStr | None = None
@@ -44,12 +55,6 @@ class _Sampling(_Body):
     priority: StrictInt = 0
     kv_write: dict[str, Any] | None = None  # streamkv: write-time KV policy ({"policy": "snapstream", ...})
     kv_read: dict[str, Any] | None = None   # streamkv: read-time KV policy ({"policy": "quest", ...})
-    # structured outputs (streamkv.server.structured): OpenAI's response_format, vLLM's guided_*
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | StrictStr | None = None
-    guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
-    guided_grammar: StrictStr | None = None
 
 
 class CompletionRequest(_Sampling):

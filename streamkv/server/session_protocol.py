@@ -5,7 +5,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from streamkv.server.protocol import Number
+from streamkv.server.protocol import GuidedFields, Number
 from streamkv.sessions.flash import MAX_QUESTIONS, FlashQuestion
 from streamkv.sessions.spec import SessionSpec
 
@@ -17,17 +17,7 @@ class Body(BaseModel):
 _SPEC = SessionSpec()  # the defaults of every create field come from the spec itself
 
 
-class _Guided(Body):
-    """Structured-output fields (streamkv.server.structured)."""
-
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | StrictStr | None = None
-    guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
-    guided_grammar: StrictStr | None = None
-
-
-class FlashSpec(_Guided):
+class FlashSpec(GuidedFields):
     question: StrictStr
     max_tokens: StrictInt = FlashQuestion.max_tokens
     temperature: Number = FlashQuestion.temperature
@@ -61,7 +51,7 @@ class PushData(Body):
     records: Annotated[list[StrictStr], Field(min_length=1, max_length=10000)]
 
 
-class SessionQuery(_Guided):
+class SessionQuery(GuidedFields):
     question: StrictStr
     max_tokens: StrictInt = 64
     temperature: Number = 0.0
