@@ -19,7 +19,6 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa:
 from tests.server_harness import ServerProcess  # noqa: E402
 
 _LIVE: dict[str, str] = {}
-pytestmark = pytest.mark.asyncio(loop_scope="module")  # the suite's async tests (pytest-asyncio, strict mode)
 
 
 @pytest.fixture(scope="module", autouse=True)
