@@ -22,6 +22,19 @@ def rotate_keys(k: torch.Tensor, delta: int | torch.Tensor, inv_freq: torch.Tens
     return k * cos + rot * sin
 
 
+def tiny_pair(kind: str, tmp_path_factory: Any) -> tuple[Any, Any]:
+    """A tiny random ``kind`` checkpoint as (transformers model, float32 streamkv LLM with 4-token
+    blocks and a 64-token step budget, so ingestion is chunked and evictions cross blocks)."""
+    from transformers import AutoModelForCausalLM
+
+    from streamkv import LLM
+    from tests.tiny_checkpoints import make_tiny_hf_checkpoint
+
+    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp(kind), kind, max_position_embeddings=512)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, LLM(model=str(path), dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=64)
+
+
 class DenseSession:
     def __init__(self, hf: Any, inv_freq: torch.Tensor, observe: int = 0) -> None:
         from transformers import DynamicCache

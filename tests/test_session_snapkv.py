@@ -20,8 +20,7 @@ from streamkv import LLM, SamplingParams
 from streamkv.policies.write import SnapStreamPolicy
 from streamkv.sessions.spec import SessionLayout, SessionSpec
 from streamkv.sessions.state import Record, SessionData
-from tests.session_reference import DenseSession
-from tests.tiny_checkpoints import make_tiny_hf_checkpoint
+from tests.session_reference import DenseSession, tiny_pair
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,11 +120,7 @@ def test_spec_round_trips_and_defaults():
 # ------------------------------------------------- paged vs dense (transformers)
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny(request, tmp_path_factory):
-    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
-                                   max_position_embeddings=512)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(model=str(path), dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=64)
-    return hf, llm
+    return tiny_pair(request.param, tmp_path_factory)
 
 
 def _spy_evictions(engine) -> list[tuple[int, int, list[int]]]:

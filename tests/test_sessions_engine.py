@@ -10,7 +10,7 @@ import torch
 from streamkv import LLM, SamplingParams
 from streamkv.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
 from streamkv.sessions.spec import SessionSpec
-from tests.session_reference import DenseSession
+from tests.session_reference import DenseSession, tiny_pair
 from tests.tiny_checkpoints import make_tiny_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -60,11 +60,7 @@ def test_answers_equal_stateless_generation_on_the_exact_token_ids(smol_fp32):
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny(request, tmp_path_factory):
-    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param,
-                                   max_position_embeddings=512)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(model=str(path), dtype="float32", num_blocks=256, block_size=4, max_num_batched_tokens=64)
-    return hf, llm
+    return tiny_pair(request.param, tmp_path_factory)
 
 
 def test_evicting_session_matches_a_dense_reference(tiny):
