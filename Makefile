@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv serve generate test fuzz bench-peers bench clean
+.PHONY: venv serve generate test browser fuzz bench-peers bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -26,8 +26,16 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/streamkv generate --chat --temperature 0 "$(or $(PROMPT),What is the capital of France?)"
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# Debian's chromium + chromedriver for the session page's browser test (tests/test_ui_page.py);
+# where apt-get is absent or not root, the test skips with the reason
+browser:
+	@command -v chromedriver >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		{ apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
+		  { apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; }; }; } || \
+		echo "chromium not installed: tests/test_ui_page.py's browser test will skip"
 
 # schemathesis over every route: ~2,500 generated requests (coverage phase included), no 5xx, no hang
 fuzz: $(STAMP)

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.errors import InvalidRequestError
-from streamkv.server import anthropic_api, flash_api, input_streams_api, openai_api, sessions_api, spans_api
+from streamkv.server import anthropic_api, flash_api, input_streams_api, openai_api, sessions_api, spans_api, ui_api
 from streamkv.server.config import ServerConfig
 from streamkv.server.errors import APIError, install_error_handlers
 from streamkv.server.generation import Limits
@@ -34,6 +34,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastA
     app.include_router(flash_api.router)
     app.include_router(input_streams_api.router)
     app.include_router(spans_api.router)
+    app.include_router(ui_api.router)
     _utility_routes(app)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=config.max_body_bytes, metrics=metrics)
     return app

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from streamkv.server.errors import error_body
 
 log = logging.getLogger("streamkv.access")
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ui", "/ui/app.js", "/ui/style.css"})  # no data behind these
 
 
 async def _send_error(send: Callable, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]

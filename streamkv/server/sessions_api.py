@@ -68,10 +68,17 @@ async def list_sessions(request: Request) -> dict[str, Any]:
 
 
 @router.get("/{session_id}")
-async def get_session(session_id: str, request: Request, include_tokens: bool = False) -> dict[str, Any]:
+async def get_session(session_id: str, request: Request, include_tokens: bool = False,
+                      include_text: bool = False) -> dict[str, Any]:
+    """``include_text``: each window record also carries its text, decoded from the stream's
+    tokens (null while the session's KV is offloaded)."""
     def read(e: Any) -> dict[str, Any]:
         out = e.sessions.stats(session_id)
         layout = e.sessions.layout(session_id)
+        if include_text:
+            ids = layout["stream_ids"]
+            for rec in layout["records"]:
+                rec["text"] = None if ids is None else e.tokenizer.decode(ids[rec["start"]:rec["end"]])
         if not include_tokens:
             layout.pop("stream_ids", None)
         out["layout"] = layout
