@@ -6,6 +6,7 @@ metadata entry becomes a ``--flag``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
 DECODE_WEIGHTS = ("auto", "dense", "q4")
@@ -46,6 +47,10 @@ class CacheConfig:
     response_cache_entries: int = field(default=0, metadata={"unit": "ENTRIES", 
         "help": "LRU cache of full responses to deterministic stateless requests (temperature 0 or a "
                 "seed), keyed by prompt ids and sampling parameters; 0 = off"})
+    seed_from_prompt: bool = field(default=False, metadata={
+        "help": "a sampled request without a seed gets seed = FNV-1a(prompt ids) (choice i of n: + i), so "
+                "identical requests give identical outputs at any temperature and the response cache serves "
+                "them; off by default: OpenAI clients expect variety without a seed. A request's seed wins"})
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
@@ -81,6 +86,34 @@ class SchedulerConfig:
         "help": "aging bound: a complete request with work whose input arrived or last changed longer ago "
                 "than this ranks first in its tier, oldest first (bounds LCAS starvation); default off"})
 
+    admission: str = field(default="none", metadata={
+        "help": "none | cell-budget: cell-budget admits a new request only while the admitted sequences' "
+                "projected KV, sum of min(prompt + max_tokens, context), stays under --admission-ceiling x the "
+                "pool (the rest stays for cached prefixes and sessions), and above --admission-high-water pool "
+                "occupancy holds prompt chunks back step by step; requests wait, never fail"})
+    admission_ceiling: float = field(default=0.5, metadata={"unit": "FRACTION", "help": "cell-budget: share of the pool"})
+    admission_high_water: float = field(default=0.95, metadata={"unit": "FRACTION", "help": (
+        "cell-budget: pool occupancy above which prompt chunks wait")})
+    chunking: str = field(default="adaptive", metadata={
+        "help": "adaptive | static: adaptive = with N sequences prefilling, each gets "
+                "clamp(budget / N, --chunk-min-tokens, --chunk-max-tokens) rows this step (one long prompt "
+                "big chunks, many prompts small ones, so decodes keep their cadence); static = up to the "
+                "budget (or --max-chunk-tokens), first come first served"})
+    chunk_min_tokens: int = field(default=128, metadata={"unit": "TOKENS", "help": "adaptive chunking's lower bound"})
+    chunk_max_tokens: int = field(default=1024, metadata={"unit": "TOKENS", "help": "adaptive chunking's upper bound"})
+    speculation: str = field(default="auto", metadata={
+        "help": "auto | pld | none: prompt-lookup speculative decoding (drafts from the sequence's own earlier "
+                "tokens, verified in one chunk; output identical to plain decoding; needs numerics=invariant); "
+                "auto = pld with numerics=invariant, none with fast"})
+    spec_max_draft: int = field(default=4, metadata={"unit": "TOKENS", "help": "most draft tokens per sequence and step"})
+    spec_ngram_max: int = field(default=5, metadata={"unit": "TOKENS", "help": "longest n-gram looked up"})
+    spec_ngram_min: int = field(default=2, metadata={"unit": "TOKENS", "help": "shortest n-gram looked up"})
+    spec_draft_budget: int = field(default=8, metadata={"unit": "TOKENS", "help": (
+        "draft tokens per step shared by the decoding sequences: each drafts at most "
+        "budget / decoders (so none past budget decoders)")})
+    spec_min_acceptance: float = field(default=0.3, metadata={"unit": "FRACTION", "help": (
+        "a sequence whose running draft acceptance falls below this stops drafting (it probes now and then)")})
+
     def __post_init__(self) -> None:
         from streamkv.sched.policies import make_queue_policy
 
@@ -88,16 +121,47 @@ class SchedulerConfig:
 
         make_queue_policy(self.queue_policy, self.max_wait_s)  # ValueError naming the problem
         make_preemption(self.preemption)
+        self.make_speculator()
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+        if self.admission not in ("none", "cell-budget"):
+            raise ValueError(f"admission must be none or cell-budget, got {self.admission!r}")
+        if not 0.0 < self.admission_ceiling <= 1.0 or not 0.0 < self.admission_high_water <= 1.0:
+            raise ValueError(f"admission_ceiling and admission_high_water must be in (0, 1], got "
+                             f"{self.admission_ceiling}, {self.admission_high_water}")
+        if self.chunking not in ("adaptive", "static"):
+            raise ValueError(f"chunking must be adaptive or static, got {self.chunking!r}")
+        if not 1 <= self.chunk_min_tokens <= self.chunk_max_tokens:
+            raise ValueError(f"need 1 <= chunk_min_tokens <= chunk_max_tokens, got {self.chunk_min_tokens}, "
+                             f"{self.chunk_max_tokens}")
 
     @property
     def chunk_cap(self) -> int:
         return self.max_chunk_tokens or self.max_num_batched_tokens
+
+    def chunk_for(self, num_prefilling: int) -> int:
+        """Most prompt rows one sequence computes in a step where ``num_prefilling`` sequences
+        have prompt rows pending (adaptive), or the static cap."""
+        if self.chunking == "static" or num_prefilling < 1:
+            return self.chunk_cap
+        share = self.max_num_batched_tokens // num_prefilling
+        return min(self.chunk_cap, max(self.chunk_min_tokens, min(self.chunk_max_tokens, share)))
+
+    def make_speculator(self, numerics: str = "invariant") -> Any:
+        """The speculation plug-in (None for ``none``, and for ``auto`` without invariant
+        numerics); ValueError naming a bad setting."""
+        from streamkv.sched.speculation import make_speculator
+
+        name = self.speculation
+        if name == "auto":
+            name = "pld" if numerics == "invariant" else "none"
+        return make_speculator(name, max_draft=self.spec_max_draft, ngram_max=self.spec_ngram_max,
+                               ngram_min=self.spec_ngram_min, draft_budget=self.spec_draft_budget,
+                               min_acceptance=self.spec_min_acceptance)
 
 
 @dataclass(frozen=True)
@@ -224,6 +288,11 @@ class EngineConfig:
     sessions: SessionConfig = field(default_factory=SessionConfig)
     inputs: InputStreamConfig = field(default_factory=InputStreamConfig)
     kv_policies: KVPolicyConfig = field(default_factory=KVPolicyConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.speculation == "pld" and self.runtime.numerics != "invariant":
+            raise ValueError("speculation needs numerics=invariant: only there does a verified chunk row "
+                             "compute exactly what a decode row does (so the output stays unchanged)")
 
     @classmethod
     def from_flat(cls, **kwargs: object) -> "EngineConfig":

@@ -33,10 +33,12 @@ class FakeRunner:
     computed for that sequence, and block tables cover every position written.
     """
 
-    def __init__(self, block_size: int, vocab: int = VOCAB, eos_after: int | None = None) -> None:
+    def __init__(self, block_size: int, vocab: int = VOCAB, eos_after: int | None = None,
+                 repeat: int | None = None) -> None:
         self.block_size = block_size
         self.vocab = vocab
         self.eos_after = eos_after
+        self.repeat = repeat  # next token = the one ``repeat`` back (a repetitive task), when set
         self.computed: dict[int, list[int]] = {}
         self.plans: list[StepPlan] = []
 
@@ -56,24 +58,36 @@ class FakeRunner:
             end = item.start + item.num_tokens
             rows = item.rows if item.rows >= 0 else end  # a write policy's layout holds a fixed set of rows
             assert len(item.block_table) * self.block_size >= rows, "block table too short"
-            if item.sample:
-                hist = list(item.history[:end])
-                n_out = end - item.num_prompt
-                if self.eos_after is not None and n_out >= self.eos_after:
-                    out.tokens[item.seq_id] = EOS
-                else:
-                    out.tokens[item.seq_id] = 1 + hash(tuple(hist)) % (self.vocab - 1)
+            if item.sample and item.draft:  # verify: sample every draft row, keep the matching prefix
+                rows = list(item.history[:item.start]) + list(item.token_ids)
+                base = end - len(item.draft)
+                emitted = []
+                for i in range(len(item.draft) + 1):
+                    emitted.append(self._next(rows[:base + i], item.num_prompt))
+                    if i == len(item.draft) or emitted[-1] != item.draft[i]:
+                        break
+                out.drafts[item.seq_id] = tuple(emitted)
+            elif item.sample:
+                out.tokens[item.seq_id] = self._next(list(item.history[:end]), item.num_prompt)
         return out
+
+    def _next(self, hist: list[int], num_prompt: int) -> int:
+        if self.eos_after is not None and len(hist) - num_prompt >= self.eos_after:
+            return EOS
+        if self.repeat is not None and len(hist) >= self.repeat:
+            return hist[-self.repeat]
+        return 1 + hash(tuple(hist)) % (self.vocab - 1)
 
 
 def fake_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16, budget: int = 64,
                 max_model_len: int = 512, prefix: bool = True, eos_after: int | None = None,
-                chunk: int | None = None) -> tuple[Engine, FakeRunner]:
+                chunk: int | None = None, repeat: int | None = None,
+                **scheduler: object) -> tuple[Engine, FakeRunner]:
     config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                             enable_prefix_caching=prefix),
                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                                    max_chunk_tokens=chunk))
-    runner = FakeRunner(block_size, eos_after=eos_after)
+                                                    max_chunk_tokens=chunk, **scheduler))  # type: ignore[arg-type]
+    runner = FakeRunner(block_size, eos_after=eos_after, repeat=repeat)
     bundle = ModelBundle(runner, FakeTokenizer(), max_model_len, VOCAB, num_blocks)
     return Engine(config, bundle), runner
 
@@ -165,8 +179,8 @@ class SlotFakeRunner(FakeRunner):
             for p in range(item.start):
                 got = self.slots.get(self._slot(item.block_table, p))
                 assert got == (p, item.history[p]), f"seq {item.seq_id}: row {p} holds {got}"
-            for p in range(item.start, end):
-                self.slots[self._slot(item.block_table, p)] = (p, item.history[p])
+            for p in range(item.start, end):  # token_ids: a speculating chunk ends with drafts, not yet history
+                self.slots[self._slot(item.block_table, p)] = (p, item.token_ids[p - item.start])
             if item.write is not None and end == item.write.point(item.num_prompt):
                 self._compact(item)
                 compressed[item.seq_id] = 0.0
@@ -204,8 +218,8 @@ class SlotFakeRunner(FakeRunner):
 
 def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_model_len: int = 512,
                 chunk: int | None = None, queue_policy: str = "fcfs", max_wait_s: float | None = None,
-                swap_blocks: int = 0, preemption: str = "recompute",
-                **inputs: object) -> tuple[Engine, SlotFakeRunner]:
+                swap_blocks: int = 0, preemption: str = "recompute", speculation: str = "auto",
+                repeat: int | None = None, **inputs: object) -> tuple[Engine, SlotFakeRunner]:
     """An engine on a :class:`SlotFakeRunner` (swap space in blocks: ``swap_blocks``)."""
     from streamkv.config import InputStreamConfig
 
@@ -213,8 +227,10 @@ def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max
                                             swap_space=swap_blocks * 64 * block_size),
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=chunk,
                                                     queue_policy=queue_policy, max_wait_s=max_wait_s,
-                                                    preemption=preemption),
+                                                    preemption=preemption, speculation=speculation,
+                                                    spec_ngram_min=1),
                           inputs=InputStreamConfig(**inputs))  # type: ignore[arg-type]
     runner = SlotFakeRunner(block_size, num_blocks)
+    runner.repeat = repeat
     bundle = ModelBundle(runner, FakeTokenizer(), max_model_len, VOCAB, num_blocks)
     return Engine(config, bundle), runner

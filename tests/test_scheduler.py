@@ -213,3 +213,65 @@ def test_a_waiting_request_that_cannot_fit_does_not_stall_pinned_streams():
     done = engine.run_to_completion(["big"])
     assert done["big"].finish_reason == "length"
     engine.check_integrity()
+
+
+def test_adaptive_chunks_share_the_budget_between_prefilling_sequences():
+    from streamkv.config import SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_batched_tokens=2048)
+    assert [cfg.chunk_for(n) for n in (1, 2, 4, 16, 64)] == [1024, 1024, 512, 128, 128]
+    assert SchedulerConfig(max_num_batched_tokens=2048, chunking="static").chunk_for(4) == 2048
+    assert SchedulerConfig(max_num_batched_tokens=2048, max_chunk_tokens=300).chunk_for(1) == 300
+    with pytest.raises(ValueError, match="chunking"):
+        SchedulerConfig(chunking="fair")
+    with pytest.raises(ValueError, match="chunk_min_tokens"):
+        SchedulerConfig(chunk_min_tokens=64, chunk_max_tokens=32)
+    # in the engine: one long prompt takes 32-row chunks; four prompts take 16-row chunks each
+    engine, runner = fake_engine(num_blocks=256, budget=64, chunk_min_tokens=8, chunk_max_tokens=32)
+    _run(engine, [[3] * 100])
+    assert max(it.num_tokens for plan in runner.plans for it in plan.seqs) == 32
+    engine, runner = fake_engine(num_blocks=256, budget=64, chunk_min_tokens=8, chunk_max_tokens=32)
+    _run(engine, _prompts(4, seed=9, lo=60, hi=61))
+    first = runner.plans[0]
+    assert [it.num_tokens for it in first.seqs] == [16, 16, 16, 16]
+    engine, runner = fake_engine(num_blocks=256, budget=64, chunk_min_tokens=8, chunk_max_tokens=32,
+                                 chunking="static")
+    _run(engine, _prompts(4, seed=9, lo=60, hi=61))
+    assert [it.num_tokens for it in runner.plans[0].seqs] == [60, 4]
+
+
+def test_cell_budget_admission_delays_never_rejects_and_keeps_outputs():
+    # 64 blocks x 4 = 256 tokens; ceiling 0.5 -> 128 projected tokens; each request projects 20 + 30 = 50
+    prompts = _prompts(6, seed=11, lo=20, hi=21)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain, _ = fake_engine(num_blocks=64, budget=64)
+    want, _ = _run(plain, prompts, params)
+    engine, runner = fake_engine(num_blocks=64, budget=64, admission="cell-budget")
+    got, done = _run(engine, prompts, params)
+    assert got == want and all(o.finish_reason == "length" for o in done.values())
+    admitted: set[int] = set()
+    for plan in runner.plans:  # at most two requests (100 projected tokens) hold KV at once
+        admitted |= {it.seq_id for it in plan.seqs}
+        admitted -= set(plan.released)
+        assert len(admitted) <= 2
+    assert engine.scheduler.admission.stats.deferred_requests > 0
+    # a request larger than the ceiling still runs, alone
+    engine, _ = fake_engine(num_blocks=64, budget=64, admission="cell-budget")
+    out, _ = _run(engine, [[5] * 100], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    assert len(out[0]) == 60
+    with pytest.raises(ValueError, match="admission"):
+        fake_engine(admission="fair")
+
+
+def test_high_water_holds_prompt_chunks_back_and_outputs_stay():
+    prompts = _prompts(5, seed=12, lo=30, hi=40)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain, _ = fake_engine(num_blocks=48, budget=32, chunk=8)
+    want, _ = _run(plain, prompts, params)
+    engine, runner = fake_engine(num_blocks=48, budget=32, chunk=8, admission="cell-budget", admission_ceiling=1.0,
+                                 admission_high_water=0.3)
+    got, _ = _run(engine, prompts, params)
+    assert got == want
+    assert engine.scheduler.admission.stats.deferred_chunks > 0
+    # every step still makes progress: some sequence computes rows
+    assert all(plan.num_tokens > 0 for plan in runner.plans if plan.seqs or not plan.released)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from typing import Sequence as Seq
 
 from streamkv.config import EngineConfig
@@ -26,7 +27,7 @@ from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadPolicy
 from streamkv.ops.seq_ops import SeqOps
 from streamkv.sampling.detokenizer import IncrementalDetokenizer
-from streamkv.sampling.params import SamplingParams
+from streamkv.sampling.params import SamplingParams, prompt_seed
 from streamkv.sched.plan import StepOutput, StepPlan, TokenLogprobs
 from streamkv.sched.preemption import PreemptionPolicy, make_preemption
 from streamkv.sched.scheduler import Scheduler
@@ -75,7 +76,8 @@ class Engine:
         self.kv_ops = getattr(self.bundle.runner, "kv_ops", None)
         self.grammars = getattr(self.bundle.runner, "grammars", None)  # structured outputs (None: unsupported)
         self.kv = KVManager(self.pool, HostPool(self._host_blocks()))
-        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, speculator=self.config.scheduler.make_speculator(
+            self.config.runtime.numerics))
         self.seq_ops = SeqOps(self.scheduler, self.kv, self.kv_ops, self.max_model_len, itertools.count(),
                               getattr(self.bundle.runner, "recent", None))
         self.stats = EngineStats()
@@ -138,6 +140,8 @@ class Engine:
         write, read = (None, None) if partial else self.kv_policies.resolve(kv_write, kv_read)
         text, ids = self.tokenize_prompt(prompt) if not (partial and not prompt) else (None, [])
         self._validate_ids(ids, allow_empty=partial)
+        if self.config.cache.seed_from_prompt and params.seed is None and not params.greedy and not partial:
+            params = replace(params, seed=prompt_seed(ids))  # identical requests, identical outputs
         lossy = write is not None or read is not None  # approximate KV: never a response-cache entry
         key = None if partial or lossy else self.responses.key(ids, params)
         hit = None if partial else self.responses.get(key, request_id, time.perf_counter())
@@ -276,10 +280,18 @@ class Engine:
         self.stats.steps += 1
         now = time.perf_counter()
         touched: dict[str, _Request] = {}
-        for seq, token in self.scheduler.update(plan, result):
+        events = self.scheduler.update(plan, result)
+        left = Counter(seq.seq_id for seq, _ in events)  # a speculating sequence emits several tokens
+        for seq, token in events:
+            left[seq.seq_id] -= 1
+            if left[seq.seq_id] < 0:
+                continue  # cut by a stop string below
             req = self._by_seq[seq.seq_id]
-            self._on_token(req, token, result, now)
+            stopped = self._on_token(req, token, result, now)
             touched[req.request_id] = req
+            if stopped and left[seq.seq_id] > 0:  # a stop string ended it: drop the tokens after it
+                del seq.tokens[len(seq.tokens) - left[seq.seq_id]:]
+                left[seq.seq_id] = -1
         for req in touched.values():
             outputs.append(self._finish(req) if req.seq.finished else self._snapshot(req))
         for seq_id in plan.released:  # finished while scheduling (longer than the whole pool)
@@ -288,7 +300,8 @@ class Engine:
                 outputs.append(self._finish(req))
         return outputs
 
-    def _on_token(self, req: _Request, token: int | None, result: StepOutput, now: float) -> None:
+    def _on_token(self, req: _Request, token: int | None, result: StepOutput, now: float) -> bool:
+        """Count and detokenize one emitted token; True when it completed a stop string."""
         seq = req.seq
         self.stats.generated_tokens += 1
         if req.first_token is None:
@@ -296,9 +309,11 @@ class Engine:
         if req.logprobs is not None and seq.seq_id in result.logprobs:
             req.logprobs.append(result.logprobs[seq.seq_id])
         if token is None or (seq.finish_reason == "stop" and token in seq.stop_ids):
-            return
+            return False
         if req.detok.add(token) and not seq.finished:
             self.scheduler.finish(seq.seq_id, "stop")
+            return True
+        return False
 
     def _fail(self, plan: StepPlan, message: str) -> list[RequestOutput]:
         out = []

@@ -16,7 +16,7 @@ from streamkv.runner.compression import Compressor
 from streamkv.runner.kv_ops import KVOps
 from streamkv.runner.recent_queries import RecentQueries
 from streamkv.sampling.sampler import Sampler
-from streamkv.sched.plan import StepOutput, StepPlan
+from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 
 
 class ModelRunner:
@@ -53,6 +53,7 @@ class ModelRunner:
         decode_rows: list[int] = []    # rows of single-token decode spans (their own kind, see RowSplit)
         decode_samples: list[int] = []  # their indices among the sampled rows
         observe = []
+        spec: list[tuple[ScheduledSeq, int]] = []  # speculating items and their first sampled row
         for item in plan.seqs:
             q0 = len(ids)
             ids.extend(item.token_ids)
@@ -66,7 +67,9 @@ class ModelRunner:
             decode = span.is_decode
             if decode:
                 decode_rows.append(q0)
-            if item.sample:
+            if item.sample and item.draft:
+                spec.append((item, len(ids) - len(item.draft) - 1))
+            elif item.sample:
                 if decode:
                     decode_samples.append(len(sample_rows))
                 sample_rows.append(len(ids) - 1)
@@ -92,4 +95,7 @@ class ModelRunner:
             tokens, logprobs = self.sampler(logits, sample_items)
             out.tokens = {item.seq_id: tok for item, tok in zip(sample_items, tokens)}
             out.logprobs = logprobs
+        for item, row in spec:
+            logits = self.model.compute_logits(hidden[row:row + len(item.draft) + 1], DENSE)
+            out.drafts[item.seq_id] = self.sampler.verify(logits, item)
         return out

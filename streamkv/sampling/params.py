@@ -3,11 +3,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from streamkv.errors import InvalidRequestError
 from streamkv.sampling.grammar import GuidedSpec
 
 MAX_LOGPROBS = 20
+
+
+def prompt_seed(ids: Sequence[int]) -> int:
+    """FNV-1a (64-bit) over the prompt's token ids, each as 4 little-endian bytes."""
+    h = 0xCBF29CE484222325
+    for t in ids:
+        for b in int(t).to_bytes(4, "little", signed=False):
+            h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
 
 
 def _check(cond: bool, msg: str) -> None:

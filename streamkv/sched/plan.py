@@ -26,6 +26,10 @@ class ScheduledSeq:
     ``block_table`` after the prompt's. A compressed sequence (``rows`` >= 0) computes one
     token per step, written to row ``write_row`` of its ``rows`` rows (its ring).
     ``observe`` > 0: the runner keeps the queries of the sequence's newest ``observe`` rows.
+
+    ``draft``: the last ``len(draft)`` ids of ``token_ids`` are speculated; the runner samples
+    at the chunk's last ``len(draft) + 1`` rows and returns the emitted tokens in
+    ``StepOutput.drafts`` (``streamkv.sched.speculation``).
     """
 
     seq_id: int
@@ -42,6 +46,7 @@ class ScheduledSeq:
     rows: int = -1
     write_row: int = -1
     observe: int = 0  # keep the queries of the sequence's newest rows (``RecentQueries``)
+    draft: tuple[int, ...] = ()  # speculated ids at the end of ``token_ids``
 
     @property
     def num_tokens(self) -> int:
@@ -91,3 +96,6 @@ class StepOutput:
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
     compressed: dict[int, float] = field(default_factory=dict)
     reads: dict[int, ReadCount] = field(default_factory=dict)  # read-policy sequences: what they read
+    # speculating sequences: every token emitted this step (accepted drafts, then one sampled);
+    # ``tokens`` holds none of them
+    drafts: dict[int, tuple[int, ...]] = field(default_factory=dict)

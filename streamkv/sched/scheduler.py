@@ -15,10 +15,12 @@ from typing import Callable
 from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadCount
+from streamkv.sched.admission import CellBudget
 from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
 from streamkv.sched.preemption import PreemptionPolicy, Recompute
 from streamkv.sched.sequence import Sequence, SeqStatus
+from streamkv.sched.speculation import SpecState, SpecStats, Speculator, speculable
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +31,14 @@ class _Proposal:
 
     seq: Sequence
     end: int
+    draft: tuple[int, ...] = ()  # speculated tokens after ``end`` (``speculation.py``)
 
 
 class Scheduler:
     """Owns the waiting/running sets; asks the KV manager for blocks."""
 
     def __init__(self, config: SchedulerConfig, kv: KVManager, policy: QueuePolicy | None = None,
-                 preemption: PreemptionPolicy | None = None) -> None:
+                 preemption: PreemptionPolicy | None = None, speculator: Speculator | None = None) -> None:
         self.config = config
         self.kv = kv
         self.policy = policy or make_queue_policy(config.queue_policy, config.max_wait_s)
@@ -46,6 +49,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by_kind: dict[str, int] = {"recompute": 0, "swap": 0}
         self._released: list[int] = []
+        self.speculator = speculator
+        self.spec_states: dict[int, SpecState] = {}
+        self.spec_stats = SpecStats()
+        self.chunk = config.chunk_cap  # the per-sequence prefill chunk of the latest step
+        self.admission = (CellBudget(kv.pool, config.admission_ceiling, config.admission_high_water)
+                          if config.admission == "cell-budget" else None)
 
     # ------------------------------------------------------------- bookkeeping
     def add(self, seq: Sequence) -> None:
@@ -72,6 +81,7 @@ class Scheduler:
             return None
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        self.spec_states.pop(seq_id, None)
         seq.event("finished")
         if not seq.keep_kv:
             self.kv.free(seq_id)
@@ -117,11 +127,19 @@ class Scheduler:
         blocked = False  # a waiting sequence that cannot fit: only pinned ones may pass it
         reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
         out: list[_Proposal] = []
+        spec_cap = self._spec_cap(ranked)
+        self.chunk = chunk = self.config.chunk_for(sum(1 for s in ranked if s.computable - s.num_computed > 1))
+        crowded = spec_cap and any(s.status is SeqStatus.WAITING for s in ranked)
+        if self.admission is not None:
+            self.admission.begin(self.seqs.values())
         for seq in ranked:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
                 break
             background = self.policy.background(seq)
             if (background and foreground_prefill) or (blocked and not seq.pinned):
+                continue
+            if self.admission is not None and self._held(seq):
+                blocked = blocked or seq.status is SeqStatus.WAITING  # nothing unpinned passes a deferred request
                 continue
             target = seq.computable
             computed = seq.num_computed
@@ -144,11 +162,41 @@ class Scheduler:
                         blocked = True
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
-            n = max(0, min(target - computed, budget, self.config.chunk_cap, limit if limit is not None else budget))
-            out.append(_Proposal(seq, computed + n))
-            budget -= n
+            n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
+            draft = self._draft(seq, min(spec_cap, budget - n), crowded) if spec_cap and n == 1 else ()
+            out.append(_Proposal(seq, computed + n, draft))
+            budget -= n + len(draft)
             foreground_prefill = foreground_prefill or (not background and n > 1)
         return out
+
+    def _held(self, seq: Sequence) -> bool:
+        """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool
+        to fall below the high-water mark."""
+        assert self.admission is not None
+        if seq.status is SeqStatus.WAITING and not seq.swapped:
+            return not self.admission.admits(seq)
+        return self.admission.holds_chunk(seq)
+
+    def _spec_cap(self, ranked: list[Sequence]) -> int:
+        """Drafts per sequence this step (0: no speculation), from the number of decoders."""
+        if self.speculator is None:
+            return 0
+        decoders = sum(1 for s in ranked if s.status is SeqStatus.RUNNING and s.remaining == 1 and s.samples)
+        self.spec_stats.cap = self.speculator.cap(decoders)
+        return self.spec_stats.cap
+
+    def _draft(self, seq: Sequence, limit: int, crowded: bool) -> tuple[int, ...]:
+        """Draft tokens for a decoding ``seq``: within the step budget, its max_tokens and
+        max_len (every emitted token must fit), and only for plain sampling. ``crowded`` (a
+        sequence waits for admission): only within the blocks it already holds, so drafts
+        never take a block someone waiting needs."""
+        if self.speculator is None or not speculable(seq):
+            return ()
+        limit = min(limit, seq.params.max_tokens - seq.num_output - 1, seq.max_len - len(seq.tokens) - 1)
+        if crowded:
+            limit = min(limit, self.kv.num_blocks_held(seq.seq_id) * self.kv.block_size - len(seq.tokens))
+        state = self.spec_states.setdefault(seq.seq_id, SpecState())
+        return self.speculator.draft(seq, state, limit)
 
     def _acquire(self, proposals: list[_Proposal],
                  rank_all: Callable[[], list[Sequence]]) -> tuple[list[_Proposal], list[int]]:
@@ -187,6 +235,8 @@ class Scheduler:
         seq = prop.seq
         extra = seq.extra_blocks(prop.end, self.kv.block_size)
         if seq.status is SeqStatus.RUNNING:
+            if prop.draft and not self.kv.grow(seq.seq_id, seq.kv_rows(prop.end + len(prop.draft)), extra):
+                prop.draft = ()  # drafts never cost anyone their blocks
             return self.kv.grow(seq.seq_id, seq.kv_rows(prop.end), extra)
         if seq.swapped:
             pairs = self.kv.swap_in(seq.seq_id, seq.kv_rows(prop.end), extra)
@@ -243,7 +293,7 @@ class Scheduler:
         start, end = seq.num_computed, prop.end
         layout = seq.layout
         return ScheduledSeq(
-            seq_id=seq.seq_id, start=start, token_ids=tuple(seq.tokens[start:end]),
+            seq_id=seq.seq_id, start=start, token_ids=tuple(seq.tokens[start:end]) + prop.draft,
             block_table=tuple(self.kv.block_table(seq.seq_id)),
             sample=(seq.samples or seq.peek) and end == len(seq.tokens),
             params=seq.params, history=seq.tokens, num_prompt=seq.num_prompt_tokens,
@@ -251,7 +301,7 @@ class Scheduler:
             read=seq.read if start >= seq.read_from else None,
             write=seq.write if seq.compresses else None,
             rows=layout.rows if layout is not None else -1,
-            write_row=layout.row(start) if layout is not None else -1, observe=seq.observe)
+            write_row=layout.row(start) if layout is not None else -1, observe=seq.observe, draft=prop.draft)
 
     def _enter_layout(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> None:
         """The write policy's point is reached: from now on the sequence holds its layout's
@@ -278,7 +328,8 @@ class Scheduler:
                 continue
             if item.start < seq.computable <= item.start + item.num_tokens and not seq.num_output:
                 seq.event("kv_resident")  # every token that has arrived now has KV
-            seq.num_computed = item.start + item.num_tokens
+            emitted = self._verified(seq, item, output)
+            seq.num_computed = item.start + item.num_tokens - len(item.draft) + max(0, len(emitted) - 1)
             read = output.reads.get(item.seq_id)
             if read is not None:
                 seq.reads = seq.reads or ReadCount()
@@ -287,15 +338,30 @@ class Scheduler:
                 self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)
             if seq.write is not None and seq.layout is None and seq.num_computed == seq.write_point:
                 self._enter_layout(seq, item, output)
-            token = output.tokens.get(item.seq_id)
-            if not item.sample or token is None:
+            if not item.sample or not emitted:
                 continue
             if not seq.samples:  # a peeking stream: keep the distribution, append nothing
                 seq.peeked = output.logprobs.get(item.seq_id)
                 continue
-            seq.tokens.append(token)
-            reason = seq.stop_reason_after(token)
-            if reason is not None:
-                self.finish(seq.seq_id, reason)
-            events.append((seq, token))
+            for token in emitted:
+                seq.tokens.append(token)
+                events.append((seq, token))
+                reason = seq.stop_reason_after(token)
+                if reason is not None:
+                    self.finish(seq.seq_id, reason)
+                    break
         return events
+
+    def _verified(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> tuple[int, ...]:
+        """The tokens ``item`` emitted: its speculated ones (counted), or its one sample."""
+        if not item.draft:
+            token = output.tokens.get(item.seq_id)
+            return () if token is None else (token,)
+        emitted = output.drafts[item.seq_id]
+        accepted = len(emitted) - 1
+        st = self.spec_stats
+        st.steps, st.proposed, st.accepted = st.steps + 1, st.proposed + len(item.draft), st.accepted + accepted
+        state = self.spec_states.get(seq.seq_id)
+        if state is not None and self.speculator is not None:
+            self.speculator.observe(state, len(item.draft), accepted)
+        return emitted

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Sequence
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import InvalidRequestError
-from streamkv.sampling.params import SamplingParams
+from streamkv.sampling.params import SamplingParams, prompt_seed
 from streamkv.server.errors import APIError
 
 
@@ -63,12 +63,17 @@ def chat_prompt_ids(engine: AsyncEngine, messages: list[dict[str, str]]) -> list
         raise APIError(400, str(exc), param="messages") from None
 
 
-def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n choices: a seeded request gives choice i the seed ``seed + i`` (distinct yet reproducible)."""
-    if params.seed is None or n == 1:
-        return [params] * n
+def per_choice(params: SamplingParams, n: int, state: Any = None, ids: Sequence[int] = ()) -> list[SamplingParams]:
+    """n choices: a seeded request gives choice i the seed ``seed + i`` (distinct yet reproducible).
+    With ``--seed-from-prompt`` an unseeded sampled request's seed is FNV-1a(``ids``) (the engine
+    does that for n = 1; for n > 1 it is set here, so the choices still differ)."""
     from dataclasses import replace
 
+    if (n > 1 and params.seed is None and not params.greedy and state is not None
+            and state.engine.engine.config.cache.seed_from_prompt):
+        params = replace(params, seed=prompt_seed(ids))
+    if params.seed is None or n == 1:
+        return [params] * n
     return [replace(params, seed=(params.seed + i) % (2 ** 64)) for i in range(n)]
 
 

@@ -89,6 +89,7 @@ class _EngineCounters:
                                    labels=["policy", "max_wait_s"])
         policy.add_metric([e.scheduler.policy.name, str(e.scheduler.policy.max_wait_s)], 1)
         yield policy
+        yield from _scheduler_metrics(e.scheduler)
         yield CounterMetricFamily("streamkv_flash_hits", "session queries answered from the flash cache",
                                   value=e.sessions.flash.hits.value)
         yield from _span_metrics(e.spans)
@@ -111,6 +112,35 @@ def _kv_policy_metrics(t: Any) -> Any:
             ("recall_samples", "sampled layer-steps measuring the exact attention mass kept", t.reads.recall_n),
             ("recall_sum", "sum of those samples' kept share (divide by recall_samples)", t.reads.recall_sum)]:
         yield CounterMetricFamily(f"streamkv_kv_policy_{name}", doc, value=value)
+
+
+def _scheduler_metrics(scheduler: Any) -> Any:
+    """Prefill chunking, and prompt-lookup speculation (``sched/speculation.py``): drafts and
+    the current cap."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    chunk = GaugeMetricFamily("streamkv_prefill_chunk_tokens", "prompt rows per sequence in the latest step "
+                              "(adaptive: budget / sequences prefilling, clamped)", labels=["chunking"])
+    chunk.add_metric([scheduler.config.chunking], scheduler.chunk)
+    yield chunk
+    adm = scheduler.admission
+    yield CounterMetricFamily("streamkv_admission_deferred_requests", "(request, step) pairs a new request waited "
+                              "for the cell budget", value=adm.stats.deferred_requests if adm else 0)
+    yield CounterMetricFamily("streamkv_admission_deferred_chunks", "prompt chunks held back above the high-water "
+                              "mark", value=adm.stats.deferred_chunks if adm else 0)
+    yield GaugeMetricFamily("streamkv_admission_charged_tokens", "projected KV tokens of admitted sequences "
+                            "(cell budget)", value=adm.stats.charged_tokens if adm else 0)
+
+    st = scheduler.spec_stats
+    name = scheduler.speculator.name if scheduler.speculator is not None else "none"
+    for key, value, doc in (("steps", st.steps, "sequence-steps that verified drafts"),
+                            ("drafts_proposed", st.proposed, "draft tokens verified"),
+                            ("drafts_accepted", st.accepted, "draft tokens accepted (emitted)")):
+        yield CounterMetricFamily(f"streamkv_spec_{key}", doc, value=value)
+    cap = GaugeMetricFamily("streamkv_spec_cap", "drafts per sequence the load allowed in the latest step",
+                            labels=["speculation"])
+    cap.add_metric([name], st.cap)
+    yield cap
 
 
 def _span_metrics(spans: Any) -> Any:

@@ -93,9 +93,8 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     base = make_params(max_tokens=resolve_max_tokens(req.max_tokens, max(len(p) for p in prompts), state.limits),
                        logprobs=req.logprobs, guided=guided, **sampling_fields(req))
     await compile_guided(state.engine, guided, field)
-    choice_params = per_choice(base, req.n)
     flat_prompts = [p for p in prompts for _ in range(req.n)]
-    flat_params = choice_params * len(prompts)
+    flat_params = [c for p in prompts for c in per_choice(base, req.n, state, p)]
     kv = kv_options(state, req)
     rid, created = new_id("cmpl"), int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
@@ -202,7 +201,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     base = make_params(max_tokens=resolve_max_tokens(requested, len(ids), state.limits, param),
                        logprobs=logprobs, guided=guided, **sampling_fields(req))
     await compile_guided(state.engine, guided, field)
-    params = per_choice(base, req.n)
+    params = per_choice(base, req.n, state, ids)
     kv = kv_options(state, req)
     rid, created = new_id("chatcmpl"), int(time.time())
     head = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}

@@ -1,0 +1,82 @@
+"""Admission control: when a new prefill may start, and when a prompt chunk waits.
+
+``cell-budget`` (the Attention Once design): every admitted sequence is charged its
+projected size, ``min(prompt + max_tokens, max_len)`` tokens of KV ("cells"). A new
+request is admitted only while the charges stay under ``ceiling`` x the pool; the rest of
+the pool is reserved for cached prefixes and session state. Above ``high_water`` pool
+occupancy, running sequences' prompt chunks wait step by step (decodes go on, and the
+highest-ranked prompt keeps one chunk per step, so nothing stalls). Requests are
+never rejected for this, only delayed; pinned streams (sessions, span queries) are exempt::
+
+    pool tokens  |====== charged (admitted) ======|---- free for new ----|== reserve ==|
+                 0                                      ceiling x pool              pool
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from streamkv.kv.block_pool import BlockPool
+from streamkv.sched.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class AdmissionStats:
+    deferred_requests: int = 0  # (request, step) pairs a new request waited for the cell budget
+    deferred_chunks: int = 0    # prompt chunks held back above the high-water mark
+    charged_tokens: int = 0     # projected tokens of admitted sequences, latest step
+
+
+def projected_tokens(seq: Sequence) -> int:
+    """The KV a sequence may come to hold: its prompt plus every token it may generate."""
+    return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len)
+
+
+class CellBudget:
+    """Per step: :meth:`begin` charges the admitted sequences, then :meth:`admits` and
+    :meth:`holds_chunk` answer for each ranked sequence in phase 1."""
+
+    name = "cell-budget"
+
+    def __init__(self, pool: BlockPool, ceiling: float, high_water: float) -> None:
+        if not 0.0 < ceiling <= 1.0 or not 0.0 < high_water <= 1.0:
+            raise ValueError(f"admission ceiling and high water must be in (0, 1], got {ceiling}, {high_water}")
+        self.pool = pool
+        self.ceiling = ceiling
+        self.high_water = high_water
+        self.stats = AdmissionStats()
+        self._charged = 0
+        self._chunk_passed = False  # a prompt chunk went ahead this step
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.pool.num_blocks * self.pool.block_size
+
+    def begin(self, seqs: Iterable[Sequence]) -> None:
+        self._charged = sum(projected_tokens(s) for s in seqs if not s.pinned and
+                            (s.status is SeqStatus.RUNNING or s.swapped))
+        self.stats.charged_tokens = self._charged
+        self._chunk_passed = False
+
+    def admits(self, seq: Sequence) -> bool:
+        """A waiting request may start now (charged if so). The first one always may, so a
+        request larger than the ceiling still runs, alone."""
+        if seq.pinned:
+            return True
+        cost = projected_tokens(seq)
+        if self._charged and self._charged + cost > self.ceiling * self.pool_tokens:
+            self.stats.deferred_requests += 1
+            return False
+        self._charged += cost
+        return True
+
+    def holds_chunk(self, seq: Sequence) -> bool:
+        """A running sequence's next prompt chunk waits: the pool is above the high-water mark.
+        The highest-ranked prompt still moves (one chunk per step), so a step never stalls."""
+        if seq.pinned or seq.status is not SeqStatus.RUNNING or seq.computable - seq.num_computed <= 1:
+            return False
+        if self.pool.num_used <= self.high_water * self.pool.num_blocks or not self._chunk_passed:
+            self._chunk_passed = True
+            return False
+        self.stats.deferred_chunks += 1
+        return True
