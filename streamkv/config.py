@@ -108,7 +108,7 @@ class SchedulerConfig:
     spec_max_draft: int = field(default=4, metadata={"unit": "TOKENS", "help": "most draft tokens per sequence and step"})
     spec_ngram_max: int = field(default=5, metadata={"unit": "TOKENS", "help": "longest n-gram looked up"})
     spec_ngram_min: int = field(default=2, metadata={"unit": "TOKENS", "help": "shortest n-gram looked up"})
-    spec_draft_budget: int = field(default=8, metadata={"unit": "TOKENS", "help": (
+    spec_draft_budget: int = field(default=6, metadata={"unit": "TOKENS", "help": (
         "draft tokens per step shared by the decoding sequences: each drafts at most "
         "budget / decoders (so none past budget decoders)")})
     spec_min_acceptance: float = field(default=0.3, metadata={"unit": "FRACTION", "help": (

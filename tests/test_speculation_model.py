@@ -57,3 +57,24 @@ def test_a_repetitive_prompt_takes_fewer_steps(pair):
         steps.append(llm.engine.stats.steps - s0)
     assert len(out.token_ids) == 64
     assert steps[1] < 0.7 * steps[0], steps
+
+
+def test_session_queries_and_flash_answers_are_unchanged(pair):
+    """A session question is a fork of the session's stream: it may draft from the records it
+    reads (they are in its tokens), and its answer is still plain decoding's."""
+    records = [f'{{"t": "10:{i:02d}", "sensor": "s{i % 3}", "temp": {20 + i * 0.5}}}' for i in range(12)]
+    answers = []
+    for llm in pair:
+        s = llm.session("You read sensor records.", retention_tokens=2000)
+        s.register_flash("List the sensors of the last two records.", max_tokens=32)
+        s.push(records)
+        s.ingest()
+        for _ in range(500):  # the flash evaluation of the new version runs in the next steps
+            if s.flash_answers():
+                break
+            llm.engine.step()
+        got = [s.query(q, max_tokens=48) for q in ("Repeat the last three records exactly.",
+                                                    "List the sensors of the last two records.")]
+        assert got[1].source == "flash"
+        answers.append([a.answer for a in got])
+    assert answers[0] == answers[1]

@@ -32,7 +32,7 @@ class SpecState:
 
     index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> where its continuation starts
     indexed: int = 0   # n-grams ending before this position are in ``index``
-    rate: float = 1.0  # EMA of accepted / proposed drafts
+    rate: float = 0.5  # EMA of accepted / proposed drafts (a neutral prior: two misses stop it)
     idle_steps: int = 0  # steps since its last draft (a cooled-down sequence probes again)
 
 
@@ -78,7 +78,7 @@ class PromptLookup(Speculator):
     max_draft: int = 4
     ngram_max: int = 5
     ngram_min: int = 2
-    draft_budget: int = 8
+    draft_budget: int = 6
     min_acceptance: float = 0.3
     ema: float = 0.3
     probe_every: int = 16
