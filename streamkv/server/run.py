@@ -45,7 +45,18 @@ def banner(engine: Engine, model_name: str, config: ServerConfig) -> str:
     return (f"streamkv serving {model_name} at http://{config.host}:{config.port}\n"
             f"  dtype {dtype}, numerics {engine.config.runtime.numerics}, decode weights {b.decode_weights}, "
             f"context {b.max_model_len} tokens, KV pool {engine.pool.num_blocks} blocks of {engine.kv.block_size}\n"
-            f"  kernels: {b.kernels.describe()}")
+            f"  kernels: {b.kernels.describe()}\n"
+            f"  scheduling: {_scheduling(engine)}")
+
+
+def _scheduling(engine: Engine) -> str:
+    """The scheduler policies in force (speculation resolved from ``auto``)."""
+    sched, cfg = engine.scheduler, engine.config.scheduler
+    spec = sched.speculator
+    spec_text = (f"speculation {spec.name} (draft budget {cfg.spec_draft_budget}, up to {cfg.spec_max_draft} each)"
+                 if spec is not None else "speculation none")
+    return (f"{spec_text}, chunking {cfg.chunking}, admission {cfg.admission}, "
+            f"queue {cfg.queue_policy}, preemption {cfg.preemption}")
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
