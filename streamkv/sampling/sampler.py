@@ -7,6 +7,7 @@ whatever else shares its batch.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -70,23 +71,18 @@ class Sampler:
     def verify(self, logits: torch.Tensor, item: ScheduledSeq) -> tuple[int, ...]:
         """logits [d+1, V] float32 at a speculating chunk's last d+1 rows -> emitted tokens.
 
-        Row i is sampled exactly as a decode step at that position would sample it (argmax,
-        or the sequence's generator: one draw per emitted token, drawn only as far as tokens
-        are emitted), and draft i is accepted iff it equals that sample. So the emitted tokens
-        are the ones non-speculative decoding emits, greedy or seeded; a draft ``x`` is
-        accepted with probability p(x), as under the standard rejection rule for a
-        deterministic draft.
+        Row i goes through exactly what a decode step at that position does (this sampler on
+        one row whose history holds the tokens emitted before it: its structured-output
+        matcher, its generator, one draw per emitted token), and draft i is accepted iff it
+        equals that row's token. So the emitted tokens are the ones non-speculative decoding
+        emits, greedy, seeded or guided; a draft ``x`` is accepted with probability p(x), as
+        under the standard rejection rule for a deterministic draft.
         """
         draft = item.draft
-        greedy = item.params.greedy
-        probs = None if greedy else filtered_probs(logits, [item] * logits.shape[0])
         out: list[int] = []
         for i in range(logits.shape[0]):
-            if greedy:
-                tok = int(logits[i].argmax())
-            else:
-                noise = torch.empty_like(probs[i]).exponential_(generator=self._generator(item))  # type: ignore[index]
-                tok = int((probs[i] / noise).argmax())  # type: ignore[index]
+            row = replace(item, history=(*item.history, *out), draft=())
+            tok = self(logits[i:i + 1], [row])[0][0]
             out.append(tok)
             if i == len(draft) or tok != draft[i]:
                 break

@@ -147,10 +147,11 @@ def make_speculator(name: str, **params: object) -> Speculator | None:
 
 
 def speculable(seq: Sequence) -> bool:
-    """A decoding sequence whose next tokens may be drafted: plain sampling (no penalties,
-    logprobs, structured output or banned stop ids), no KV policy, not a stream."""
+    """A decoding sequence whose next tokens may be drafted: sampling without penalties,
+    logprobs or banned stop ids (structured outputs may: ``Sampler.verify`` runs each row
+    through the row's matcher), no KV policy, not a stream."""
     p = seq.params
     return (seq.status is SeqStatus.RUNNING and seq.samples and not seq.partial and not seq.swapped
             and seq.remaining == 1 and seq.layout is None and seq.write is None and seq.read is None
-            and not seq.observe and not seq.keep_kv and p.logprobs is None and p.guided is None
+            and not seq.observe and not seq.keep_kv and p.logprobs is None
             and not p.needs_penalties and seq.num_output >= p.min_tokens)
