@@ -166,3 +166,16 @@ def _measure(eng, wl: dict, result: dict) -> None:
     _phase(result, "prefill", lambda: run_prefill(eng, wl))
     _phase(result, "decode", lambda: run_decode(eng, wl))
     _phase(result, "concurrent", lambda: run_concurrent(eng, wl))
+
+
+def best_decode_rate(run, max_tokens: int, repeats: int) -> dict:
+    """Batch-1 decode tokens/s of a peer's ``run(n) -> (seconds, tokens)`` (one request of at
+    most n tokens): a warm-up, then the best of ``repeats`` of (tokens - 1) / (time - the time
+    of a 1-token run), as ``benchmarks/speculation.py`` measures streamkv."""
+    run(max_tokens)  # warm-up (and the peer's prompt cache)
+    best, tokens = 0.0, 0
+    for _ in range(repeats):
+        ttft, _ = run(1)
+        wall, tokens = run(max_tokens)
+        best = max(best, (tokens - 1) / max(1e-9, wall - ttft))
+    return {"tokens": tokens, "tok_s": best}

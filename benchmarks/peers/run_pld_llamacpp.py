@@ -9,6 +9,8 @@ import json
 import sys
 import time
 
+import harness
+
 
 def main() -> None:
     wl_path, out_path, mode = sys.argv[1:4]
@@ -30,13 +32,7 @@ def main() -> None:
             out = llm.create_completion(prompt=ids, max_tokens=n, temperature=0.0, top_k=1)
             return time.perf_counter() - t0, out["usage"]["completion_tokens"]
 
-        run(wl["max_tokens"])  # warm-up
-        best, tokens = 0.0, 0
-        for _ in range(wl["repeats"]):
-            ttft, _ = run(1)
-            wall, tokens = run(wl["max_tokens"])
-            best = max(best, (tokens - 1) / max(1e-9, wall - ttft))
-        rows.append({"tokens": tokens, "tok_s": best})
+        rows.append(harness.best_decode_rate(run, wl["max_tokens"], wl["repeats"]))
     json.dump({"mode": mode, "rows": rows, "info": {"llama_cpp_python": llama_cpp.__version__,
                                                     "draft": "LlamaPromptLookupDecoding" if mode == "spec" else None}},
               open(out_path, "w"))

@@ -9,6 +9,8 @@ import json
 import sys
 import time
 
+import harness
+
 
 def main() -> None:
     wl_path, out_path, mode = sys.argv[1:4]
@@ -33,13 +35,7 @@ def main() -> None:
                                SamplingParams(max_tokens=n, temperature=0.0), use_tqdm=False)
             return time.perf_counter() - t0, len(out[0].outputs[0].token_ids)
 
-        run(wl["max_tokens"])  # warm-up (and the prefix cache)
-        best, tokens = 0.0, 0
-        for _ in range(wl["repeats"]):
-            ttft, _ = run(1)
-            wall, tokens = run(wl["max_tokens"])
-            best = max(best, (tokens - 1) / max(1e-9, wall - ttft))
-        rows.append({"tokens": tokens, "tok_s": best})
+        rows.append(harness.best_decode_rate(run, wl["max_tokens"], wl["repeats"]))
     json.dump({"mode": mode, "rows": rows, "info": {"vllm": vllm.__version__, **{k: v for k, v in kw.items()
                                                                                  if k not in ("model", "tokenizer")}}},
               open(out_path, "w"))
