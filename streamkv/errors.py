@@ -51,3 +51,12 @@ class InputStreamNotFoundError(StreamKVError, KeyError):
 
 class InputStreamClosedError(StreamKVError):
     """The streaming-input request's input is finished (or it was aborted): no more changes."""
+
+
+def check_unicode(text: str, what: str = "text") -> None:
+    """InvalidRequestError if ``text`` is not valid Unicode (JSON can carry lone surrogates, e.g.
+    ``"\\ud800"``, which no tokenizer or grammar can take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{what} is not valid Unicode: a lone surrogate at character {exc.start}") from None

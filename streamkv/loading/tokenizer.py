@@ -12,18 +12,9 @@ from typing import Any
 import jinja2
 import tokenizers
 
-from streamkv.errors import InvalidRequestError
+from streamkv.errors import InvalidRequestError, check_unicode
 from streamkv.loading import chat_template
 
-
-
-def check_unicode(text: str, what: str = "text") -> None:
-    """InvalidRequestError if ``text`` is not valid Unicode (JSON can carry lone surrogates, e.g.
-    ``"\\ud800"``, which no tokenizer or grammar can take)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"{what} is not valid Unicode: a lone surrogate at character {exc.start}") from None
 
 class Tokenizer:
     """Encode/decode text, expose exact token bytes and render the chat template.

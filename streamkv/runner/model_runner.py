@@ -95,7 +95,12 @@ class ModelRunner:
             tokens, logprobs = self.sampler(logits, sample_items)
             out.tokens = {item.seq_id: tok for item, tok in zip(sample_items, tokens)}
             out.logprobs = logprobs
-        for item, row in spec:
-            logits = self.model.compute_logits(hidden[row:row + len(item.draft) + 1], DENSE)
-            out.drafts[item.seq_id] = self.sampler.verify(logits, item)
+        if spec:  # one LM-head pass over every speculating row (invariant numerics: row by row alike)
+            rows = torch.cat([torch.arange(row, row + len(item.draft) + 1) for item, row in spec])
+            logits = self.model.compute_logits(hidden.index_select(0, rows.to(self.device)), DENSE)
+            at = 0
+            for item, _ in spec:
+                n = len(item.draft) + 1
+                out.drafts[item.seq_id] = self.sampler.verify(logits[at:at + n], item)
+                at += n
         return out

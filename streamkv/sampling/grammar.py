@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from threading import Lock
 from typing import Any, Protocol
 
-from streamkv.errors import InvalidRequestError
+from streamkv.errors import InvalidRequestError, check_unicode
 
 KINDS = ("json", "regex", "choice", "grammar", "tool_call")
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
@@ -52,11 +52,7 @@ class GuidedSpec:
             raise InvalidRequestError(f"the {self.kind} constraint must be a string of at most {MAX_SPEC_CHARS} characters")
         if self.kind in ("regex", "grammar", "choice", "tool_call") and not self.value:
             raise InvalidRequestError(f"the {self.kind} constraint is empty")
-        try:
-            self.value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequestError(f"the {self.kind} constraint is not valid Unicode: a lone surrogate at "
-                                      f"character {exc.start}") from None
+        check_unicode(self.value, f"the {self.kind} constraint")
 
     @classmethod
     def json_schema(cls, schema: Any) -> GuidedSpec:
