@@ -101,6 +101,11 @@ class SchedulerConfig:
                 "budget (or --max-chunk-tokens), first come first served"})
     chunk_min_tokens: int = field(default=128, metadata={"unit": "TOKENS", "help": "adaptive chunking's lower bound"})
     chunk_max_tokens: int = field(default=1024, metadata={"unit": "TOKENS", "help": "adaptive chunking's upper bound"})
+    grouped_prefill: bool = field(default=True, metadata={
+        "help": "waiting requests whose prompts share full blocks past the prefix-cache match point with a "
+                "prefilling request ranked above them (hash of the next 8 tokens, then verified) wait for it "
+                "to compute those blocks and alias them as a prefix hit instead of computing them too "
+                "(needs prefix caching; outputs unchanged)"})
     speculation: str = field(default="auto", metadata={
         "help": "auto | pld | none: prompt-lookup speculative decoding (drafts from the sequence's own earlier "
                 "tokens, verified in one chunk; output identical to plain decoding; needs numerics=invariant); "

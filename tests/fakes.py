@@ -219,7 +219,8 @@ class SlotFakeRunner(FakeRunner):
 def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_model_len: int = 512,
                 chunk: int | None = None, queue_policy: str = "fcfs", max_wait_s: float | None = None,
                 swap_blocks: int = 0, preemption: str = "recompute", speculation: str = "auto",
-                repeat: int | None = None, **inputs: object) -> tuple[Engine, SlotFakeRunner]:
+                repeat: int | None = None, grouped_prefill: bool = True,
+                **inputs: object) -> tuple[Engine, SlotFakeRunner]:
     """An engine on a :class:`SlotFakeRunner` (swap space in blocks: ``swap_blocks``)."""
     from streamkv.config import InputStreamConfig
 
@@ -228,7 +229,7 @@ def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=chunk,
                                                     queue_policy=queue_policy, max_wait_s=max_wait_s,
                                                     preemption=preemption, speculation=speculation,
-                                                    spec_ngram_min=1),
+                                                    spec_ngram_min=1, grouped_prefill=grouped_prefill),
                           inputs=InputStreamConfig(**inputs))  # type: ignore[arg-type]
     runner = SlotFakeRunner(block_size, num_blocks)
     runner.repeat = repeat

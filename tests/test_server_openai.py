@@ -55,6 +55,8 @@ def test_chat_plain_and_stream_agree(client, model):
     assert text == plain.choices[0].message.content
     assert finishes == [plain.choices[0].finish_reason]
     assert usage.completion_tokens == plain.usage.completion_tokens
+    # the second time, the prompt's full blocks came from the prefix cache (OpenAI's usage field)
+    assert usage.prompt_tokens_details.cached_tokens >= 16, usage
 
 
 def test_completions_n2_logprobs(client, model):

@@ -16,6 +16,7 @@ from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadCount
 from streamkv.sched.admission import CellBudget
+from streamkv.sched.grouping import PrefillGroups
 from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
 from streamkv.sched.preemption import PreemptionPolicy, Recompute
@@ -55,6 +56,8 @@ class Scheduler:
         self.chunk = config.chunk_cap  # the per-sequence prefill chunk of the latest step
         self.admission = (CellBudget(kv.pool, config.admission_ceiling, config.admission_high_water)
                           if config.admission == "cell-budget" else None)
+        self.groups = (PrefillGroups(kv) if config.grouped_prefill and kv.pool.enable_prefix_caching
+                       else None)
 
     # ------------------------------------------------------------- bookkeeping
     def add(self, seq: Sequence) -> None:
@@ -127,6 +130,8 @@ class Scheduler:
         blocked = False  # a waiting sequence that cannot fit: only pinned ones may pass it
         reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
         out: list[_Proposal] = []
+        followers, hits = self.groups.plan(ranked) if self.groups is not None else (set(), {})
+        ranked = [s for s in ranked if s.seq_id not in followers]  # they wait for a leader's blocks
         spec_cap = self._spec_cap(ranked)
         self.chunk = chunk = self.config.chunk_for(sum(1 for s in ranked if s.computable - s.num_computed > 1))
         crowded = spec_cap and any(s.status is SeqStatus.WAITING for s in ranked)
@@ -145,7 +150,7 @@ class Scheduler:
             computed = seq.num_computed
             limit = seq.chunk_limit(computed)
             if seq.status is SeqStatus.WAITING and not seq.swapped:
-                hit = self.kv.match_prefix(seq.match_tokens, seq.cache_key)
+                hit = hits.get(seq.seq_id) or self.kv.match_prefix(seq.match_tokens, seq.cache_key)
                 computed = hit.num_tokens(self.kv.block_size)
                 limit = seq.chunk_limit(computed)
                 end = min(target, computed + budget, computed + limit if limit is not None else target)
@@ -257,6 +262,8 @@ class Scheduler:
             raise RuntimeError("admission cost check and allocation disagree")
         seq.num_computed = computed
         seq.num_cached_tokens = max(seq.num_cached_tokens, computed)
+        if self.groups is not None:
+            self.groups.admitted(seq, computed)
         seq.status = SeqStatus.RUNNING
         seq.event("scheduled")
         return True

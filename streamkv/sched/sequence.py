@@ -87,6 +87,9 @@ class Sequence:
     swapped: bool = False  # preempted by swap: its computed rows wait in host blocks
     tokens_invalidated: int = 0  # computed rows dropped by input changes (LCP invalidation)
     last_input: float = -1.0
+    # Grouped prefill (``sched/grouping.py``): the match point at which this request started
+    # waiting for a leader's shared blocks (-1: not waiting for one).
+    grouped_from: int = -1
     # Telemetry of a request: ``(event, perf_counter time)`` in order (queued, scheduled,
     # kv_resident, ...); None (long-lived session streams) records nothing.
     events: list[tuple[str, float]] | None = None

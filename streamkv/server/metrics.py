@@ -115,8 +115,8 @@ def _kv_policy_metrics(t: Any) -> Any:
 
 
 def _scheduler_metrics(scheduler: Any) -> Any:
-    """Prefill chunking, and prompt-lookup speculation (``sched/speculation.py``): drafts and
-    the current cap."""
+    """Prefill chunking, admission, grouped prefill, and prompt-lookup speculation
+    (``sched/speculation.py``): drafts and the current cap."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     chunk = GaugeMetricFamily("streamkv_prefill_chunk_tokens", "prompt rows per sequence in the latest step "
@@ -130,6 +130,12 @@ def _scheduler_metrics(scheduler: Any) -> Any:
                               "mark", value=adm.stats.deferred_chunks if adm else 0)
     yield GaugeMetricFamily("streamkv_admission_charged_tokens", "projected KV tokens of admitted sequences "
                             "(cell budget)", value=adm.stats.charged_tokens if adm else 0)
+    grp = scheduler.groups.stats if scheduler.groups is not None else None
+    for key, attr, doc in (("followers", "followers", "requests admitted after waiting for a leader's shared blocks"),
+                           ("deferred_steps", "deferred_steps", "(follower, step) pairs spent waiting for a leader"),
+                           ("tokens_saved", "tokens_saved", "prompt tokens followers aliased from their leaders "
+                                                            "instead of computing them")):
+        yield CounterMetricFamily(f"streamkv_grouped_prefill_{key}", doc, value=getattr(grp, attr) if grp else 0)
 
     st = scheduler.spec_stats
     name = scheduler.speculator.name if scheduler.speculator is not None else "none"

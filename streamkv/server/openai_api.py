@@ -25,9 +25,23 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI usage; ``cached``: prompt tokens whose KV came from the prefix cache
+    (``prompt_tokens_details.cached_tokens``)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def cached_prompt_tokens(cached: dict[int, int], n: int) -> int:
+    """Prefix-cache tokens of the prompts behind choice indexes ``i`` (prompt ``i // n``): per
+    prompt, the fewest any of its ``n`` choices had (a prompt is counted once in usage)."""
+    per_prompt: dict[int, int] = {}
+    for i, c in cached.items():
+        per_prompt[i // n] = min(c, per_prompt.get(i // n, c))
+    return sum(per_prompt.values())
 
 
 def _cache_mark(outs: list[Any]) -> dict[str, Any]:
@@ -102,7 +116,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         outputs = stream_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
         return stream_sse(completion_chunks(state, request, head, outputs, include_usage,
-                                            sum(len(p) for p in prompts)))
+                                            sum(len(p) for p in prompts), req.n))
     outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
     choices = []
     for i, out in enumerate(outs):
@@ -110,15 +124,17 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         state.observe(out, request)
         choices.append({"index": i, "text": out.text, "logprobs": completion_logprobs(out.logprobs, state.tokenizer),
                         "finish_reason": finish_reason(out)})
-    totals = usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs))
+    totals = usage(sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outs),
+                   cached_prompt_tokens({i: o.num_cached_tokens for i, o in enumerate(outs)}, req.n))
     return {**head, "choices": choices, "usage": totals, **_cache_mark(outs), **kv_extension(outs)}
 
 
 async def completion_chunks(state: ServerState, request: Request, head: dict[str, Any],
                             outputs: AsyncIterator[tuple[int, Any]], include_usage: bool,
-                            prompt_tokens: int) -> AsyncIterator[str]:
-    """SSE ``text_completion`` chunks of ``(choice index, output)`` pairs."""
+                            prompt_tokens: int, n: int = 1) -> AsyncIterator[str]:
+    """SSE ``text_completion`` chunks of ``(choice index, output)`` pairs (``n`` choices per prompt)."""
     completion_tokens = 0
+    cached: dict[int, int] = {}
     sent: dict[int, int] = {}
     async for i, out in outputs:
         check_output(out)
@@ -134,11 +150,13 @@ async def completion_chunks(state: ServerState, request: Request, head: dict[str
             chunk["usage"] = None
         if out.finished:
             completion_tokens += len(out.token_ids)
+            cached[i] = out.num_cached_tokens
             state.observe(out, request)
             chunk.update(kv_extension([out]))
         yield _sse(chunk)
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens,
+                                                          cached_prompt_tokens(cached, n))})
 
 
 # ------------------------------------------------------------- chat completions
@@ -219,7 +237,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         choices.append({"index": i, "message": message,
                         "logprobs": chat_logprobs(out.logprobs, state.tokenizer) if out.logprobs is not None else None,
                         "finish_reason": reason})
-    return {**head, "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for o in outs)),
+    cached = cached_prompt_tokens({i: o.num_cached_tokens for i, o in enumerate(outs)}, req.n)
+    return {**head, "choices": choices, "usage": usage(len(ids), sum(len(o.token_ids) for o in outs), cached),
             **_cache_mark(outs), **kv_extension(outs)}
 
 
@@ -234,6 +253,7 @@ async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any]
         yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra})
     completion_tokens = 0
+    cached: dict[int, int] = {}
     sent: dict[int, int] = {}
     sent_text: dict[int, int] = {}  # characters of each choice's text sent as content (tools)
     async for i, out in outputs:
@@ -252,9 +272,11 @@ async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any]
                     **(kv_extension([out]) if out.finished else {})})
         if out.finished:
             completion_tokens += len(out.token_ids)
+            cached[i] = out.num_cached_tokens
             state.observe(out, request)
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens,
+                                                          cached_prompt_tokens(cached, n))})
 
 
 def _tool_delta(out: Any, tools: list[Any], sent_text: dict[int, int], i: int) -> tuple[dict[str, Any], str | None]:

@@ -55,7 +55,8 @@ def _scheduling(engine: Engine) -> str:
     spec = sched.speculator
     spec_text = (f"speculation {spec.name} (draft budget {cfg.spec_draft_budget}, up to {cfg.spec_max_draft} each)"
                  if spec is not None else "speculation none")
-    return (f"{spec_text}, chunking {cfg.chunking}, admission {cfg.admission}, "
+    grouped = "on" if sched.groups is not None else "off"
+    return (f"{spec_text}, chunking {cfg.chunking}, admission {cfg.admission}, grouped prefill {grouped}, "
             f"queue {cfg.queue_policy}, preemption {cfg.preemption}")
 
 

@@ -1,0 +1,223 @@
+"""Multi-tenant continuous batching (issue 16): live sessions and stateless traffic on one
+server, everything on, then each scheduler mechanism off in turn.
+
+    .venv/bin/python benchmarks/multitenant.py                 # ~25 min on 2 cores
+    .venv/bin/python benchmarks/multitenant.py --quick         # ~8 min: 8 sessions, shorter phases
+
+Workload (``multitenant_load.py``):
+- ``--sessions`` live sessions (default 32), contexts spread evenly from ``--ctx-min`` to
+  ``--ctx-max`` tokens (500..6,000), each ingesting one market bar every ``--record-every`` s and
+  asked a question every ``--question-every`` s (answers of ``--answer-tokens`` tokens, greedy);
+- stateless ``/v1/chat/completions`` traffic (streaming, greedy, EOS ignored) at each rate of
+  ``--rates`` req/s: arrival gaps, prompt and output lengths from the Azure 2023 conversation
+  trace (lengths x 0.25), 30% of requests carrying one ~600-token system prompt with 6 tool schemas.
+
+Measured per phase: session-query round trip p50/p99, stateless TTFT and TPOT p50/p99, decode
+stalls (the longest gap between two streamed chunks of one request, against the median gap,
+which stands for the median step), output chunks/s. Then a burst: ``--burst`` requests with one
+fresh (cold) tool system prompt sent at once; the prompt tokens they computed (prompt - cached,
+from ``usage.prompt_tokens_details``).
+
+Configurations: ``all-on`` (cell-budget admission, adaptive chunks, grouped prefill, PLD) runs
+every rate; each ablation turns one mechanism off and runs the idle phase and the highest rate
+``all-on`` sustained (stateless TTFT p99 <= ``--ttft-slo`` and no errors), so each row compares
+to ``all-on`` at the same load. Results: ``benchmarks/results/multitenant-*.json`` and a plot of
+session p99 against stateless load.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import multitenant_load as load  # noqa: E402
+from common import RESULTS, fmt, machine_info, md_table, write_json  # noqa: E402
+from flash_server import Api, Server, free_port  # noqa: E402
+
+CONFIGS = {
+    "all-on": ["--admission", "cell-budget", "--chunking", "adaptive", "--grouped-prefill", "--speculation", "pld"],
+    "no-admission": ["--admission", "none", "--chunking", "adaptive", "--grouped-prefill", "--speculation", "pld"],
+    "static-chunks": ["--admission", "cell-budget", "--chunking", "static", "--grouped-prefill", "--speculation",
+                      "pld"],
+    "no-grouping": ["--admission", "cell-budget", "--chunking", "adaptive", "--no-grouped-prefill", "--speculation",
+                    "pld"],
+    "no-speculation": ["--admission", "cell-budget", "--chunking", "adaptive", "--grouped-prefill", "--speculation",
+                       "none"],
+}
+COUNTERS = ["streamkv_admission_deferred_requests_total", "streamkv_admission_deferred_chunks_total",
+            "streamkv_grouped_prefill_tokens_saved_total", "streamkv_grouped_prefill_followers_total",
+            "streamkv_spec_drafts_proposed_total", "streamkv_spec_drafts_accepted_total",
+            "streamkv_engine_steps_total", "streamkv_engine_busy_seconds_total"]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--ctx-min", type=int, default=500)
+    ap.add_argument("--ctx-max", type=int, default=6000)
+    ap.add_argument("--record-every", type=float, default=4.0)
+    ap.add_argument("--question-every", type=float, default=8.0)
+    ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--rates", default="0,0.5,1,2,4", help="stateless req/s per phase; 0 = sessions alone (idle)")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds per phase")
+    ap.add_argument("--shared-share", type=float, default=0.3)
+    ap.add_argument("--burst", type=int, default=8)
+    ap.add_argument("--ttft-slo", type=float, default=5.0)
+    ap.add_argument("--kv-cache-memory", default=str(4 << 30))
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="8 sessions of 500..3,000 tokens, 30 s phases, rates 0,1,4")
+    args = ap.parse_args()
+    if args.quick:
+        args.sessions, args.ctx_max, args.duration, args.rates = 8, 3000, 30.0, "0,1,4"
+    return args
+
+
+def counters(api: Api) -> dict[str, float]:
+    return {k: api.metric(k) or 0.0 for k in COUNTERS}
+
+
+def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
+    """Start a server with ``name``'s flags, fill the sessions, run each phase and the burst."""
+    port = free_port()
+    log = RESULTS / f"multitenant-{name}.log"
+    server = Server(port, ["--kv-cache-memory", args.kv_cache_memory, "--max-waiting", "100000", *CONFIGS[name]], log)
+    api = Api(server.url)
+    try:
+        banner = log.read_text().splitlines()[:4]
+        contexts = [round(args.ctx_min + (args.ctx_max - args.ctx_min) * i / max(1, args.sessions - 1))
+                    for i in range(args.sessions)]
+        t0 = time.perf_counter()
+        sessions = asyncio.run(_create(server.url, contexts, args.seed))
+        api.wait_idle(quiet_s=0.5, timeout=1800)
+        setup_s = time.perf_counter() - t0
+        print(f"[{name}] {len(sessions)} sessions, {sum(contexts):,} context tokens, filled in {setup_s:.0f} s",
+              flush=True)
+        system = load.tool_system_prompt()
+        phases = []
+        for rate in rates:
+            before = counters(api)
+            reqs = load.trace_requests(rate, args.duration, args.seed + int(rate * 100), args.shared_share, system)
+            row = asyncio.run(load.run_phase(server.url, sessions, reqs, args.duration, args.record_every,
+                                             args.question_every, args.answer_tokens))
+            api.wait_idle(quiet_s=0.3, timeout=900)
+            after = counters(api)
+            row.update(rate=rate, **{k.removeprefix("streamkv_").removesuffix("_total"): after[k] - before[k]
+                                      for k in COUNTERS})
+            phases.append(row)
+            print(f"[{name}] rate {rate}: session p50/p99 {row['session_p50_ms']:.0f}/{row['session_p99_ms']:.0f} ms,"
+                  f" TTFT p99 {row['ttft_p99_s']:.2f} s, stall {row['gap_max_ms']:.0f} ms "
+                  f"(median gap {row['gap_median_ms']:.0f} ms), errors {row['errors']}", flush=True)
+        burst = asyncio.run(load.burst(server.url, args.burst, salt=f"[{name} {time.time_ns()}] "))
+        print(f"[{name}] burst of {args.burst}: {burst['computed_tokens']:,} of {burst['prompt_tokens']:,} prompt "
+              f"tokens computed", flush=True)
+        return {"name": name, "flags": CONFIGS[name], "banner": banner, "setup_s": setup_s, "phases": phases,
+                "burst": burst}
+    finally:
+        api.close()
+        server.stop()
+
+
+async def _create(url: str, contexts: list[int], seed: int) -> list[load.LiveSession]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800)) as client:
+        return await load.create_sessions(client, url, contexts, seed)
+
+
+def sustained(phases: list[dict], slo: float) -> float:
+    ok = [p["rate"] for p in phases if p["rate"] > 0 and p["errors"] == 0 and p["ttft_p99_s"] <= slo]
+    return max(ok, default=0.0)
+
+
+def main() -> None:
+    args = parse()
+    rates = [float(r) for r in args.rates.split(",")]
+    names = args.configs.split(",")
+    machine = machine_info()
+    print(f"CPU: {machine['cpu']['model']} ({machine['cores']} cores; {' '.join(machine['cpu']['flags'])})", flush=True)
+    results = {"machine": machine, "args": vars(args), "configs": {}}
+    if "all-on" in names:
+        results["configs"]["all-on"] = run_config("all-on", args, rates)
+        top = sustained(results["configs"]["all-on"]["phases"], args.ttft_slo) or max(rates)
+    else:
+        top = max(rates)
+    results["ablation_rate"] = top
+    for name in names:
+        if name != "all-on":
+            results["configs"][name] = run_config(name, args, sorted({0.0, top}))
+    path = write_json("multitenant", results)
+    print(report(results, args))
+    plot(results, RESULTS / f"{path.stem}.png")
+    print(f"results: {path}")
+
+
+def report(results: dict, args: argparse.Namespace) -> str:
+    m = results["machine"]
+    lines = [f"Machine: {m['cpu']['model']}, {m['cores']} cores ({' '.join(m['cpu']['flags'])}); "
+             f"{args.sessions} sessions of {args.ctx_min}..{args.ctx_max} tokens, {args.duration:.0f} s phases", ""]
+    head = ["config", "stateless req/s", "session p50 ms", "session p99 ms", "TTFT p50 s", "TTFT p99 s",
+            "TPOT p50 ms", "TPOT p99 ms", "worst gap ms", "median gap ms", "gap/median", "chunks/s",
+            "deferred chunks", "drafts acc/prop", "errors"]
+    rows = []
+    for name, c in results["configs"].items():
+        for p in c["phases"]:
+            rows.append([name, fmt(p["rate"], 1), fmt(p["session_p50_ms"]), fmt(p["session_p99_ms"]),
+                         fmt(p["ttft_p50_s"], 2), fmt(p["ttft_p99_s"], 2), fmt(p["tpot_p50_ms"]), fmt(p["tpot_p99_ms"]),
+                         fmt(p["gap_max_ms"]), fmt(p["gap_median_ms"]), fmt(p["stall_ratio"], 1),
+                         fmt(p["output_chunks_per_s"], 1), fmt(p["admission_deferred_chunks"]),
+                         f"{p['spec_drafts_accepted']:.0f}/{p['spec_drafts_proposed']:.0f}", p["errors"]])
+    lines.append(md_table(head, rows))
+    lines.append("")
+    brow = [[n, c["burst"]["requests"], c["burst"]["prompt_tokens"], c["burst"]["computed_tokens"],
+             fmt(c["burst"]["ttft_max_s"], 2)] for n, c in results["configs"].items()]
+    lines.append(md_table(["config", "burst requests", "prompt tokens", "computed tokens", "last TTFT s"], brow))
+    lines += ["", *targets(results)]
+    return "\n".join(lines)
+
+
+def targets(results: dict) -> list[str]:
+    cfg = results["configs"]
+    out = []
+    if "all-on" in cfg:
+        ph = {p["rate"]: p for p in cfg["all-on"]["phases"]}
+        top = results["ablation_rate"]
+        if 0.0 in ph and top in ph:
+            r = ph[top]["session_p99_ms"] / ph[0.0]["session_p99_ms"]
+            out.append(f"- session p99 at {top} req/s / idle p99: {r:.2f}x (target <= 2x: {'met' if r <= 2 else 'NOT met'})")
+        worst = max((p["stall_ratio"] for p in cfg["all-on"]["phases"] if p["rate"] > 0), default=float("nan"))
+        out.append(f"- worst inter-token gap / median gap, all-on: {worst:.1f}x (target <= 3x: "
+                   f"{'met' if worst <= 3 else 'NOT met'})")
+    if "all-on" in cfg and "no-grouping" in cfg:
+        a, b = cfg["all-on"]["burst"]["computed_tokens"], cfg["no-grouping"]["burst"]["computed_tokens"]
+        cut = 1 - a / b if b else float("nan")
+        out.append(f"- burst prompt tokens computed: {a:,} grouped vs {b:,} ungrouped, cut {cut:.0%} "
+                   f"(target >= 50%: {'met' if cut >= 0.5 else 'NOT met'})")
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for name, c in results["configs"].items():
+        pts = sorted((p["rate"], p["session_p99_ms"]) for p in c["phases"])
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name,
+                linestyle="-" if name == "all-on" else ":")
+    ax.set_xlabel("stateless load (req/s, Azure conversation trace)")
+    ax.set_ylabel("session-query p99 (ms)")
+    ax.set_title(f"{len(results['configs'])} configs, {results['args']['sessions']} live sessions")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
