@@ -94,7 +94,6 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
                     for i in range(args.sessions)]
         t0 = time.perf_counter()
         sessions = asyncio.run(_create(server.url, contexts, args.seed))
-        api.wait_idle(quiet_s=0.5, timeout=1800)
         setup_s = time.perf_counter() - t0
         print(f"[{name}] {len(sessions)} sessions, {sum(contexts):,} context tokens, filled in {setup_s:.0f} s",
               flush=True)
@@ -125,7 +124,9 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
 
 async def _create(url: str, contexts: list[int], seed: int) -> list[load.LiveSession]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800)) as client:
-        return await load.create_sessions(client, url, contexts, seed)
+        sessions = await load.create_sessions(client, url, contexts, seed)
+        await load.wait_filled(client, url, sessions, timeout=1800)
+        return sessions
 
 
 def sustained(phases: list[dict], slo: float) -> float:

@@ -142,6 +142,18 @@ async def create_sessions(client: httpx.AsyncClient, url: str, contexts: list[in
     return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(contexts))))
 
 
+async def wait_filled(client: httpx.AsyncClient, url: str, sessions: list[LiveSession], timeout: float) -> None:
+    """Until every session has ingested its queue and computed its whole stream."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        infos = await asyncio.gather(*(client.get(f"{url}/v1/sessions/{s.sid}") for s in sessions))
+        if all(i.json()["records"]["queued"] == 0 and i.json()["tokens"]["computed"] == i.json()["tokens"]["total"]
+               for i in infos):
+            return
+        await asyncio.sleep(1.0)
+    raise TimeoutError("the sessions did not finish ingesting")
+
+
 async def session_loop(client: httpx.AsyncClient, url: str, s: LiveSession, duration: float, t0: float,
                        record_every: float, question_every: float, max_tokens: int) -> list[float]:
     """Push a bar every ``record_every`` s and ask a question every ``question_every`` s
