@@ -101,6 +101,10 @@ class SchedulerConfig:
                 "budget (or --max-chunk-tokens), first come first served"})
     chunk_min_tokens: int = field(default=128, metadata={"unit": "TOKENS", "help": "adaptive chunking's lower bound"})
     chunk_max_tokens: int = field(default=1024, metadata={"unit": "TOKENS", "help": "adaptive chunking's upper bound"})
+    stall_factor: float | None = field(default=None, metadata={"unit": "FACTOR",
+        "help": "decode cadence: while sequences decode, cap a step's prompt rows so the step is predicted to "
+                "take at most this many decode-only steps (costs learned from step times); bounds the longest "
+                "inter-token gap at the price of prefill throughput and TTFT; default off"})
     grouped_prefill: bool = field(default=True, metadata={
         "help": "waiting requests whose prompts share full blocks past the prefix-cache match point with a "
                 "prefilling request ranked above them (hash of the next 8 tokens, then verified) wait for it "
@@ -138,6 +142,9 @@ class SchedulerConfig:
         if not 0.0 < self.admission_ceiling <= 1.0 or not 0.0 < self.admission_high_water <= 1.0:
             raise ValueError(f"admission_ceiling and admission_high_water must be in (0, 1], got "
                              f"{self.admission_ceiling}, {self.admission_high_water}")
+        if self.stall_factor is not None and self.stall_factor <= 1.0:
+            raise ValueError(f"stall_factor must be > 1 (a step may take that many decode steps), got "
+                             f"{self.stall_factor}")
         if self.chunking not in ("adaptive", "static"):
             raise ValueError(f"chunking must be adaptive or static, got {self.chunking!r}")
         if not 1 <= self.chunk_min_tokens <= self.chunk_max_tokens:

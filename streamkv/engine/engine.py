@@ -272,7 +272,9 @@ class Engine:
         try:
             if self.kv_ops is not None:
                 self.kv_ops.flush()  # deferred KV moves (span splices) land before the model reads
+            t0 = time.perf_counter()
             result = self.bundle.runner.execute(plan)
+            self.scheduler.observe_step(plan, time.perf_counter() - t0)
         except Exception as exc:  # a broken step fails its own requests, not the engine
             log.exception("engine step failed")
             self.stats.step_errors += 1

@@ -16,6 +16,7 @@ from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadCount
 from streamkv.sched.admission import CellBudget
+from streamkv.sched.cadence import StepCadence
 from streamkv.sched.grouping import PrefillGroups
 from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
@@ -56,6 +57,7 @@ class Scheduler:
         self.chunk = config.chunk_cap  # the per-sequence prefill chunk of the latest step
         self.admission = (CellBudget(kv.pool, config.admission_ceiling, config.admission_high_water)
                           if config.admission == "cell-budget" else None)
+        self.cadence = StepCadence(config.stall_factor) if config.stall_factor is not None else None
         self.groups = (PrefillGroups(kv) if config.grouped_prefill and kv.pool.enable_prefix_caching
                        else None)
 
@@ -137,6 +139,8 @@ class Scheduler:
         crowded = spec_cap and any(s.status is SeqStatus.WAITING for s in ranked)
         if self.admission is not None:
             self.admission.begin(self.seqs.values())
+        prompt_left = self._prompt_rows(ranked, budget)
+        capped = False
         for seq in ranked:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
                 break
@@ -168,11 +172,33 @@ class Scheduler:
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
+            if target - computed > 1:  # prompt rows: under the decode cadence's cap
+                if n > prompt_left:
+                    n, capped = prompt_left, True
+                    if n == 0:
+                        continue
+                prompt_left -= n
             draft = self._draft(seq, min(spec_cap, budget - n), crowded) if spec_cap and n == 1 else ()
             out.append(_Proposal(seq, computed + n, draft))
             budget -= n + len(draft)
             foreground_prefill = foreground_prefill or (not background and n > 1)
+        if capped and self.cadence is not None:
+            self.cadence.stats.capped_steps += 1
         return out
+
+    def _prompt_rows(self, ranked: list[Sequence], budget: int) -> int:
+        """Prompt rows this step may carry: the decode cadence's cap while a sequence decodes."""
+        if self.cadence is None or not any(s.status is SeqStatus.RUNNING and s.remaining == 1 for s in ranked):
+            return budget
+        return self.cadence.prompt_rows(budget)
+
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """The engine reports each executed step's time (the decode cadence learns from it)."""
+        if self.cadence is None:
+            return
+        prompt = sum(it.num_tokens for it in plan.seqs if it.num_tokens - len(it.draft) > 1)
+        decode = sum(1 for it in plan.seqs if it.num_tokens - len(it.draft) <= 1)
+        self.cadence.observe(decode, prompt, seconds)
 
     def _held(self, seq: Sequence) -> bool:
         """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool
