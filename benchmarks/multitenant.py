@@ -80,6 +80,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kv-cache-memory", default=str(4 << 30))
     ap.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "cadence"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot-from", default=None, help="comma-separated result JSONs: merge their configs into one "
+                    "report and plot (no runs)")
     ap.add_argument("--quick", action="store_true", help="8 sessions of 500..3,000 tokens asked every 8 s, 30 s "
                     "phases, rates 0,0.5,2")
     args = ap.parse_args()
@@ -145,8 +147,23 @@ def sustained(phases: list[dict], slo: float) -> float:
     return max(ok, default=0.0)
 
 
+def merged(paths: list[str]) -> dict:
+    """Results of several runs as one (the first run's machine, reference and ablation rate)."""
+    import json
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    out = {**runs[0], "configs": {}}
+    for r in runs:
+        out["configs"].update(r["configs"])
+    return out
+
+
 def main() -> None:
     args = parse()
+    if args.plot_from:
+        results = merged(args.plot_from.split(","))
+        print(report(results, argparse.Namespace(**results["args"])))
+        plot(results, RESULTS / "multitenant-merged.png")
+        return
     rates = [float(r) for r in args.rates.split(",")]
     names = args.configs.split(",")
     machine = machine_info()
@@ -174,7 +191,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
     rows = []
     for name, c in results["configs"].items():
         for p in c["phases"]:
-            rows.append([name, fmt(p["rate"], 1), fmt(p["session_p50_ms"]), fmt(p["session_p99_ms"]),
+            rows.append([name, fmt(p["rate"], 2), fmt(p["session_p50_ms"]), fmt(p["session_p99_ms"]),
                          fmt(p["ttft_p50_s"], 2), fmt(p["ttft_p99_s"], 2), fmt(p["tpot_p50_ms"]), fmt(p["tpot_p99_ms"]),
                          fmt(p["gap_max_ms"]), fmt(p["gap_median_ms"]), fmt(p["stall_ratio"], 1),
                          fmt(p["output_chunks_per_s"], 1), fmt(p["admission_deferred_chunks"]),
@@ -190,19 +207,18 @@ def report(results: dict, args: argparse.Namespace) -> str:
 
 def targets(results: dict) -> list[str]:
     cfg = results["configs"]
-    ref = results.get("reference", "all-on")
     out = []
-    if ref in cfg:
-        ph = {p["rate"]: p for p in cfg[ref]["phases"]}
-        top = results["ablation_rate"]
-        if 0.0 in ph and top in ph:
-            r = ph[top]["session_p99_ms"] / ph[0.0]["session_p99_ms"]
-            out.append(f"- {ref}: session p99 at {top} req/s / idle p99: {r:.2f}x (target <= 2x: "
-                       f"{'met' if r <= 2 else 'NOT met'})")
-        for p in cfg[ref]["phases"]:
-            if p["rate"] > 0:
-                out.append(f"- {ref} at {p['rate']} req/s: worst inter-token gap / median gap {p['stall_ratio']:.1f}x "
-                           f"(target <= 3x: {'met' if p['stall_ratio'] <= 3 else 'NOT met'})")
+    for name in dict.fromkeys([results.get("reference", "all-on"), "cadence"]):
+        if name not in cfg:
+            continue
+        ph = {p["rate"]: p for p in cfg[name]["phases"]}
+        if 0.0 in ph:
+            for rate, p in sorted(ph.items()):
+                if rate > 0:
+                    r = p["session_p99_ms"] / ph[0.0]["session_p99_ms"]
+                    out.append(f"- {name} at {rate} req/s: session p99 / idle p99 {r:.2f}x (target <= 2x: "
+                               f"{'met' if r <= 2 else 'NOT met'}); worst inter-token gap / median gap "
+                               f"{p['stall_ratio']:.1f}x (target <= 3x: {'met' if p['stall_ratio'] <= 3 else 'NOT met'})")
     if "all-on" in cfg and "no-grouping" in cfg:
         a, b = cfg["all-on"]["burst"]["computed_tokens"], cfg["no-grouping"]["burst"]["computed_tokens"]
         cut = 1 - a / b if b else float("nan")
@@ -220,7 +236,7 @@ def plot(results: dict, path: Path) -> None:
     for name, c in results["configs"].items():
         pts = sorted((p["rate"], p["session_p99_ms"]) for p in c["phases"])
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name,
-                linestyle="-" if name == results.get("reference") else ":")
+                linestyle="-" if len(pts) > 1 else ":")
     ax.set_xlabel("stateless load (req/s, Azure conversation trace)")
     ax.set_ylabel("session-query p99 (ms)")
     ax.set_title(f"{len(results['configs'])} configs, {results['args']['sessions']} live sessions")
