@@ -29,6 +29,14 @@ def test_the_cap_follows_the_learned_costs():
     assert avg.stats.decode_step_s == pytest.approx(0.015)
 
 
+def test_under_steady_arrivals_the_decode_time_comes_from_mixed_steps():
+    c = StepCadence(3.0, min_tokens=8, alpha=1.0)
+    c.observe(decode_rows=0, prompt_rows=100, seconds=0.100)  # 1 ms per row (fixed cost included)
+    c.observe(decode_rows=4, prompt_rows=50, seconds=0.070)   # no decode-only step yet: d = 70 - 50 = 20 ms
+    assert c.stats.decode_step_s == pytest.approx(0.020)
+    assert c.prompt_rows(2048) == 40  # (3 - 1) x 20 ms / 1 ms
+
+
 @pytest.mark.parametrize("bad", [1.0, 0.5, -2.0])
 def test_a_factor_of_one_or_less_is_refused(bad):
     with pytest.raises(ValueError, match="stall_factor"):
@@ -65,8 +73,8 @@ def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay():
     assert run(engine) == want
     mixed = 0
     for plan, (decode, prompt) in zip(runner.plans, seen, strict=True):
-        rows = [it.num_tokens for it in plan.seqs]
-        assert (decode, prompt) == (sum(1 for n in rows if n <= 1), sum(n for n in rows if n > 1))
+        dec = [it for it in plan.seqs if it.sample and it.start >= it.num_prompt and it.num_tokens == 1]
+        assert (decode, prompt) == (len(dec), sum(it.num_tokens for it in plan.seqs) - len(dec))
         if decode:
             assert prompt <= 8
             mixed += prompt > 0

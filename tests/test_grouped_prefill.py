@@ -95,6 +95,21 @@ def test_different_prompts_and_different_cache_keys_are_never_grouped():
     assert engine.scheduler.groups.stats.deferred_steps == 0
 
 
+def test_a_complete_request_never_waits_for_a_streaming_input_leader():
+    # the stream ranks above "c" (priority 0 vs 1) but its prefill yields to "o"'s (the lower
+    # tier), so "c" following it would wait as long as complete requests keep prefilling
+    engine, _ = slot_engine(num_blocks=256, budget=16)
+    shared = "abcdefghijklmnopqrstuvwxyz" * 4
+    engine.inputs.open("s", prompt=shared, params=GREEDY)
+    engine.add_request("o", "zyxwvutsrq" * 8, GREEDY)
+    engine.add_request("c", shared + "xyz", GREEDY, priority=1)
+    engine.run_to_completion(["o", "c"])
+    assert engine.scheduler.groups.stats.deferred_steps == 0
+    engine.inputs.finish("s")
+    engine.run_to_completion(["s"])
+    engine.check_integrity()
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), blocks=st.sampled_from([24, 40, 128]), budget=st.sampled_from([8, 16, 64]),
        swap=st.sampled_from([0, 8]))

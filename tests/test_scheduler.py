@@ -59,6 +59,8 @@ def test_memory_pressure_preempts_lowest_ranked_first():
     # the earliest-arrived request is ranked highest under FCFS and is never the first victim
     seq_ids = {rid: i for i, rid in enumerate(sorted(done))}
     assert seq_ids["r0"] not in first_victims
+    # a readmitted request's own earlier blocks are not "cached prompt tokens" (usage.cached_tokens)
+    assert all(o.num_cached_tokens == 0 for o in done.values()), {k: o.num_cached_tokens for k, o in done.items()}
 
 
 def test_priority_runs_first():

@@ -50,6 +50,11 @@ class StepCadence:
             if decode_rows:
                 self._d = self.stats.decode_step_s = self._avg(self._d, seconds)
             return
+        if decode_rows and self._d is None and self._c is not None:
+            # every step so far carried prompt rows (steady arrivals): the decode part of this
+            # one, at the row cost learned so far, stands for d until a decode-only step comes
+            self._d = self.stats.decode_step_s = max(seconds - self._c * prompt_rows, 0.05 * seconds)
+            return
         # a step without decoders still has the fixed cost: charging it to the rows errs on the
         # side of smaller chunks until a mixed step corrects it
         base = self._d if decode_rows and self._d is not None else 0.0

@@ -21,6 +21,7 @@ computing the rows (``numerics=invariant``), which ``tests/test_grouped_prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from streamkv.kv.manager import KVManager, PrefixHit
 from streamkv.sched.sequence import Sequence, SeqStatus
@@ -46,10 +47,13 @@ class PrefillGroups:
         self.key_tokens = key_tokens
         self.stats = GroupStats()
 
-    def plan(self, ranked: list[Sequence]) -> tuple[set[int], dict[int, PrefixHit]]:
+    def plan(self, ranked: list[Sequence], background: Callable[[Sequence], bool]
+             ) -> tuple[set[int], dict[int, PrefixHit]]:
         """Followers this step (ids), and the prefix hits looked up for waiting sequences (the
         scheduler reuses them). Leaders are prefilling sequences ranked above their followers:
-        running ones from their computed blocks, waiting ones from their match point."""
+        running ones from their computed blocks, waiting ones from their match point. A
+        ``background`` leader (a streaming input, whose prefill yields to complete requests')
+        leads only background followers, so a complete request never waits behind one."""
         bs = self.kv.block_size
         leaders: dict[_Key, Sequence] = {}
         followers: set[int] = set()
@@ -61,7 +65,8 @@ class PrefillGroups:
                 hits[seq.seq_id] = hit = self.kv.match_prefix(seq.match_tokens, seq.cache_key)
                 start = hit.num_tokens(bs)
                 leader = leaders.get(self._key(seq.match_tokens, start, seq.cache_key))
-                if leader is not None and self._shared_end(seq, leader, start) > start:
+                if (leader is not None and (background(seq) or not background(leader))
+                        and self._shared_end(seq, leader, start) > start):
                     followers.add(seq.seq_id)
                     seq.grouped_from = start if seq.grouped_from < 0 else seq.grouped_from
                     self.stats.deferred_steps += 1

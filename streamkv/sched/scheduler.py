@@ -27,6 +27,11 @@ from streamkv.sched.speculation import SpecState, SpecStats, Speculator, specula
 log = logging.getLogger(__name__)
 
 
+def _decodes(item: ScheduledSeq) -> bool:
+    """A decode row: one generated token's row (plus its drafts), sampled."""
+    return item.sample and item.start >= item.num_prompt and item.num_tokens - len(item.draft) == 1
+
+
 @dataclass
 class _Proposal:
     """Phase-1 decision: compute ``seq`` up to token index ``end`` this step."""
@@ -132,7 +137,8 @@ class Scheduler:
         blocked = False  # a waiting sequence that cannot fit: only pinned ones may pass it
         reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
         out: list[_Proposal] = []
-        followers, hits = self.groups.plan(ranked) if self.groups is not None else (set(), {})
+        followers, hits = (self.groups.plan(ranked, self.policy.background) if self.groups is not None
+                           else (set(), {}))
         ranked = [s for s in ranked if s.seq_id not in followers]  # they wait for a leader's blocks
         spec_cap = self._spec_cap(ranked)
         self.chunk = chunk = self.config.chunk_for(sum(1 for s in ranked if s.computable - s.num_computed > 1))
@@ -187,8 +193,10 @@ class Scheduler:
         return out
 
     def _prompt_rows(self, ranked: list[Sequence], budget: int) -> int:
-        """Prompt rows this step may carry: the decode cadence's cap while a sequence decodes."""
-        if self.cadence is None or not any(s.status is SeqStatus.RUNNING and s.remaining == 1 for s in ranked):
+        """Prompt rows this step may carry: the decode cadence's cap while a sequence decodes
+        (computes the row of a token it generated, as ``_decodes`` counts them)."""
+        if self.cadence is None or not any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1
+                                           and s.num_output > 0 for s in ranked):
             return budget
         return self.cadence.prompt_rows(budget)
 
@@ -196,9 +204,9 @@ class Scheduler:
         """The engine reports each executed step's time (the decode cadence learns from it)."""
         if self.cadence is None:
             return
-        prompt = sum(it.num_tokens for it in plan.seqs if it.num_tokens - len(it.draft) > 1)
-        decode = sum(1 for it in plan.seqs if it.num_tokens - len(it.draft) <= 1)
-        self.cadence.observe(decode, prompt, seconds)
+        decodes = [it for it in plan.seqs if _decodes(it)]
+        prompt = sum(it.num_tokens for it in plan.seqs) - sum(it.num_tokens for it in decodes)
+        self.cadence.observe(len(decodes), prompt, seconds)
 
     def _held(self, seq: Sequence) -> bool:
         """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool
@@ -287,7 +295,8 @@ class Scheduler:
         if not self.kv.grow(seq.seq_id, prop.end, extra):
             raise RuntimeError("admission cost check and allocation disagree")
         seq.num_computed = computed
-        seq.num_cached_tokens = max(seq.num_cached_tokens, computed)
+        if not seq.num_preemptions:  # a readmission's hit is the sequence's own earlier KV
+            seq.num_cached_tokens = max(seq.num_cached_tokens, min(computed, seq.num_prompt_tokens))
         if self.groups is not None:
             self.groups.admitted(seq, computed)
         seq.status = SeqStatus.RUNNING
