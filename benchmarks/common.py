@@ -314,6 +314,14 @@ def ceilings_for(cost: dict, ceil: dict, dtype: str, prompt_len: int, decode_ctx
 
 
 # --------------------------------------------------------------------------- output
+def nearest_rank(xs: list[float], p: float) -> float:
+    """Percentile ``p`` (0-100) by nearest rank; NaN for no samples."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
 def fmt(v, digits: int = 0) -> str:
     if v is None:
         return "n/a"

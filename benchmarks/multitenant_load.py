@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from common import REPO, prompt_text
+from common import REPO, nearest_rank as pct, prompt_text
 from market_data import make_bars, make_question
 
 TRACE = REPO / "benchmarks" / "data" / "azure_conv_2023_first1000.csv"
@@ -183,13 +183,6 @@ async def session_loop(client: httpx.AsyncClient, url: str, s: LiveSession, dura
         r.raise_for_status()
         out.append((time.perf_counter() - q0) * 1e3)
         next_q += question_every
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 def stream_stats(streams: list[Stream], wall: float) -> dict:

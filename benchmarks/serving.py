@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, embedded_gguf, machine_info, md_table, prompt_text, wait_http_ok,  # noqa: E402
-                    write_json)
+from common import (REPO, embedded_gguf, machine_info, md_table, nearest_rank, prompt_text,  # noqa: E402
+                    wait_http_ok, write_json)
 
 TRACE = REPO / "benchmarks" / "data" / "azure_conv_2023_first1000.csv"
 LLAMACPP_PY = REPO / ".venv-llamacpp" / "bin" / "python"
@@ -116,15 +116,8 @@ async def run_rate(server: Server, model: str, prompts: list[str], lengths: list
     end = max((r["stamps"][-1] for r in ok), default=t0 + wall) - t0
     offered = rate * statistics.mean(o for _, o in lengths)
     return {"rate": rate, "completed": len(ok), "errors": len(results) - len(ok), "output_tok_s": tokens / end,
-            "offered_tok_s": offered, "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
-            "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99)}
-
-
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+            "offered_tok_s": offered, "ttft_p50": nearest_rank(ttft, 50), "ttft_p99": nearest_rank(ttft, 99),
+            "tpot_p50": nearest_rank(tpot, 50), "tpot_p99": nearest_rank(tpot, 99)}
 
 
 def keeps_up(row: dict, slo: float) -> bool:

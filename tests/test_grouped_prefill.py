@@ -30,7 +30,7 @@ def _run(engine, prompts, arrive_at=None, params=GREEDY):
     return [done[f"r{i}"].token_ids for i in range(len(prompts))]
 
 
-def _prompt_rows(runner, engine_prompts) -> int:
+def _prompt_rows(runner) -> int:
     """Prompt rows the runner computed, summed over requests (decode rows excluded)."""
     rows = 0
     for plan in runner.plans:
@@ -51,8 +51,8 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once():
     plain, plain_runner = fake_engine(grouped_prefill=False, **kw)
     grouped, runner = fake_engine(**kw)
     assert _run(grouped, prompts) == _run(plain, prompts)
-    want = _prompt_rows(plain_runner, prompts)
-    got = _prompt_rows(runner, prompts)
+    want = _prompt_rows(plain_runner)
+    got = _prompt_rows(runner)
     assert got <= 0.5 * want, (got, want)
     stats = grouped.scheduler.groups.stats
     assert stats.followers == 7
