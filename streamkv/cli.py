@@ -98,10 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                                           "time by blocks) and cache it for --preemption cost")
     prof.add_argument("--json", action="store_true", help="print JSON instead of text")
     add_engine_flags(prof)
+    from streamkv.cluster.config import ClusterConfig
     from streamkv.server.config import ServerConfig
 
     serve = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible HTTP API")
     _add_dataclass_flags(serve, "server", ServerConfig)
+    _add_dataclass_flags(serve, "cluster", ClusterConfig)
     add_engine_flags(serve)
     return parser
 
@@ -155,12 +157,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from streamkv.cluster.config import ClusterConfig
     from streamkv.server.config import ServerConfig
     from streamkv.server.run import serve
 
     logging.getLogger("streamkv").setLevel(logging.INFO)
     config = ServerConfig(**_options(args, [ServerConfig]))
-    return serve(EngineConfig.from_flat(**engine_options(args)), config)
+    cluster = ClusterConfig(**_options(args, [ClusterConfig]))
+    if cluster.replicas == 0:
+        return serve(EngineConfig.from_flat(**engine_options(args)), config)
+    try:
+        from streamkv.cluster import serve_app
+    except ImportError as exc:
+        raise ValueError(f"--replicas needs Ray Serve: pip install 'streamkv[cluster]' ({exc})") from None
+    options = engine_options(args)
+    EngineConfig.from_flat(**options)  # bad flags fail here, not in every replica
+    return serve_app.run(cluster, options, config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

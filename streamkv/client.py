@@ -91,6 +91,10 @@ class RemoteSession:
         return Answer(body["answer"], body["data_version"], body["usage"], body["latency_ms"],
                       body.get("finish_reason"), body.get("source", "session"), body)
 
+    def migrate(self, to: str | None = None) -> dict[str, Any]:
+        """Move the session to another replica (a ``streamkv serve --replicas N`` cluster)."""
+        return self.client.request("POST", f"/v1/sessions/{self.id}/migrate", json={"to": to} if to else {})
+
     def stats(self, include_tokens: bool = False) -> dict[str, Any]:
         return self.client.request("GET", f"/v1/sessions/{self.id}",
                                    params={"include_tokens": str(include_tokens).lower()})

@@ -223,8 +223,13 @@ class SessionConfig:
         "help": "bytes of host memory for offloaded session KV before older ones go to disk"})
     checkpoint_idle_s: float = field(default=1.0, metadata={"unit": "SECONDS", 
         "help": "with --session-dir: snapshot a session's KV to disk once it has been idle this long"})
+    adopt_sessions: bool = field(default=False, metadata={
+        "help": "with --session-dir shared by several replicas: recover no session at start; load one from the "
+                "dir on its first request instead (the cluster ingress decides which replica owns it)"})
 
     def __post_init__(self) -> None:
+        if self.adopt_sessions and not self.session_dir:
+            raise ValueError("adopt_sessions needs a session_dir (the shared directory sessions are adopted from)")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.host_offload_bytes < 0:

@@ -33,6 +33,10 @@ class SessionNotFoundError(StreamKVError, KeyError):
         return str(self.args[0]) if self.args else "session not found"
 
 
+class SessionExistsError(StreamKVError):
+    """A session with this id already exists (live here, or stored in the shared session dir)."""
+
+
 class QueueFullError(StreamKVError):
     """A session's ingestion queue is full and its overflow policy is ``reject`` (or ``block``
     timed out); nothing from the push was accepted."""

@@ -27,6 +27,7 @@ class CreateSession(Body):
     """Fields map 1:1 onto :class:`streamkv.sessions.spec.SessionSpec` (which validates
     values), plus flash questions to register at creation."""
 
+    id: StrictStr | None = None  # client-chosen (8-64 of [A-Za-z0-9_-]); default: a random one
     system: StrictStr = _SPEC.system
     retention_tokens: StrictInt = _SPEC.retention_tokens
     evict_tokens: StrictInt | None = _SPEC.evict_tokens

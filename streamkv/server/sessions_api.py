@@ -15,13 +15,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.errors import QueueFullError, StreamKVError
+from streamkv.errors import QueueFullError, SessionExistsError, StreamKVError
 from streamkv.server.errors import APIError, error_body
 from streamkv.server.flash_api import instant_answer, wait_for_flash
 from streamkv.server.generation import make_params, new_id
 from streamkv.server.session_protocol import CreateSession, PushData, SessionQuery
 from streamkv.server.state import ServerState
 from streamkv.server.structured import compile_guided, guided_spec
+from streamkv.sessions.session import valid_session_id
 from streamkv.sessions.spec import SessionSpec
 
 router = APIRouter(prefix="/v1/sessions")
@@ -38,6 +39,9 @@ def _engine(request: Request | WebSocket) -> AsyncEngine:
 async def create_session(body: CreateSession, request: Request) -> dict[str, Any]:
     fields = body.model_dump()
     flash = fields.pop("flash")
+    session_id = fields.pop("id")
+    if session_id is not None and not valid_session_id(session_id):
+        raise APIError(400, "id must be 8-64 characters of [A-Za-z0-9_-]", param="id")
     try:
         spec = SessionSpec(**fields)
     except ValueError as exc:
@@ -47,7 +51,9 @@ async def create_session(body: CreateSession, request: Request) -> dict[str, Any
         await compile_guided(_engine(request), g, field)
 
     def create(e: Any) -> dict[str, Any]:
-        session = e.sessions.create(spec)
+        if session_id is not None and e.sessions.exists(session_id):
+            raise SessionExistsError(f"session {session_id!r} already exists")
+        session = e.sessions.create(spec, session_id)
         try:
             for q, (g, _) in zip(flash, guided):
                 e.sessions.flash.register(session, q["question"], q["max_tokens"], float(q["temperature"]), guided=g)
@@ -91,6 +97,14 @@ async def get_session(session_id: str, request: Request, include_tokens: bool = 
 async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     await _engine(request).call(lambda e: e.sessions.delete(session_id))
     return {"id": session_id, "object": "session", "deleted": True}
+
+
+@router.post("/{session_id}/release")
+async def release_session(session_id: str, request: Request) -> dict[str, Any]:
+    """Hand the session to --session-dir and forget it here: the source half of a migration
+    (the cluster ingress then routes it to its new owner, which adopts it from the dir)."""
+    stats = await _engine(request).call(lambda e: e.sessions.release(session_id))
+    return {"id": session_id, "object": "session", "released": True, "data_version": stats["data_version"]}
 
 
 @router.post("/{session_id}/data", status_code=202)
@@ -232,7 +246,7 @@ async def session_events(session_id: str, request: Request) -> StreamingResponse
                     yield ": keep-alive\n\n"
                     continue
                 yield f"id: {event['id']}\nevent: {event['event']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-                if event["event"] == "deleted":
+                if event["event"] in ("deleted", "migrated"):
                     return
         finally:
             await _unsubscribe(engine, session_id, listener)
@@ -257,7 +271,7 @@ async def session_ws(websocket: WebSocket, session_id: str) -> None:
         while True:
             raw = await websocket.receive_text()
             await websocket.send_json(await _ws_frame(engine, session_id, raw))
-    except WebSocketDisconnect:
+    except (WebSocketDisconnect, RuntimeError):  # RuntimeError: closed by the sender (migrated)
         pass
     finally:
         sender.cancel()
@@ -268,6 +282,9 @@ async def _forward_events(websocket: WebSocket, queue: asyncio.Queue) -> None:
     while True:
         event = await queue.get()
         await websocket.send_json({"type": "event", **event})
+        if event["event"] == "migrated":  # 1012 "service restart": reconnect (the ingress does)
+            await websocket.close(code=1012, reason="session migrated")
+            return
 
 
 async def _ws_frame(engine: AsyncEngine, session_id: str, raw: str) -> dict[str, Any]:

@@ -17,13 +17,13 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from streamkv.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
+from streamkv.errors import InvalidRequestError, QueueFullError, SessionExistsError, SessionNotFoundError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.sequence import PriorityClass, SeqStatus
 from streamkv.sessions.flash import FlashEvaluator
 from streamkv.sessions.offload import Offloader
-from streamkv.sessions.session import Session, new_session_id
+from streamkv.sessions.session import Session, new_session_id, valid_session_id
 from streamkv.sessions.spec import SessionLayout, SessionSpec
 from streamkv.sessions.state import Record, SessionData
 
@@ -41,7 +41,8 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.offload = Offloader(self)
         self.flash = FlashEvaluator(self)
-        self.offload.recover()
+        if not self.config.adopt_sessions:  # replicas sharing a dir adopt on first use (get)
+            self.offload.recover()
 
     # ----------------------------------------------------------------- lifecycle
     def create(self, spec: SessionSpec, session_id: str | None = None, created: float | None = None) -> Session:
@@ -55,6 +56,8 @@ class SessionManager:
                 f"({fixed} tokens) exceed the context ({self.engine.max_model_len}); lower retention_tokens")
         if self.engine.kv.blocks_for(len(layout.frozen) + spec.retention_tokens) > self.engine.pool.num_blocks:
             raise InvalidRequestError("the KV cache is smaller than one session window; raise --kv-cache-memory")
+        if session_id is not None and session_id in self.sessions:
+            raise SessionExistsError(f"session {session_id!r} already exists")
         session = Session(session_id or new_session_id(), SessionData(spec, layout))
         if created is not None:
             session.created = created
@@ -65,9 +68,33 @@ class SessionManager:
 
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None and self.config.adopt_sessions and valid_session_id(session_id):
+            session = self.offload.adopt(session_id)
         if session is None:
             raise SessionNotFoundError(f"session {session_id!r} does not exist")
         return session
+
+    def exists(self, session_id: str) -> bool:
+        """Live here, or (replicas sharing a dir) stored there for whoever adopts it."""
+        store = self.offload.store
+        return session_id in self.sessions or (self.config.adopt_sessions and store is not None
+                                               and store.exists(session_id))
+
+    def release(self, session_id: str) -> dict[str, Any]:
+        """Hand a session over to the session dir and forget it here (a migration's source):
+        its KV is snapshotted at the newest complete version, newer pushes are in the log, and
+        subscribers get a ``migrated`` event. Queries already running finish on their forks."""
+        if self.offload.store is None:
+            raise InvalidRequestError("releasing a session needs --session-dir (where the next owner reads it)")
+        session = self.get(session_id)
+        out = self.stats(session_id)
+        self.flash.abort_all(session)
+        self.offload.release(session)
+        self.drop_kv(session)
+        del self.sessions[session_id]
+        session.emit("migrated", data_version=session.data.data_version)
+        session.listeners.clear()
+        return out
 
     def delete(self, session_id: str) -> None:
         session = self.get(session_id)

@@ -197,7 +197,35 @@ class Offloader:
             except Exception:
                 log.exception("could not recover session %s; leaving its files in place", stored.session_id)
 
-    def _recover_one(self, stored: Any) -> None:
+    # --------------------------------------------------------------- migration
+    def adopt(self, session_id: str) -> Session | None:
+        """Load one session from the (shared) session dir into this engine, KV resident: the
+        target half of a migration, or a failed replica's session recovering elsewhere."""
+        if self.store is None:
+            return None
+        stored = self.store.load_one(session_id)
+        if stored is None:
+            return None
+        session = self._recover_one(stored)
+        self.ensure_resident(session)
+        return session
+
+    def release(self, session: Session) -> None:
+        """Make the session dir hold everything this engine knows of the session (the KV at its
+        newest complete version; newer pushes are already in the log), then close the log.
+        The source half of a migration: the caller forgets the session, the files stay."""
+        assert self.store is not None
+        stream = session.stream
+        if (stream is not None and session.saved_version < session.data.data_version
+                and stream.num_computed >= session.data.snapshot_len()):
+            self.checkpoint(session)
+        elif session.host_kv is not None and session.saved_version < session.data.data_version:
+            self._save_host_copy(session)
+        self.flash_changed(session)
+        self.flush()
+        self.store.forget(session.id)
+
+    def _recover_one(self, stored: Any) -> Session:
         spec = SessionSpec(**stored.spec)
         snap = stored.snapshot
         if snap is None:
@@ -225,6 +253,7 @@ class Offloader:
             self.ensure_resident(session)
         log.info("recovered session %s at data version %d (%d records to re-ingest)",
                  session.id, data.data_version, len(data.queue))
+        return session
 
     def close(self) -> None:
         self.flush()

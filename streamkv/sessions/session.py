@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,14 @@ from streamkv.sessions.spec import SessionLayout, SessionSpec
 from streamkv.sessions.state import SessionData
 
 Listener = Callable[[dict[str, Any]], None]
+
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
+
+
+def valid_session_id(session_id: object) -> bool:
+    """Ids a client may choose (they name a directory under --session-dir): 8-64 of [A-Za-z0-9_-]."""
+    return isinstance(session_id, str) and _SESSION_ID.fullmatch(session_id) is not None
 
 
 def new_session_id() -> str:

@@ -87,22 +87,34 @@ class SessionStore:
             f.close()
         shutil.rmtree(self._dir(session_id), ignore_errors=True)
 
+    def forget(self, session_id: str) -> None:
+        """Close this process's handle on a session's log; its files stay (a migration's source)."""
+        f = self._logs.pop(session_id, None)
+        if f is not None:
+            f.close()
+
+    def exists(self, session_id: str) -> bool:
+        return (self._dir(session_id) / "spec.json").is_file()
+
     def close(self) -> None:
         for f in self._logs.values():
             f.close()
         self._logs.clear()
 
     def load_all(self) -> list[StoredSession]:
-        out = []
-        for d in sorted(p for p in self.root.iterdir() if (p / "spec.json").is_file()):
-            head = json.loads((d / "spec.json").read_text())
-            snapshot = None
-            if (d / "kv.json").is_file() and (d / "kv.safetensors").is_file():
-                snapshot = json.loads((d / "kv.json").read_text())
-            flash = json.loads((d / "flash.json").read_text()) if (d / "flash.json").is_file() else []
-            out.append(StoredSession(head["id"], head["spec"], head["created"], _read_log(d / "log.jsonl"),
-                                     snapshot, flash))
-        return out
+        return [self._load(d) for d in sorted(p for p in self.root.iterdir() if (p / "spec.json").is_file())]
+
+    def load_one(self, session_id: str) -> StoredSession | None:
+        """One session's stored state, or None when the dir holds no such session."""
+        return self._load(self._dir(session_id)) if self.exists(session_id) else None
+
+    def _load(self, d: Path) -> StoredSession:
+        head = json.loads((d / "spec.json").read_text())
+        snapshot = None
+        if (d / "kv.json").is_file() and (d / "kv.safetensors").is_file():
+            snapshot = json.loads((d / "kv.json").read_text())
+        flash = json.loads((d / "flash.json").read_text()) if (d / "flash.json").is_file() else []
+        return StoredSession(head["id"], head["spec"], head["created"], _read_log(d / "log.jsonl"), snapshot, flash)
 
 
 def _read_log(path: Path) -> list[tuple[int, list[str], dict[int, int]]]:

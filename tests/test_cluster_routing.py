@@ -1,0 +1,120 @@
+"""Cluster routing without Ray: the hash ring, session ownership under failure and drain,
+least-loaded choice, the load gauges read from a replica's /metrics."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from streamkv.cluster.config import ClusterConfig
+from streamkv.cluster.ingress import affinity_key
+from streamkv.cluster.owners import OwnerTable
+from streamkv.cluster.ring import HashRing
+from streamkv.cluster.routing import NoReplicaError, Router
+
+IDS = [f"sess_{i:06d}" for i in range(4000)]
+
+
+def _router(n: int = 3, **kw) -> Router:
+    router = Router([f"replica-{i}" for i in range(n)], **kw)
+    for r in router.replicas.values():
+        r.live = True
+    return router
+
+
+def test_ring_spreads_keys_and_moves_only_a_missing_replicas_share():
+    names = ["replica-0", "replica-1", "replica-2"]
+    ring = HashRing(names)
+    owners = {k: ring.lookup(k) for k in IDS}
+    counts = Counter(owners.values())
+    assert all(900 < c < 1800 for c in counts.values()), counts  # 64 vnodes: within ~±35% of 1333
+    without_1 = {k: ring.lookup(k, lambda n: n != "replica-1") for k in IDS}
+    moved = [k for k in IDS if without_1[k] != owners[k]]
+    assert all(owners[k] == "replica-1" for k in moved)  # only its own keys move
+    assert len(moved) == counts["replica-1"]
+    assert HashRing(list(reversed(names))).lookup(IDS[7]) == owners[IDS[7]]  # order-free, stable across processes
+    assert ring.lookup("x", lambda n: False) is None
+    with pytest.raises(ValueError):
+        HashRing(["a", "a"])
+
+
+def test_owner_fails_over_then_sticks_to_the_successor():
+    router = _router()
+    sid = next(k for k in IDS if router.ring.lookup(k) == "replica-0")
+    assert router.owner(sid) == ("replica-0", False)
+    router.replicas["replica-0"].live = False
+    name, moved = router.owner(sid)
+    assert moved and name != "replica-0"
+    router.set_owner(sid, name)
+    router.replicas["replica-0"].live = True  # back: the session stays where it was adopted
+    assert router.owner(sid) == (name, False)
+    router.set_owner(sid, "replica-0")  # migrated home: no override needed
+    assert sid not in router.overrides and router.owner(sid) == ("replica-0", False)
+
+
+def test_a_draining_replica_keeps_its_sessions_but_takes_no_new_ones():
+    router = _router()
+    sid = next(k for k in IDS if router.ring.lookup(k) == "replica-2")
+    router.replicas["replica-2"].draining = True
+    assert router.owner(sid) == ("replica-2", False)  # until migrated off
+    name, moved = router.owner(sid, new=True)
+    assert name != "replica-2" and moved
+    assert router.successor(sid, exclude="replica-2") == name
+    assert "replica-2" not in {router.least_loaded() for _ in range(5)}
+    for r in router.replicas.values():
+        r.live = False
+    with pytest.raises(NoReplicaError):
+        router.owner(sid)
+    with pytest.raises(NoReplicaError):
+        router.least_loaded()
+
+
+def test_least_loaded_and_prefix_affinity():
+    router = _router(prefix_affinity=True, slack=1)
+    router.replicas["replica-0"].inflight = 3
+    router.replicas["replica-1"].waiting = 1
+    assert router.least_loaded() == "replica-2"
+    router.replicas["replica-2"].inflight = 1
+    router.replicas["replica-2"].kv_free = 0.2
+    assert router.least_loaded() == "replica-1"  # equal load: more KV free wins
+    key = next(f"system prompt {i}" for i in range(100) if router.ring.lookup(f"system prompt {i}") == "replica-0")
+    assert router.least_loaded(key) == "replica-1"  # 3 > 1 + slack: load wins
+    router.replicas["replica-0"].inflight = 2
+    assert router.least_loaded(key) == "replica-0"  # within the slack: affinity wins
+
+
+def test_load_gauges_from_metrics_text():
+    router = _router(1)
+    r = router.replicas["replica-0"]
+    r.observe_metrics("# HELP x\nstreamkv_requests_waiting 4.0\nstreamkv_requests_running 2.0\n"
+                      "streamkv_kv_blocks_free 30.0\nstreamkv_kv_blocks_used 10.0\n")
+    assert (r.waiting, r.running, r.kv_free, r.load()) == (4.0, 2.0, 0.75, 4.0)
+
+
+def test_owner_table_and_config_checks():
+    t = OwnerTable()
+    assert t.set("s1", "replica-1") == 1 and t.snapshot() == (1, {"s1": "replica-1"})
+    assert t.set("s1", None) == 2 and t.snapshot() == (2, {})
+    assert ClusterConfig(replicas=3).names == ["replica-0", "replica-1", "replica-2"]
+    for bad in ({"replicas": -1}, {"replica_threads": 0}, {"poll_interval_s": 0}, {"affinity_slack": -1}):
+        with pytest.raises(ValueError):
+            ClusterConfig(**bad)
+
+
+def test_affinity_key_reads_the_shared_part_of_a_prompt():
+    assert affinity_key(b'{"messages": [{"role": "system", "content": "tools..."}]}') == "tools..."
+    assert affinity_key(b'{"system": "S", "messages": []}') == "S"
+    assert affinity_key(b'{"prompt": "' + b"x" * 600 + b'"}') == "x" * 512
+    assert affinity_key(b"not json") is None and affinity_key(b"[1]") is None
+
+
+def test_overload_picks_the_fullest_and_the_emptiest_replica():
+    router = _router()
+    assert router.overloaded(0.1) is None
+    router.replicas["replica-1"].kv_free = 0.05
+    router.replicas["replica-2"].kv_free = 0.9
+    router.replicas["replica-0"].kv_free = 0.6
+    assert router.overloaded(0.1) == ("replica-1", "replica-2")
+    assert router.overloaded(0.0) is None  # off
+    router.replicas["replica-2"].kv_free = router.replicas["replica-0"].kv_free = 0.4
+    assert router.overloaded(0.1) is None  # nowhere to go
