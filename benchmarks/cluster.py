@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -200,7 +201,9 @@ def _plain_server(port: int) -> subprocess.Popen:
 
 
 def part_affinity(args: argparse.Namespace) -> dict:
-    systems = [f"You are assistant {k}. " + " ".join(WORDS[(k + i) % 26] for i in range(400)) for k in range(4)]
+    # more system prompts than one replica's prefix cache holds (48 x ~600 tokens vs ~22k cached tokens)
+    systems = [f"You are assistant {k}. " + " ".join(WORDS[(k * 7 + i * (k % 5 + 1)) % 26] for i in range(400))
+               for k in range(48)]
     rows = {}
     for affinity in (False, True):
         from streamkv.cluster import serve_app
@@ -243,13 +246,18 @@ async def _affinity_load(url: str, systems: list[str], args: argparse.Namespace)
 
 
 def _fill_tokens(c: httpx.Client, sid: str, tokens: int) -> int:
-    """Push ~``tokens`` tokens of records; returns the data version to wait for."""
-    version, pushed = 0, 0
-    while pushed < tokens:
-        recs = [f"reading {pushed + j}: {WORDS[j % 26]} {(pushed + j) * 7 % 101} units" for j in range(20)]
-        version = c.post(f"/v1/sessions/{sid}/data", json={"records": recs}).json()["data_version"]
-        pushed += 20 * 10  # ~10 tokens per record
-    return version
+    """Push records until the session holds at least ``tokens`` tokens; returns its version."""
+    n = version = 0
+    while True:
+        stats = c.get(f"/v1/sessions/{sid}").json()
+        if stats["data_version"] >= version and stats["tokens"]["total"] >= tokens:
+            return version
+        if stats["data_version"] >= version:
+            recs = [f"reading {n + j}: {WORDS[(n + j) % 26]} {(n + j) * 7 % 101} units" for j in range(20)]
+            version = c.post(f"/v1/sessions/{sid}/data", json={"records": recs}).json()["data_version"]
+            n += 20
+        else:
+            time.sleep(0.1)
 
 
 def part_migration(args: argparse.Namespace) -> dict:
@@ -258,7 +266,7 @@ def part_migration(args: argparse.Namespace) -> dict:
     rows = {}
     with httpx.Client(base_url=url, timeout=300) as c:
         for size in args.sizes:
-            sid = c.post("/v1/sessions", json={"system": "You track readings.", "retention_tokens": size + 256}).json()["id"]
+            sid = c.post("/v1/sessions", json={"system": "You track readings.", "retention_tokens": size + 1024}).json()["id"]
             version = _fill_tokens(c, sid, size)
             while c.get(f"/v1/sessions/{sid}").json()["data_version"] < version:
                 time.sleep(0.2)
@@ -278,7 +286,7 @@ def part_migration(args: argparse.Namespace) -> dict:
 
 
 def part_kills(args: argparse.Namespace) -> dict:
-    from ray import serve
+    from streamkv.cluster.serve_app import local_replica_pid
 
     url = start(2, checkpoint_idle_s=0.2)
     wait_live(url, 2)
@@ -317,7 +325,10 @@ def part_kills(args: argparse.Namespace) -> dict:
             time.sleep(1.0)
             owner = next((s["replica"] for s in c.get("/v1/sessions").json()["data"] if s["id"] == sid),
                          ring.lookup(sid))
-            pid = serve.get_deployment_handle(owner, app_name="streamkv").pid.remote().result()
+            pid = local_replica_pid(owner)
+            while pid is None:  # Serve is still starting its process
+                time.sleep(0.2)
+                pid = local_replica_pid(owner)
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             before = len(acked)
@@ -361,7 +372,7 @@ def report(res: dict) -> str:
             [[k, f"{v['output_tok_s']:.1f}", f"{v['speedup']:.2f}x", fmt(v["query_p50_ms"] if v["queries"] else None),
               fmt(v["query_p99_ms"] if v["queries"] else None), v["errors"]] for k, v in res["throughput"].items()])]
     if "affinity" in res:
-        out += ["", "### Prefix affinity (4 system prompts of ~400 words)", md_table(
+        out += ["", "### Prefix affinity (48 system prompts of ~400 words)", md_table(
             ["routing", "requests/s", "cached prompt fraction", "p50 ms", "p99 ms"],
             [[k, f"{v['requests_s']:.2f}", f"{v['cached_fraction']:.2f}", f"{v['p50_ms']:.0f}", f"{v['p99_ms']:.0f}"]
              for k, v in res["affinity"].items()])]
@@ -389,11 +400,12 @@ def main() -> None:
     print(f"machine: {res['machine']['cpu']}", flush=True)
     parts = {"overhead": part_overhead, "throughput": part_throughput, "affinity": part_affinity,
              "migration": part_migration, "kills": part_kills}
+    path = write_json("cluster", res)
     for name in args.parts.split(","):
         print(f"== {name}", flush=True)
         res[name] = parts[name](args)
         print(report({"machine": res["machine"], name: res[name]}), flush=True)
-    path = write_json("cluster", res)
+        path.write_text(json.dumps(res, indent=1, default=str) + "\n")  # kept if a later part fails
     print("\n" + report(res) + f"\n\nresults: {path}")
 
 

@@ -18,7 +18,6 @@ from streamkv.client import Client
 from tests.server_harness import ServerProcess, free_port
 
 ray = pytest.importorskip("ray", reason="the cluster needs Ray Serve: pip install 'streamkv[cluster]'")
-serve = pytest.importorskip("ray.serve")
 
 ENGINE = {"kv_cache_memory": 128 << 20, "checkpoint_idle_s": 0.2}
 SPEC = {"system": "You track readings.", "retention_tokens": 400}
@@ -163,7 +162,9 @@ def test_a_killed_replica_loses_no_acknowledged_record(cluster):
         time.sleep(0.5)  # idle: a snapshot at version 6
         acks += [sess.push([f"late {i}: {i} units"]) for i in range(4)]  # in the log only
         assert [a["data_version"] for a in acks] == list(range(1, 11))
-        pid = serve.get_deployment_handle("replica-0", app_name="streamkv").pid.remote().result()
+        from streamkv.cluster.serve_app import local_replica_pid
+
+        pid = local_replica_pid("replica-0")
         os.kill(pid, signal.SIGKILL)
         statuses = [c.http.post("/v1/completions", json=COMPLETION).status_code for _ in range(3)]
         assert statuses == [200, 200, 200]  # refused connections are retried on replica-1
@@ -173,3 +174,40 @@ def test_a_killed_replica_loses_no_acknowledged_record(cluster):
         metrics = httpx.get(cluster + "/metrics").text
         assert re.search(r"^streamkv_cluster_failovers_total [1-9]", metrics, re.M), metrics
         assert re.search(r"^streamkv_cluster_replica_down_total [1-9]", metrics, re.M), metrics
+
+
+def _wait_all_live(c: Client, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(r["live"] for r in c.request("GET", "/v1/cluster")["replicas"]):
+        assert time.monotonic() < deadline, "a replica did not come (back) up"
+        time.sleep(0.2)
+
+
+def test_drain_input_streams_and_errors(cluster):
+    with Client(cluster) as c:
+        _wait_all_live(c)  # after the kill test, Serve restarts replica-0
+        sess, _ = _fill(c, _owned_by("replica-1", "drain"), 3)
+        _wait_version(sess, 3)
+        out = c.request("POST", "/v1/cluster/replicas/replica-1/drain")
+        assert sess.id in [m["id"] for m in out["moved"]] and all(m["to"] == "replica-0" for m in out["moved"])
+        assert _replica_of(c, sess.id) == "replica-0" and sess.stats()["data_version"] == 3
+        new = c.create_session(**SPEC, id=_owned_by("replica-1", "drain-new"))  # never on a draining replica
+        assert _replica_of(c, new.id) == "replica-0"
+        c.request("POST", "/v1/cluster/replicas/replica-1/undrain")
+        with pytest.raises(Exception, match="409"):  # the last replica up cannot be drained
+            c.request("POST", "/v1/cluster/replicas/replica-1/drain")
+            c.request("POST", "/v1/cluster/replicas/replica-0/drain")
+        c.request("POST", "/v1/cluster/replicas/replica-1/undrain")
+        # a streaming input lives on the replica that opened it: every call finds it there
+        http = c.http
+        sid = http.post("/v1/input_streams", json={"prompt": "The capital of France", "max_tokens": 6,
+                                                   "temperature": 0}).json()["id"]
+        assert http.post(f"/v1/input_streams/{sid}/append", json={"text": " is"}).status_code == 200
+        done = http.post(f"/v1/input_streams/{sid}/finish", json={"stream": False}).json()
+        ref = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
+                                                 "temperature": 0}).json()
+        assert done["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert http.post("/v1/input_streams/istr_nope/append", json={"text": "x"}).status_code == 404
+        assert http.post("/v1/sessions/nope-not-here/migrate", json={}).status_code == 404
+        assert http.post("/v1/sessions", content=b"{bad json").status_code == 400
+        assert http.get("/v1/sessions/../../etc/passwd").status_code in (400, 404)

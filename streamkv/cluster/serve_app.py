@@ -135,6 +135,21 @@ def run(config: ClusterConfig, engine_options: dict[str, Any], server: ServerCon
     return 0
 
 
+def local_replica_pid(name: str, app: str = APP_NAME) -> int | None:
+    """The pid of replica ``name`` if it runs on this node (Ray names the process
+    ``ray::ServeReplica:<app>:<name>``), for operators and the kill tests."""
+    title = f"ray::ServeReplica:{app}:{name}".encode()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[0] == title:
+                        return int(d)
+            except OSError:
+                continue
+    return None
+
+
 def app_builder(args: dict[str, Any]) -> Any:
     """``serve run serve.yaml``: ``args`` = {"cluster": {...}, "engine": {...}, "server": {...}}
     (the fields of ClusterConfig, the engine flags and ServerConfig, by name)."""
