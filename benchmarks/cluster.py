@@ -55,11 +55,12 @@ def start(replicas: int, haproxy: bool = True, **engine) -> str:
 
 
 def stop() -> None:
-    import ray
+    from streamkv.cluster import serve_app
 
-    ray.shutdown()
-    os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
-    os.environ.pop("RAY_SERVE_THROUGHPUT_OPTIMIZED", None)
+    serve_app.shutdown()
+    for var in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_HAPROXY_STATS_PORT",
+                "RAY_SERVE_HAPROXY_METRICS_PORT"):
+        os.environ.pop(var, None)
     time.sleep(2.0)
 
 

@@ -32,9 +32,11 @@ def cluster(tmp_path_factory):
     from streamkv.server.config import ServerConfig
 
     opts = {**ENGINE, "session_dir": str(tmp_path_factory.mktemp("shared-sessions"))}
-    url = serve_app.start(ClusterConfig(replicas=2, poll_interval_s=0.1), opts, ServerConfig(port=free_port()))
+    # rebalance when a replica's pool is over 55% full (test_overload_moves_the_biggest_session)
+    config = ClusterConfig(replicas=2, poll_interval_s=0.1, rebalance_kv_free=0.45)
+    url = serve_app.start(config, opts, ServerConfig(port=free_port()))
     yield url
-    ray.shutdown()
+    serve_app.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +213,30 @@ def test_drain_input_streams_and_errors(cluster):
         assert http.post("/v1/sessions/nope-not-here/migrate", json={}).status_code == 404
         assert http.post("/v1/sessions", content=b"{bad json").status_code == 400
         assert http.get("/v1/sessions/../../etc/passwd").status_code in (400, 404)
+
+
+def test_overload_moves_a_session_to_the_emptier_replica(cluster):
+    """Two sessions filling ~60% of replica-0's 128 MiB pool (the test cluster rebalances below
+    45% free): one moves to replica-1, once; moving the other too would not help."""
+    with Client(cluster) as c:
+        _wait_all_live(c)
+        sessions, versions = [], []
+        for k in range(2):
+            sess = c.create_session(system="You track readings.", retention_tokens=2400,
+                                    id=_owned_by("replica-0", f"big{k}"))
+            for i in range(0, 140, 20):
+                recs = [f"reading {j}: sensor {j % 7} reports {j * 13 % 101} units" for j in range(i, i + 20)]
+                version = sess.push(recs)["data_version"]
+            sessions.append(sess)
+            versions.append(version)
+        deadline = time.monotonic() + 120
+        while "replica-1" not in [_replica_of(c, s.id) for s in sessions]:
+            assert time.monotonic() < deadline, c.request("GET", "/v1/cluster")
+            time.sleep(0.5)
+        for sess, version in zip(sessions, versions):
+            assert _wait_version(sess, version)["data_version"] == version
+        time.sleep(6.0)  # past the next rebalance window: nothing moves back or on
+        assert sorted(_replica_of(c, s.id) for s in sessions) == ["replica-0", "replica-1"]
+        assert re.search(r"^streamkv_cluster_rebalances_total 1$", httpx.get(cluster + "/metrics").text, re.M)
+        for sess in sessions:
+            sess.delete()

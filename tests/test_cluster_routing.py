@@ -88,7 +88,7 @@ def test_load_gauges_from_metrics_text():
     r = router.replicas["replica-0"]
     r.observe_metrics("# HELP x\nstreamkv_requests_waiting 4.0\nstreamkv_requests_running 2.0\n"
                       "streamkv_kv_blocks_free 30.0\nstreamkv_kv_blocks_used 10.0\n")
-    assert (r.waiting, r.running, r.kv_free, r.load()) == (4.0, 2.0, 0.75, 4.0)
+    assert (r.waiting, r.running, r.kv_free, r.kv_blocks, r.load()) == (4.0, 2.0, 0.75, 40.0, 4.0)
 
 
 def test_owner_table_and_config_checks():

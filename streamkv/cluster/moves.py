@@ -114,7 +114,10 @@ async def rebalance(proxy: Proxy) -> dict[str, Any] | None:
     resident = [s for s in listed if s["kv"]["where"] == "pool" and s["id"] not in proxy.moving]
     if not resident:
         return None
-    biggest = max(resident, key=lambda s: s["kv"]["bytes"])
+    biggest = max(resident, key=lambda s: s["kv"]["blocks"])
+    src, dst = proxy.router.replicas[source], proxy.router.replicas[target]
+    if dst.kv_free - biggest["kv"]["blocks"] / max(1.0, dst.kv_blocks) <= src.kv_free:
+        return None  # the target would end up as full as the source is: no ping-pong
     return await migrate(proxy, biggest["id"], target)
 
 

@@ -35,6 +35,7 @@ class ReplicaView:
     waiting: float = 0.0  # from its /metrics
     running: float = 0.0
     kv_free: float = 1.0  # free / (free + used) KV blocks
+    kv_blocks: float = 0.0  # free + used
 
     @property
     def up(self) -> bool:
@@ -50,6 +51,7 @@ class ReplicaView:
         self.waiting = g.get("streamkv_requests_waiting", 0.0)
         self.running = g.get("streamkv_requests_running", 0.0)
         free, used = g.get("streamkv_kv_blocks_free", 0.0), g.get("streamkv_kv_blocks_used", 0.0)
+        self.kv_blocks = free + used
         self.kv_free = free / (free + used) if free + used > 0 else 1.0
 
     def to_dict(self) -> dict[str, object]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import tempfile
 import threading
 from dataclasses import asdict
@@ -96,9 +97,12 @@ def start(config: ClusterConfig, engine_options: dict[str, Any], server: ServerC
           ray_address: str | None = None) -> str:
     """Start Ray (or join ``ray_address``), deploy, wait until ready; returns the ingress URL."""
     if config.haproxy and _haproxy_installed():
-        # Ray's high-throughput mode: HAProxy in front, the ingress's code on the HTTP loop
+        # Ray's high-throughput mode: HAProxy in front, the ingress's code on the HTTP loop;
+        # HAProxy's stats and metrics ports are fixed by default (8404, 9101): take free ones
         os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
         os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+        for var in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+            os.environ.setdefault(var, str(_free_port()))
     import ray
     from ray import serve
 
@@ -108,6 +112,32 @@ def start(config: ClusterConfig, engine_options: dict[str, Any], server: ServerC
     serve.start(http_options={"host": server.host, "port": server.port})
     serve.run(build(config, engine_options, server), name=APP_NAME, route_prefix="/")
     return f"http://{server.host}:{server.port}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def shutdown() -> None:
+    """Stop the local Ray cluster, and the HAProxy process Serve started for this node
+    (``ray.shutdown`` leaves it running, holding its ports)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    node = ray.get_runtime_context().get_node_id()
+    ray.shutdown()
+    marker = f"/haproxy-serve/{node}/".encode()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker in f.read():
+                        os.kill(int(d), signal.SIGTERM)
+            except OSError:
+                continue
 
 
 def _haproxy_installed() -> bool:
@@ -120,8 +150,6 @@ def _haproxy_installed() -> bool:
 
 def run(config: ClusterConfig, engine_options: dict[str, Any], server: ServerConfig) -> int:
     """``streamkv serve --replicas N``: blocks until SIGINT/SIGTERM, then stops Ray."""
-    import ray
-
     url = start(config, engine_options, server)
     options = engine_options_for(config, engine_options)
     print(f"streamkv cluster serving at {url}: {config.replicas} replicas x {config.replica_threads} thread(s) on "
@@ -131,7 +159,7 @@ def run(config: ClusterConfig, engine_options: dict[str, Any], server: ServerCon
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    ray.shutdown()
+    shutdown()
     return 0
 
 
