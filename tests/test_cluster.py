@@ -120,6 +120,7 @@ def test_ownership_is_stable_and_follows_the_ring(cluster):
 def test_forced_migration_keeps_version_answer_and_subscriptions(cluster):
     with Client(cluster) as c:
         sess, acks = _fill(c, _owned_by("replica-0", "move"), 8)
+        c.request("POST", f"/v1/sessions/{sess.id}/flash", json={"question": "How many readings?", "max_tokens": 8})
         _wait_version(sess, 8)
         before = sess.query(QUESTION, max_tokens=12)
         events: list[dict] = []
@@ -144,9 +145,10 @@ def test_forced_migration_keeps_version_answer_and_subscriptions(cluster):
         ws.close()
         _wait_version(sess, 9)
         deadline = time.monotonic() + 30
-        while not any(e["event"] == "data_updated" and e["data_version"] == 9 for e in events):
-            assert time.monotonic() < deadline, events
+        while not any(e["event"] == "flash_ready" and e["data_version"] == 9 for e in events):
+            assert time.monotonic() < deadline, events  # the flash question moved with the session
             time.sleep(0.1)
+        assert any(e["event"] == "data_updated" and e["data_version"] == 9 for e in events)
         kinds = [e["event"] for e in events]
         assert "migrated" in kinds and kinds.index("migrated") < len(kinds) - 1  # the one stream went on
         with pytest.raises(Exception, match="400"):
@@ -176,6 +178,27 @@ def test_a_killed_replica_loses_no_acknowledged_record(cluster):
         metrics = httpx.get(cluster + "/metrics").text
         assert re.search(r"^streamkv_cluster_failovers_total [1-9]", metrics, re.M), metrics
         assert re.search(r"^streamkv_cluster_replica_down_total [1-9]", metrics, re.M), metrics
+
+
+def test_a_replica_killed_mid_stream_ends_the_stream_with_a_retryable_error(cluster):
+    """SSE generation relayed from a replica that dies: the tokens so far, then an error event
+    (503, retry), never a truncated stream that looks finished or a wrong answer."""
+    from streamkv.cluster.serve_app import local_replica_pid
+
+    with Client(cluster) as c:
+        _wait_all_live(c)
+        body = {**COMPLETION, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with c.http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            first = next(x for x in lines if x.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"] is not None
+            os.kill(local_replica_pid(resp.headers["x-streamkv-replica"]), signal.SIGKILL)
+            rest = list(lines)
+        assert "data: [DONE]" not in rest
+        error = json.loads(next(x for x in rest if x.startswith("data: {\"error\"")).removeprefix("data: "))
+        assert error["error"]["code"] == 503 and "retry" in error["error"]["message"]
+        assert c.http.post("/v1/completions", json=COMPLETION).status_code == 200  # the other replica serves
 
 
 def _wait_all_live(c: Client, timeout: float = 120.0) -> None:

@@ -65,14 +65,27 @@ class Proxy:
         self.counts: Counter[str] = Counter()
         self.last_rebalance = 0.0
         self._poller: asyncio.Task | None = None
+        self._ready: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ health
     async def start(self) -> None:
-        """Load the owner table and start polling (idempotent; the first request calls it)."""
-        if self._poller is None:
+        """Load the owner table, poll once and keep polling (every request calls it; the
+        first does the work, concurrent ones wait for it)."""
+        if self._ready is None:
+            ready = self._ready = asyncio.Event()
+            try:
+                self.router.overrides.update(await self.owners.load())
+                await self.poll_once()
+            except BaseException:
+                self._ready = None  # the next request tries again
+                ready.set()
+                raise
             self._poller = asyncio.ensure_future(self._poll_forever())
-            self.router.overrides.update(await self.owners.load())
-            await self.poll_once()
+            ready.set()
+            return
+        await self._ready.wait()
+        if self._ready is None:  # the first caller failed: try again
+            await self.start()
 
     async def _poll_forever(self) -> None:
         from streamkv.cluster.moves import rebalance  # moves builds on this module
@@ -193,6 +206,7 @@ class Proxy:
             raise unavailable(f"replica {r.name} failed while taking the request; retry") from None
         self.counts[f"routed:{r.name}"] += 1
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP}
+        out_headers["x-streamkv-replica"] = r.name
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(self._relay(resp, r), status_code=resp.status_code, headers=out_headers)
         try:
