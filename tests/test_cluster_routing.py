@@ -118,3 +118,15 @@ def test_overload_picks_the_fullest_and_the_emptiest_replica():
     assert router.overloaded(0.0) is None  # off
     router.replicas["replica-2"].kv_free = router.replicas["replica-0"].kv_free = 0.4
     assert router.overloaded(0.1) is None  # nowhere to go
+
+
+def test_the_ingress_own_routes_need_the_api_key():
+    from fastapi.testclient import TestClient
+
+    from streamkv.cluster.ingress import create_ingress_app
+
+    client = TestClient(create_ingress_app(lambda: None, api_key="s3cret"))
+    for method, path in (("GET", "/v1/cluster"), ("GET", "/metrics"), ("POST", "/v1/sessions/abcdefgh/migrate"),
+                         ("POST", "/v1/cluster/replicas/replica-0/drain"), ("GET", "/v1/sessions/abcdefgh/events")):
+        r = client.request(method, path, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, r.text)

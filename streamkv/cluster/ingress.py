@@ -38,8 +38,12 @@ class MigrateBody(BaseModel):
     to: StrictStr | None = None
 
 
+def _key_ok(request: Request | WebSocket, api_key: str | None) -> bool:
+    return not api_key or hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}")
+
+
 def _check_key(request: Request | WebSocket, api_key: str | None) -> None:
-    if api_key and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}"):
+    if not _key_ok(request, api_key):
         raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)")
 
 
@@ -102,20 +106,16 @@ def create_ingress_app(get_proxy: Callable[[], Proxy], api_key: str | None = Non
         proxy = await proxy_for(request, own=True)
         return await streams.session_events(proxy, session_id)
 
-    def ws_refused(websocket: WebSocket) -> bool:
-        return bool(api_key) and not hmac.compare_digest(websocket.headers.get("authorization", ""),
-                                                         f"Bearer {api_key}")
-
     @app.websocket("/v1/sessions/{session_id}/ws")
     async def session_ws(websocket: WebSocket, session_id: str) -> None:
-        if ws_refused(websocket):
+        if not _key_ok(websocket, api_key):
             await websocket.close(code=4401)
             return
         await streams.session_ws(await proxy_for(websocket), websocket, session_id)
 
     @app.websocket("/v1/input_streams/{stream_id}/ws")
     async def input_ws(websocket: WebSocket, stream_id: str) -> None:
-        if ws_refused(websocket):
+        if not _key_ok(websocket, api_key):
             await websocket.close(code=4401)
             return
         proxy = await proxy_for(websocket)

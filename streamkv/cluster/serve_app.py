@@ -11,7 +11,7 @@ import socket
 import tempfile
 import threading
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Iterator
 
 from streamkv.cluster.config import ClusterConfig
 from streamkv.cluster.ingress import create_ingress_app
@@ -130,12 +130,10 @@ def shutdown() -> None:
     node = ray.get_runtime_context().get_node_id()
     ray.shutdown()
     marker = f"/haproxy-serve/{node}/".encode()
-    for d in os.listdir("/proc"):
-        if d.isdigit():
+    for pid, cmd in _processes():
+        if marker in cmd:
             try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if marker in f.read():
-                        os.kill(int(d), signal.SIGTERM)
+                os.kill(pid, signal.SIGTERM)
             except OSError:
                 continue
 
@@ -163,19 +161,22 @@ def run(config: ClusterConfig, engine_options: dict[str, Any], server: ServerCon
     return 0
 
 
-def local_replica_pid(name: str, app: str = APP_NAME) -> int | None:
-    """The pid of replica ``name`` if it runs on this node (Ray names the process
-    ``ray::ServeReplica:<app>:<name>``), for operators and the kill tests."""
-    title = f"ray::ServeReplica:{app}:{name}".encode()
+def _processes() -> Iterator[tuple[int, bytes]]:
+    """``(pid, raw cmdline)`` of this node's processes (Linux /proc)."""
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if f.read().split(b"\0")[0] == title:
-                        return int(d)
+                    yield int(d), f.read()
             except OSError:
                 continue
-    return None
+
+
+def local_replica_pid(name: str, app: str = APP_NAME) -> int | None:
+    """The pid of replica ``name`` if it runs on this node (Ray names the process
+    ``ray::ServeReplica:<app>:<name>``), for operators and the kill tests."""
+    title = f"ray::ServeReplica:{app}:{name}".encode()
+    return next((pid for pid, cmd in _processes() if cmd.split(b"\0")[0] == title), None)
 
 
 def app_builder(args: dict[str, Any]) -> Any:
