@@ -37,6 +37,11 @@ class SessionExistsError(StreamKVError):
     """A session with this id already exists (live here, or stored in the shared session dir)."""
 
 
+class SessionMovedError(StreamKVError):
+    """This replica released the session moments ago (a migration): retry, the cluster routes
+    the retry to the new owner. Nothing of the request was applied."""
+
+
 class QueueFullError(StreamKVError):
     """A session's ingestion queue is full and its overflow policy is ``reject`` (or ``block``
     timed out); nothing from the push was accepted."""

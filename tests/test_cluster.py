@@ -234,6 +234,8 @@ def test_drain_input_streams_and_errors(cluster):
         assert done["choices"][0]["text"] == ref["choices"][0]["text"]
         assert http.post("/v1/input_streams/istr_nope/append", json={"text": "x"}).status_code == 404
         assert http.post("/v1/sessions/nope-not-here/migrate", json={}).status_code == 404
+        assert http.post(f"/v1/sessions/{sess.id}/release").status_code == 404  # the ingress's own step only
+        assert http.post(f"/v1/sessions/{sess.id}/adopt").status_code == 404
         assert http.post("/v1/sessions", content=b"{bad json").status_code == 400
         assert http.get("/v1/sessions/../../etc/passwd").status_code in (400, 404)
 

@@ -127,6 +127,7 @@ def test_the_ingress_own_routes_need_the_api_key():
 
     client = TestClient(create_ingress_app(lambda: None, api_key="s3cret"))
     for method, path in (("GET", "/v1/cluster"), ("GET", "/metrics"), ("POST", "/v1/sessions/abcdefgh/migrate"),
-                         ("POST", "/v1/cluster/replicas/replica-0/drain"), ("GET", "/v1/sessions/abcdefgh/events")):
+                         ("POST", "/v1/cluster/replicas/replica-0/drain"), ("GET", "/v1/sessions/abcdefgh/events"),
+                         ("GET", "/v1/sessions"), ("POST", "/v1/completions"), ("POST", "/v1/sessions")):
         r = client.request(method, path, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, r.text)

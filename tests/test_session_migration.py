@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamkv import LLM, SamplingParams
-from streamkv.errors import InvalidRequestError, SessionExistsError, SessionNotFoundError
+from streamkv.errors import InvalidRequestError, SessionExistsError, SessionMovedError, SessionNotFoundError
 from streamkv.sessions.spec import SessionSpec
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -57,6 +57,9 @@ def test_release_then_adopt_keeps_version_layout_and_answer(pair):
     # and back: the answer at version 12 is the same on either engine
     at_b = _ask(b, sess.id, "q-b")
     b.sessions.release(sess.id)
+    with pytest.raises(SessionMovedError):  # released here moments ago: a late request is refused,
+        a.sessions.get(sess.id)  # never a second copy of a session someone else may hold
+    a.sessions.adopt(sess.id)  # the owner the ingress chose takes it explicitly
     assert _ask(a, sess.id, "q-a2") == at_b
     assert before  # an answer was generated at version 10 too
     a.sessions.delete(sess.id)
@@ -73,7 +76,7 @@ def test_a_released_session_emits_migrated_and_ids_are_checked(pair):
     a.sessions.release(sess.id)
     assert events[-1]["event"] == "migrated" and events[-1]["data_version"] == 0
     assert b.sessions.exists("migrate-me-2") and "migrate-me-2" not in b.sessions.sessions
-    b.sessions.get("migrate-me-2")  # adopted
+    b.sessions.get("migrate-me-2")  # adopted on first use (b never released it)
     with pytest.raises(SessionExistsError):
         b.sessions.create(SessionSpec(system="Log."), "migrate-me-2")
     with pytest.raises(SessionNotFoundError):

@@ -28,9 +28,11 @@ from pydantic import BaseModel, ConfigDict, StrictStr
 from streamkv.cluster import moves, streams
 from streamkv.cluster.proxy import Proxy
 from streamkv.server.errors import APIError, install_error_handlers
+from streamkv.sessions.session import valid_session_id
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 _AFFINE = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+INTERNAL = ("release", "adopt")  # replica routes only the ingress calls
 
 
 class MigrateBody(BaseModel):
@@ -123,6 +125,8 @@ def create_ingress_app(get_proxy: Callable[[], Proxy], api_key: str | None = Non
 
     @app.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
     async def anything(path: str, request: Request) -> Response:
+        if not path.startswith("ui"):  # the page itself is open, as on one server
+            _check_key(request, api_key)  # before the ingress acts on the request's behalf
         return await route(await proxy_for(request), request, "/" + path)
 
     return app
@@ -136,7 +140,14 @@ async def route(proxy: Proxy, request: Request, path: str) -> Response:
             if request.method == "POST":
                 return await proxy.create_session(request, body)
             return JSONResponse(await proxy.list_sessions())
-        return await proxy.to_session(request, parts[2], body)
+        if not valid_session_id(parts[2]):
+            raise APIError(404, f"session {parts[2]!r} does not exist", param="session_id")
+        if len(parts) > 3 and parts[3] in INTERNAL:
+            raise APIError(404, f"/{parts[3]} is the cluster's own step of a migration; use /migrate")
+        resp = await proxy.to_session(request, parts[2], body)
+        if request.method == "DELETE" and len(parts) == 3 and resp.status_code == 200:
+            await proxy.forget_session(parts[2])
+        return resp
     if parts[:2] == ["v1", "input_streams"]:
         if len(parts) == 2 and request.method == "POST":
             return await proxy.create_input(request, body)

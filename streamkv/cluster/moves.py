@@ -5,7 +5,7 @@
     migrate(id, to):   moving[id] = Event          requests for id wait on it (503 after move_timeout_s)
                        source  POST /release        KV snapshot at the newest complete version + log closed
                        owners  id -> to             (Ray actor, then the Router's copy)
-                       target  GET  /v1/sessions/id adopt: snapshot + replay of newer logged pushes, KV resident
+                       target  POST /adopt          snapshot + replay of newer logged pushes, KV resident
                        moving[id].set()             waiting requests go to the target
 
 A failed source is skipped (its acknowledged pushes are in the log already); the target
@@ -36,8 +36,8 @@ async def migrate(proxy: Proxy, session_id: str, to: str | None = None) -> dict[
         raise APIError(400, f"unknown replica {to!r}; replicas: {', '.join(router.replicas)}", param="to")
     if session_id in proxy.moving:
         raise APIError(409, f"session {session_id!r} is already being moved")
-    source = (await proxy.session_replica(session_id)).name
     try:
+        source = router.owner(session_id)[0]  # no wait, no failover record: the move decides
         target = to or router.successor(session_id, exclude=source)
     except NoReplicaError as exc:
         raise unavailable(str(exc)) from None
@@ -45,28 +45,40 @@ async def migrate(proxy: Proxy, session_id: str, to: str | None = None) -> dict[
         raise APIError(400, f"session {session_id!r} already lives on {source}", param="to")
     if not router.replicas[target].up:
         raise unavailable(f"replica {target} is not up")
-    done = proxy.moving[session_id] = asyncio.Event()
+    done = proxy.moving[session_id] = asyncio.Event()  # before any await: one move at a time
     t0 = time.perf_counter()
     try:
-        released = await _release(proxy, source, session_id)
-        previous = router.overrides.get(session_id)
-        await proxy.set_owner(session_id, target)
-        adopted = await proxy._call(router.replicas[target], "GET", f"/v1/sessions/{session_id}")
-        if adopted.status_code != 200:
-            await proxy.owners.set(session_id, previous)
-            router.overrides.pop(session_id, None) if previous is None else router.set_owner(session_id, previous)
-            if adopted.status_code == 404 and released is None:
-                raise APIError(404, f"session {session_id!r} does not exist", param="session_id")
-            raise unavailable(f"replica {target} could not adopt session {session_id!r} "
-                              f"({adopted.status_code}); retry")
-    except (Unreachable, httpx.HTTPError) as exc:
-        raise unavailable(f"the move of session {session_id!r} failed ({type(exc).__name__}); retry") from None
+        adopted = await _move(proxy, session_id, source, target)
     finally:
-        del proxy.moving[session_id]
+        proxy.moving.pop(session_id, None)
         done.set()
     proxy.counts["migrations"] += 1
     return {"id": session_id, "object": "session.migration", "from": source, "to": target,
-            "data_version": adopted.json()["data_version"], "seconds": round(time.perf_counter() - t0, 4)}
+            "data_version": adopted["data_version"], "seconds": round(time.perf_counter() - t0, 4)}
+
+
+async def _move(proxy: Proxy, session_id: str, source: str, target: str) -> dict[str, Any]:
+    """Release on ``source``, record ``target``, adopt there; on failure the source takes the
+    session back (explicitly: it refuses a session it released otherwise)."""
+    router = proxy.router
+    try:
+        released = await _release(proxy, source, session_id)
+        await proxy.set_owner(session_id, target)
+        adopted = await proxy._call(router.replicas[target], "POST", f"/v1/sessions/{session_id}/adopt")
+        if adopted.status_code == 200:
+            return adopted.json()
+        failure = f"replica {target} could not adopt session {session_id!r} ({adopted.status_code})"
+        missing = adopted.status_code == 404 and released is None
+    except (Unreachable, httpx.HTTPError, ValueError) as exc:
+        failure, missing = f"the move of session {session_id!r} failed ({type(exc).__name__})", False
+    await proxy.set_owner(session_id, source)
+    if missing:
+        raise APIError(404, f"session {session_id!r} does not exist", param="session_id")
+    try:
+        await proxy._call(router.replicas[source], "POST", f"/v1/sessions/{session_id}/adopt")
+    except (Unreachable, httpx.HTTPError):
+        pass  # the source is gone too: the next request fails it over
+    raise unavailable(failure + "; retry")
 
 
 async def _release(proxy: Proxy, source: str, session_id: str) -> dict[str, Any] | None:
@@ -81,9 +93,13 @@ async def _release(proxy: Proxy, source: str, session_id: str) -> dict[str, Any]
         return None
     if resp.status_code == 404:
         return None
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {}
     if resp.status_code != 200:
-        raise APIError(resp.status_code, resp.json().get("error", {}).get("message", "release failed"))
-    return resp.json()
+        raise APIError(resp.status_code, body.get("error", {}).get("message", "release failed"))
+    return body
 
 
 async def drain(proxy: Proxy, name: str) -> dict[str, Any]:
@@ -94,11 +110,20 @@ async def drain(proxy: Proxy, name: str) -> dict[str, Any]:
     if not [n for n in proxy.router.up_names() if n != name]:
         raise APIError(409, f"draining {name} would leave no replica up")
     r.draining = True
-    moved, t0 = [], time.perf_counter()
-    listed = (await proxy._call(r, "GET", "/v1/sessions")).json().get("data", []) if r.live else []
+    moved: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    try:
+        listed = (await proxy._call(r, "GET", "/v1/sessions")).json().get("data", []) if r.live else []
+    except (Unreachable, httpx.HTTPError, ValueError):
+        listed = []  # gone: its sessions fail over on their next request
     for s in listed:
-        moved.append(await migrate(proxy, s["id"]))
-    return {"object": "cluster.drain", "replica": name, "moved": moved, "seconds": round(time.perf_counter() - t0, 4)}
+        try:
+            moved.append(await migrate(proxy, s["id"]))
+        except APIError as exc:  # keep draining the rest; the caller sees which ones stayed
+            failed.append({"id": s["id"], "status": exc.status, "message": exc.message})
+    return {"object": "cluster.drain", "replica": name, "moved": moved, "failed": failed,
+            "seconds": round(time.perf_counter() - t0, 4)}
 
 
 async def rebalance(proxy: Proxy) -> dict[str, Any] | None:

@@ -110,7 +110,7 @@ class Proxy:
                 return  # restarting
         try:
             resp = await self.client.get(r.url + "/metrics", headers=self.auth, timeout=5.0)
-        except (httpx.ConnectError, httpx.ConnectTimeout):
+        except httpx.ConnectError:  # refused: the process is gone (a timeout only means busy)
             self.mark_down(r)
             return
         except httpx.HTTPError:
@@ -130,16 +130,20 @@ class Proxy:
         """Before a replica takes work again: hand back sessions it still holds that are owned
         elsewhere now (it was unreachable, not dead), and replay the registered corpora."""
         try:
-            listed = (await self._call(r, "GET", "/v1/sessions")).json().get("data", [])
-            for s in listed:
-                if self.router.assigned(s["id"]) != r.name or s["id"] in self.moving:
-                    await self._call(r, "POST", f"/v1/sessions/{s['id']}/release")
+            await self._release_foreign(r)
             for name, body in self.corpora.items():
                 await self._call(r, "POST", f"/v1/corpora/{name}", content=body)
-        except (httpx.HTTPError, NoReplicaError, ValueError):
+            r.live = True
+            await self._release_foreign(r)  # sessions that failed over while the first pass ran
+        except (Unreachable, httpx.HTTPError, NoReplicaError, ValueError):
             return  # try again at the next poll
-        r.live = True
         log.info("replica %s is up at %s", r.name, r.url)
+
+    async def _release_foreign(self, r: ReplicaView) -> None:
+        """Have ``r`` release every session it holds that the table assigns elsewhere."""
+        for s in (await self._call(r, "GET", "/v1/sessions")).json().get("data", []):
+            if self.router.assigned(s["id"]) != r.name or s["id"] in self.moving:
+                await self._call(r, "POST", f"/v1/sessions/{s['id']}/release")
 
     async def _call(self, r: ReplicaView, method: str, path: str, **kw: Any) -> httpx.Response:
         """One internal request to a replica (auth added); raises Unreachable on refusal."""
@@ -148,8 +152,10 @@ class Proxy:
         try:
             return await self.client.request(method, r.url + path, headers={**self.auth, **kw.pop("headers", {})},
                                              **kw)
-        except (httpx.ConnectError, httpx.ConnectTimeout):
+        except httpx.ConnectError:
             self.mark_down(r)
+            raise Unreachable(r.name) from None
+        except httpx.ConnectTimeout:
             raise Unreachable(r.name) from None
 
     # ----------------------------------------------------------------- routing
@@ -165,15 +171,32 @@ class Proxy:
             name, moved = self.router.owner(session_id, new)
         except NoReplicaError as exc:
             raise unavailable(str(exc)) from None
+        r = self.router.replicas[name]
+        if moved and not new:  # failover: the successor takes the session from the dir now
+            try:
+                adopted = await self._call(r, "POST", f"/v1/sessions/{session_id}/adopt")
+            except (Unreachable, httpx.HTTPError):
+                raise unavailable(f"replica {name} could not take session {session_id!r} over; retry") from None
+            if adopted.status_code == 404:
+                return r  # no such session anywhere: the request gets its 404 there
+            self.counts["failovers"] += 1
         if moved:
             await self.set_owner(session_id, name)
-            self.counts["failovers"] += 0 if new else 1
-        return self.router.replicas[name]
+        return r
 
     async def set_owner(self, session_id: str, name: str) -> None:
         natural = self.router.ring.lookup(session_id)
-        await self.owners.set(session_id, None if name == natural else name)
+        try:
+            await self.owners.set(session_id, None if name == natural else name)
+        except Exception as exc:  # the owner table's actor is restarting
+            raise unavailable(f"the owner table is unavailable ({type(exc).__name__}); retry") from None
         self.router.set_owner(session_id, name)
+
+    async def forget_session(self, session_id: str) -> None:
+        """A deleted session needs no owner-table entry."""
+        if session_id in self.router.overrides:
+            await self.owners.set(session_id, None)
+            self.router.overrides.pop(session_id, None)
 
     def stateless_replica(self, key: str | None) -> ReplicaView:
         try:
@@ -195,15 +218,16 @@ class Proxy:
         r.inflight += 1
         try:
             resp = await self.client.send(upstream, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout):
+        except BaseException as exc:  # cancelled too (the client left): the count must come back
             r.inflight -= 1
-            self.mark_down(r)
-            raise Unreachable(r.name) from None
-        except httpx.HTTPError:
-            r.inflight -= 1
-            if idempotent:
+            if isinstance(exc, httpx.ConnectError):  # refused: never delivered, the replica is gone
+                self.mark_down(r)
                 raise Unreachable(r.name) from None
-            raise unavailable(f"replica {r.name} failed while taking the request; retry") from None
+            if isinstance(exc, httpx.ConnectTimeout) or (idempotent and isinstance(exc, httpx.HTTPError)):
+                raise Unreachable(r.name) from None
+            if isinstance(exc, httpx.HTTPError):
+                raise unavailable(f"replica {r.name} failed while taking the request; retry") from None
+            raise
         self.counts[f"routed:{r.name}"] += 1
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP}
         out_headers["x-streamkv-replica"] = r.name
@@ -231,14 +255,19 @@ class Proxy:
             await resp.aclose()
 
     async def to_session(self, request: Request, session_id: str, body: bytes, new: bool = False) -> Response:
-        """Forward to the owner; a refused connection fails it over once (never delivered)."""
-        for _ in range(2):
+        """Forward to the owner. A refused connection (never delivered) fails over; a replica
+        that released the session while the request was on its way (503 ``session_moved``,
+        nothing applied) sends it on to the new owner."""
+        for _ in range(3):
             r = await self.session_replica(session_id, new)
             try:
-                return await self.forward(request, r, body)
+                resp = await self.forward(request, r, body)
             except Unreachable:
                 continue
-        raise unavailable(f"the owner of session {session_id!r} is unreachable; retry")
+            if not (resp.status_code == 503 and b'"session_moved"' in resp.body):
+                return resp
+            await asyncio.sleep(0.05)
+        raise unavailable(f"session {session_id!r} could not be reached; retry")
 
     async def to_any(self, request: Request, body: bytes, key: str | None = None) -> Response:
         return (await self._to_any(request, body, key))[0]

@@ -18,7 +18,7 @@ import httpx
 from fastapi import WebSocket, WebSocketDisconnect
 from fastapi.responses import Response, StreamingResponse
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
 from streamkv.cluster.proxy import Proxy, Unreachable
 from streamkv.server.errors import APIError, error_body
@@ -28,12 +28,16 @@ RECONNECT_S = 0.2
 
 async def _open_events(proxy: Proxy, session_id: str) -> httpx.Response:
     """An open upstream SSE response from the owner (failing over past refused replicas)."""
-    for _ in range(len(proxy.router.replicas) + 1):
+    for _ in range(len(proxy.router.replicas) + 5):
         r = await proxy.session_replica(session_id)
         try:
             req = proxy.client.build_request("GET", f"{r.url}/v1/sessions/{session_id}/events", headers=proxy.auth)
-            return await proxy.client.send(req, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout):
+            resp = await proxy.client.send(req, stream=True)
+            if resp.status_code != 503:
+                return resp
+            await resp.aclose()  # released there a moment ago (a move): ask the new owner
+            await asyncio.sleep(RECONNECT_S)
+        except httpx.ConnectError:
             proxy.mark_down(r)
         except (httpx.HTTPError, TypeError):  # TypeError: url None (restarting)
             await asyncio.sleep(RECONNECT_S)
@@ -98,7 +102,7 @@ async def session_ws(proxy: Proxy, websocket: WebSocket, session_id: str) -> Non
     inbox: asyncio.Queue[str | None] = asyncio.Queue()
     reader = asyncio.ensure_future(_read_client(websocket, inbox))
     try:
-        while True:
+        while not reader.done():  # done: the client left
             code = await _ws_round(proxy, websocket, session_id, inbox)
             if code is not None:
                 await websocket.close(code=code)
@@ -153,8 +157,10 @@ async def _ws_round(proxy: Proxy, websocket: WebSocket, session_id: str, inbox: 
     except ConnectionClosed as exc:
         if exc.rcvd is not None and exc.rcvd.code == 4404:
             return 4404
-    except OSError:
+    except ConnectionRefusedError:  # the process is gone (a timeout only means busy)
         proxy.mark_down(r)
+    except (OSError, InvalidMessage):
+        pass  # reconnect
     finally:
         if pump is not None:
             pump.cancel()
@@ -198,5 +204,5 @@ async def relay_ws(proxy: Proxy, websocket: WebSocket, path: str, replica: str |
                 pump.cancel()
     except InvalidStatus:
         await websocket.close(code=4404)
-    except (OSError, ConnectionClosed, RuntimeError, WebSocketDisconnect):
+    except (OSError, ConnectionClosed, InvalidMessage, RuntimeError, WebSocketDisconnect):
         pass

@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from streamkv.errors import (EngineDeadError, InputStreamClosedError, InputStreamNotFoundError, InvalidRequestError,
-                             QueueFullError, SessionExistsError, SessionNotFoundError)
+                             QueueFullError, SessionExistsError, SessionMovedError,
+                             SessionNotFoundError)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -67,6 +68,10 @@ def install_error_handlers(app: Any) -> None:
     @app.exception_handler(SessionNotFoundError)
     async def _no_session(_: Request, exc: SessionNotFoundError) -> JSONResponse:
         return error_response(404, str(exc), param="session_id")
+
+    @app.exception_handler(SessionMovedError)
+    async def _session_moved(_: Request, exc: SessionMovedError) -> JSONResponse:
+        return error_response(503, str(exc), param="session_id", code="session_moved", headers={"Retry-After": "1"})
 
     @app.exception_handler(SessionExistsError)
     async def _session_exists(_: Request, exc: SessionExistsError) -> JSONResponse:

@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from streamkv.engine.async_engine import AsyncEngine
-from streamkv.errors import QueueFullError, SessionExistsError, StreamKVError
+from streamkv.errors import QueueFullError, SessionExistsError, SessionMovedError, StreamKVError
 from streamkv.server.errors import APIError, error_body
 from streamkv.server.flash_api import instant_answer, wait_for_flash
 from streamkv.server.generation import make_params, new_id
@@ -105,6 +105,17 @@ async def release_session(session_id: str, request: Request) -> dict[str, Any]:
     (the cluster ingress then routes it to its new owner, which adopts it from the dir)."""
     stats = await _engine(request).call(lambda e: e.sessions.release(session_id))
     return {"id": session_id, "object": "session", "released": True, "data_version": stats["data_version"]}
+
+
+@router.post("/{session_id}/adopt")
+async def adopt_session(session_id: str, request: Request) -> dict[str, Any]:
+    """Load the session from the shared --session-dir onto this replica (the target half of a
+    migration, or a failover the ingress decided); a no-op when it is live here already."""
+    def adopt(e: Any) -> dict[str, Any]:
+        e.sessions.adopt(session_id)
+        return e.sessions.stats(session_id)
+
+    return await _engine(request).call(adopt)
 
 
 @router.post("/{session_id}/data", status_code=202)
@@ -262,6 +273,10 @@ async def session_ws(websocket: WebSocket, session_id: str) -> None:
     engine = _engine(websocket)
     try:
         queue, listener = await _subscribe(engine, session_id)
+    except SessionMovedError as exc:  # 1012 "service restart": reconnect (the ingress does)
+        await websocket.accept()
+        await websocket.close(code=1012, reason=str(exc)[:120])
+        return
     except StreamKVError as exc:
         await websocket.close(code=4404, reason=str(exc)[:120])
         return
@@ -300,6 +315,8 @@ async def _ws_frame(engine: AsyncEngine, session_id: str, raw: str) -> dict[str,
         return {"type": "error", **error_body(400, f"records: {exc.errors()[0].get('msg', 'invalid')}")}
     except QueueFullError as exc:
         return {"type": "error", **error_body(429, str(exc))}
+    except SessionMovedError as exc:  # released here meanwhile: nothing applied, retry
+        return {"type": "error", **error_body(503, str(exc))}
     except StreamKVError as exc:
         status = 404 if isinstance(exc, KeyError) else 400
         return {"type": "error", **error_body(status, str(exc))}

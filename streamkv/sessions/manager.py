@@ -17,7 +17,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from streamkv.errors import InvalidRequestError, QueueFullError, SessionExistsError, SessionNotFoundError
+from streamkv.errors import (InvalidRequestError, QueueFullError, SessionExistsError, SessionMovedError,
+                             SessionNotFoundError)
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.sequence import PriorityClass, SeqStatus
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 QUERY_RESERVE = 64  # context kept free after the window for the scaffold, question and answer
+RELEASED_TTL_S = 60.0  # how long a released session is refused here unless explicitly adopted
 
 
 class SessionManager:
@@ -39,6 +41,10 @@ class SessionManager:
         self.engine = engine
         self.config = engine.config.sessions
         self.sessions: dict[str, Session] = {}
+        # released id -> until when requests for it are refused (SessionMovedError) instead of
+        # adopted: a request in flight to this replica during a migration must not take the
+        # session back from the dir while its new owner holds it
+        self.released: dict[str, float] = {}
         self.offload = Offloader(self)
         self.flash = FlashEvaluator(self)
         if not self.config.adopt_sessions:  # replicas sharing a dir adopt on first use (get)
@@ -69,16 +75,31 @@ class SessionManager:
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None and self.config.adopt_sessions and valid_session_id(session_id):
+            if self.released.get(session_id, 0.0) > time.monotonic() and self.exists(session_id):
+                raise SessionMovedError(f"session {session_id!r} moved to another replica; retry")
+            session = self.offload.adopt(session_id)
+        if session is None:
+            raise SessionNotFoundError(f"session {session_id!r} does not exist")
+        return session
+
+    def adopt(self, session_id: str) -> Session:
+        """Take a session from the shared dir now, even one released here moments ago (the
+        cluster ingress calls this on the owner it chose)."""
+        self.released.pop(session_id, None)
+        session = self.sessions.get(session_id)
+        if session is not None and self.offload.stale(session):  # left here by a failed or raced move
+            self.offload.forget(session)
+            session = None
+        if session is None and valid_session_id(session_id):
             session = self.offload.adopt(session_id)
         if session is None:
             raise SessionNotFoundError(f"session {session_id!r} does not exist")
         return session
 
     def exists(self, session_id: str) -> bool:
-        """Live here, or (replicas sharing a dir) stored there for whoever adopts it."""
+        """Live here, or stored in the session dir (released, or there for a replica to adopt)."""
         store = self.offload.store
-        return session_id in self.sessions or (self.config.adopt_sessions and store is not None
-                                               and store.exists(session_id))
+        return session_id in self.sessions or (store is not None and store.exists(session_id))
 
     def release(self, session_id: str) -> dict[str, Any]:
         """Hand a session over to the session dir and forget it here (a migration's source):
@@ -88,10 +109,11 @@ class SessionManager:
             raise InvalidRequestError("releasing a session needs --session-dir (where the next owner reads it)")
         session = self.get(session_id)
         out = self.stats(session_id)
-        self.flash.abort_all(session)
         self.offload.release(session)
-        self.drop_kv(session)
-        del self.sessions[session_id]
+        self.offload.forget(session)
+        now = time.monotonic()
+        self.released = {k: t for k, t in self.released.items() if t > now}
+        self.released[session_id] = now + RELEASED_TTL_S
         session.emit("migrated", data_version=session.data.data_version)
         session.listeners.clear()
         return out

@@ -207,8 +207,25 @@ class Offloader:
         if stored is None:
             return None
         session = self._recover_one(stored)
-        self.ensure_resident(session)
+        try:
+            self.ensure_resident(session)
+        except Exception:  # e.g. the pool is full (429): leave no half-adopted copy behind
+            self.forget(session)
+            raise
         return session
+
+    def forget(self, session: Session) -> None:
+        """Drop this engine's copy of a session; its files stay."""
+        self.manager.flash.abort_all(session)
+        self.manager.drop_kv(session)
+        self.manager.sessions.pop(session.id, None)
+        session.host_kv = session.host_q = None
+        if self.store is not None:
+            self.store.forget(session.id)
+
+    def stale(self, session: Session) -> bool:
+        """The dir's log holds a push this copy never saw (another replica owned it since)."""
+        return self.store is not None and self.store.last_logged_version(session.id) > session.data.last_version
 
     def release(self, session: Session) -> None:
         """Make the session dir hold everything this engine knows of the session (the KV at its

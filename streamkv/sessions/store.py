@@ -93,6 +93,11 @@ class SessionStore:
         if f is not None:
             f.close()
 
+    def last_logged_version(self, session_id: str) -> int:
+        """The newest acknowledged push's version in the session's log (0 without one)."""
+        pushes = _read_log(self._dir(session_id) / "log.jsonl")
+        return max((v for v, _, _ in pushes), default=0)
+
     def exists(self, session_id: str) -> bool:
         return (self._dir(session_id) / "spec.json").is_file()
 
