@@ -396,7 +396,7 @@ def report(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="overhead,throughput,affinity,migration,kills")
-    ap.add_argument("--overhead-n", type=int, default=500)
+    ap.add_argument("--overhead-n", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 2048, 4096])
