@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
-from streamkv.cluster.proxy import Proxy, Unreachable
+from streamkv.cluster.proxy import Proxy
 from streamkv.server.errors import APIError, error_body
 
 RECONNECT_S = 0.2

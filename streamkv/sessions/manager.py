@@ -120,9 +120,7 @@ class SessionManager:
 
     def delete(self, session_id: str) -> None:
         session = self.get(session_id)
-        self.flash.abort_all(session)
-        self.drop_kv(session)
-        del self.sessions[session_id]
+        self.offload.forget(session)
         self.offload.deleted(session)
         session.emit("deleted")
         session.listeners.clear()
