@@ -131,3 +131,29 @@ def test_the_ingress_own_routes_need_the_api_key():
                          ("GET", "/v1/sessions"), ("POST", "/v1/completions"), ("POST", "/v1/sessions")):
         r = client.request(method, path, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, r.text)
+
+
+def test_owner_table_writes_are_503s_while_its_actor_restarts():
+    """Recording a move or forgetting a deleted session's override: a retryable 503 (not a 500)
+    when the shared owner table cannot be written, and the ingress's own copy is unchanged."""
+    import asyncio
+
+    from streamkv.cluster.proxy import Proxy
+    from streamkv.server.errors import APIError
+
+    class Restarting:
+        async def set(self, session_id, replica):
+            raise ConnectionError("actor restarting")
+
+        async def load(self):
+            return {}
+
+    proxy = Proxy(ClusterConfig(replicas=2), directory=None, owners=Restarting())
+    sid = IDS[0]
+    other = next(n for n in proxy.router.replicas if n != proxy.router.ring.lookup(sid))
+    proxy.router.set_owner(sid, other)
+    for call in (proxy.set_owner(sid, proxy.router.ring.lookup(sid)), proxy.forget_session(sid)):
+        with pytest.raises(APIError) as err:
+            asyncio.run(call)
+        assert err.value.status == 503 and "owner table" in err.value.message
+    assert proxy.router.overrides == {sid: other}

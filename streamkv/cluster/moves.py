@@ -114,7 +114,7 @@ async def drain(proxy: Proxy, name: str) -> dict[str, Any]:
     failed: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     try:
-        listed = (await proxy._call(r, "GET", "/v1/sessions")).json().get("data", []) if r.live else []
+        listed = await proxy.sessions_on(r) if r.live else []
     except (Unreachable, httpx.HTTPError, ValueError):
         listed = []  # gone: its sessions fail over on their next request
     for s in listed:
@@ -135,7 +135,7 @@ async def rebalance(proxy: Proxy) -> dict[str, Any] | None:
         return None
     proxy.last_rebalance = now
     source, target = pair
-    listed = (await proxy._call(proxy.router.replicas[source], "GET", "/v1/sessions")).json().get("data", [])
+    listed = await proxy.sessions_on(proxy.router.replicas[source])
     resident = [s for s in listed if s["kv"]["where"] == "pool" and s["id"] not in proxy.moving]
     if not resident:
         return None

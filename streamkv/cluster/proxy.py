@@ -142,9 +142,14 @@ class Proxy:
 
     async def _release_foreign(self, r: ReplicaView) -> None:
         """Have ``r`` release every session it holds that the table assigns elsewhere."""
-        for s in (await self._call(r, "GET", "/v1/sessions")).json().get("data", []):
+        for s in await self.sessions_on(r):
             if self.router.assigned(s["id"]) != r.name or s["id"] in self.moving:
                 await self._call(r, "POST", f"/v1/sessions/{s['id']}/release")
+
+    async def sessions_on(self, r: ReplicaView) -> list[dict[str, Any]]:
+        """The sessions ``r`` holds (its ``GET /v1/sessions`` data); raises Unreachable on refusal."""
+        data: list[dict[str, Any]] = (await self._call(r, "GET", "/v1/sessions")).json().get("data", [])
+        return data
 
     async def _call(self, r: ReplicaView, method: str, path: str, **kw: Any) -> httpx.Response:
         """One internal request to a replica (auth added); raises Unreachable on refusal."""
@@ -187,17 +192,21 @@ class Proxy:
 
     async def set_owner(self, session_id: str, name: str) -> None:
         natural = self.router.ring.lookup(session_id)
-        try:
-            await self.owners.set(session_id, None if name == natural else name)
-        except Exception as exc:  # the owner table's actor is restarting
-            raise unavailable(f"the owner table is unavailable ({type(exc).__name__}); retry") from None
+        await self._write_owner(session_id, None if name == natural else name)
         self.router.set_owner(session_id, name)
 
     async def forget_session(self, session_id: str) -> None:
         """A deleted session needs no owner-table entry."""
         if session_id in self.router.overrides:
-            await self.owners.set(session_id, None)
+            await self._write_owner(session_id, None)
             self.router.overrides.pop(session_id, None)
+
+    async def _write_owner(self, session_id: str, owner: str | None) -> None:
+        """The shared owner table's entry (None: the ring's choice); a 503 while its actor restarts."""
+        try:
+            await self.owners.set(session_id, owner)
+        except Exception as exc:  # the owner table's actor is restarting
+            raise unavailable(f"the owner table is unavailable ({type(exc).__name__}); retry") from None
 
     def stateless_replica(self, key: str | None) -> ReplicaView:
         try:
@@ -314,8 +323,7 @@ class Proxy:
         data: list[Any] = []
         for r in [self.router.replicas[n] for n in self.router.live_names()]:
             try:
-                resp = await self._call(r, "GET", "/v1/sessions")
-                data += [{**s, "replica": r.name} for s in resp.json().get("data", [])]
+                data += [{**s, "replica": r.name} for s in await self.sessions_on(r)]
             except (Unreachable, httpx.HTTPError, ValueError):
                 continue
         return {"object": "list", "data": data}
