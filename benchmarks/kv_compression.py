@@ -255,7 +255,7 @@ def overhead(args) -> dict:
 
 
 def decode_at(args) -> dict:
-    """Batch-1 decode time per token at a long context: exact vs quest."""
+    """Batch-1 decode time per token at a long context: exact vs quest, snapstream and both."""
     llm = LLM()
     prompt = long_prompts(llm.engine.tokenizer, 1, args.prompt_tokens)[0]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -264,7 +264,11 @@ def decode_at(args) -> dict:
                      ("quest_1024", {"kv_read": {"policy": "quest", "budget_tokens": 1024}}),
                      ("quest_1024_question_picks", {"kv_read": {"policy": "quest", "budget_tokens": 1024,
                                                                 "rescore": False}}),
-                     ("snapstream_1024", {"kv_write": {"policy": "snapstream", "budget_tokens": 1024}})]:
+                     ("snapstream_1024", {"kv_write": {"policy": "snapstream", "budget_tokens": 1024}}),
+                     # both: quest reads 1,024 of the 2,624 rows snapstream keeps (64 + 2,048 + a 512 ring)
+                     ("snapstream_2048_quest_1024", {"kv_write": {"policy": "snapstream", "budget_tokens": 2048},
+                                                     "kv_read": {"policy": "quest", "budget_tokens": 1024}}),
+                     ("snapstream_2048", {"kv_write": {"policy": "snapstream", "budget_tokens": 2048}})]:
         llm.generate([prompt], SamplingParams(max_tokens=1))  # the prompt's prefix is cached for every run
         tpot = []
         for _ in range(3):

@@ -260,11 +260,11 @@ def test_bad_policies_are_refused_before_anything_is_queued(llm):
     engine = llm.engine
     for kv in [dict(kv_write={"policy": "snap"}), dict(kv_write={"policy": "snapstream", "budget_tokens": -3}),
                dict(kv_read={"policy": "quest", "budget_tokens": 8}),
-               dict(kv_write=SNAP, kv_read={"policy": "quest"})]:
+               dict(kv_write=SNAP, kv_read={"policy": "quest", "budget_tokens": 8})]:
         with pytest.raises(InvalidRequestError):
             engine.add_request("bad", "hello", PARAMS, **kv)
         assert not engine.has_request("bad")
-    with pytest.raises(InvalidRequestError, match="streaming-input"):
+    with pytest.raises(InvalidRequestError, match="InputStreams.open"):  # a stream's policies apply at finish
         engine.add_request("bad", "", PARAMS, partial=True, kv_write=SNAP)
 
 

@@ -85,23 +85,47 @@ def test_quest_reports_the_attention_mass_it_kept(http, server):
     assert metric(server.url, "streamkv_kv_policy_recall_samples_total") >= 1
 
 
-def test_streaming_inputs_stay_exact_under_a_server_default(http):
-    """The default kv_write does not apply to inputs that may still change: the result equals
-    an exact completion of the final prompt."""
-    exact = http.post("/v1/completions", json={"prompt": DOC, **T0, "kv_write": {"policy": "none"}}).json()
-    r = http.post("/v1/input_streams", json={"prompt": DOC[:200], **T0})
+def _stream(http, body: dict, pieces: list[str]) -> dict:
+    r = http.post("/v1/input_streams", json={"prompt": pieces[0], **T0, **body})
     assert r.status_code == 201, r.text
     sid = r.json()["id"]
-    assert http.post(f"/v1/input_streams/{sid}/append", json={"text": DOC[200:]}).status_code == 200
-    done = http.post(f"/v1/input_streams/{sid}/finish", json={"stream": False}).json()
-    assert done["choices"][0]["text"] == exact["choices"][0]["text"]
-    assert "kv" not in done.get("streamkv", {})
+    for piece in pieces[1:]:
+        assert http.post(f"/v1/input_streams/{sid}/append", json={"text": piece}).status_code == 200
+    return http.post(f"/v1/input_streams/{sid}/finish", json={"stream": False}).json()
+
+
+def test_streaming_inputs_take_the_default_and_their_own_policies_at_finish(http):
+    """An input stream compresses under the server default once its input is final, like a
+    completion of the final prompt; its own ``{"policy": "none"}`` keeps it exact, and its own
+    kv_read adds page reads."""
+    pieces = [DOC[:200], DOC[200:700], DOC[700:]]
+    for body in ({}, {"kv_write": {"policy": "none"}}, {"kv_read": QUEST}):
+        ref = http.post("/v1/completions", json={"prompt": DOC, **T0, **body}).json()
+        done = _stream(http, body, pieces)
+        assert done["choices"][0]["text"] == ref["choices"][0]["text"]
+        if body.get("kv_write") == {"policy": "none"}:
+            assert "kv" not in done["streamkv"] and "streamkv" not in ref
+        else:
+            assert _plain(done["streamkv"]["kv"]) == _plain(ref["streamkv"]["kv"])
+            assert done["streamkv"]["kv"]["compressed"] and ("read" in done["streamkv"]["kv"]) == ("kv_read" in body)
+    r = http.post("/v1/input_streams", json={"prompt": "x", **T0, "kv_write": {"policy": "zip"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_write"
+
+
+def test_a_request_reads_pages_among_the_rows_the_default_kept(http):
+    small = {**QUEST, "budget_tokens": 128}  # of the 208 rows kept: 16 sinks, the 64-row ring, 3 of 8 pages
+    body = {"prompt": DOC, **T0, "ignore_eos": True, "kv_read": small}
+    kv = http.post("/v1/completions", json=body).json()["streamkv"]["kv"]
+    assert kv["compressed"] and kv["read"]["policy"] == "quest" and kv["tokens_kept"] == 16 + 128 + 64
+    assert kv["tokens_read_per_step"] == 128 and kv["pages_scored"] > kv["pages_picked"] > 0
+    chunks = _sse(http.post("/v1/completions", json={**body, "stream": True}))
+    assert _plain(chunks[-1]["streamkv"]["kv"]) == _plain(kv)
 
 
 @pytest.mark.parametrize("kv,param", [({"kv_write": {"policy": "snapstream", "budget_tokens": -1}}, "kv_write"),
                                       ({"kv_write": {"policy": "zip"}}, "kv_write"),
                                       ({"kv_read": {"policy": "quest", "budget_tokens": 10}}, "kv_read"),
-                                      ({"kv_read": QUEST}, "kv_write"),  # combined with the default write policy
+                                      ({"kv_read": {**QUEST, "rescore": 1}}, "kv_read"),
                                       ({"kv_write": "snapstream"}, None)])
 def test_bad_policies_are_400s_naming_the_field(http, kv, param):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **T0, **kv})

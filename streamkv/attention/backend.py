@@ -26,7 +26,9 @@ class SeqSpan:
 
     A compressed sequence (``streamkv.policies.write``) holds a fixed set of ``rows`` rows: its
     one new row (position ``start``) is written to row ``write_row`` of its ring and attends to
-    every row. Otherwise (``rows`` = -1) row i holds position i.
+    every row; its rows from ``ring_from`` on are that ring (the newest tokens, which a read
+    policy always reads, as the tail it always reads of other spans). Otherwise (``rows`` = -1)
+    row i holds position i.
     """
 
     q_start: int
@@ -37,6 +39,7 @@ class SeqSpan:
     seq_id: int = -1
     rows: int = -1
     write_row: int = -1
+    ring_from: int = -1
 
     @property
     def ctx_len(self) -> int:
@@ -47,6 +50,12 @@ class SeqSpan:
     def write_from(self) -> int:
         """Row of the span's first new token."""
         return self.write_row if self.rows >= 0 else self.start
+
+    @property
+    def read_from(self) -> int:
+        """First row a read policy must read whatever it picks: the span's own new rows, or its
+        whole ring (which holds them) once compressed."""
+        return self.ring_from if self.rows >= 0 else self.start
 
     @property
     def is_decode(self) -> bool:

@@ -16,6 +16,14 @@ Picks are remembered per sequence as page *positions*, plus per layer the slots 
 resolve to, valid while the block table up to the tail is unchanged (a swap moves slots): a
 decode row whose policy does not re-score reuses, per layer, the pages its sequence's last
 prompt chunk picked, with the tail grown by the tokens decoded since.
+
+A sequence in a write policy's layout (``span.rows`` >= 0, see ``streamkv.policies.write``)
+has a fixed set of rows whose last ``window`` are a ring holding the newest tokens; its tail
+is that whole ring (the new row is written somewhere inside it), so its plan is the same
+every step, and the pages compete among the sinks and kept rows before it::
+
+    rows    [ S S | K K K K K K K K K K K K | ring: w w w N w w w ]   N: this step's row
+    read    [ S S |   K     K K       K     | w w w N w w w       ]
 """
 from __future__ import annotations
 
@@ -84,7 +92,10 @@ class LayerSelector:
             if span.read is None:
                 continue
             picks = memory.get(span.seq_id) if span.is_decode and not span.read.rescore else None
-            plan = picks.plan if picks is not None else span.read.plan(span.start, span.ctx_len, bs)
+            plan = span.read.plan(span.read_from, span.ctx_len, bs) if picks is None or span.rows >= 0 else picks.plan
+            if picks is not None and picks.plan != plan:  # the sequence entered its ring layout: pick again
+                del memory[span.seq_id]
+                picks = None
             if plan is None:
                 continue
             if picks is not None and picks.table != span.block_table[:plan.tail]:

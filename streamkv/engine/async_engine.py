@@ -126,13 +126,15 @@ class AsyncEngine:
         self._commands.put(_Abort(request_id))
 
     async def open_input(self, request_id: str, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-                         params: SamplingParams | None = None, priority: int = 0) -> AsyncInputStream:
-        """Open a streaming-input request (see ``streamkv.inputs``); raises its validation error."""
+                         params: SamplingParams | None = None, priority: int = 0,
+                         kv: dict[str, Any] | None = None) -> AsyncInputStream:
+        """Open a streaming-input request (see ``streamkv.inputs``; ``kv``: its ``kv_write`` /
+        ``kv_read``); raises its validation error."""
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         if not self.accepting:
             raise EngineDeadError("server is shutting down")
-        await self.call(lambda engine: engine.inputs.open(request_id, prompt, messages, params, priority))
+        await self.call(lambda engine: engine.inputs.open(request_id, prompt, messages, params, priority, **(kv or {})))
         handle = AsyncInputStream(self, request_id)
         self._inputs[request_id] = handle
         return handle

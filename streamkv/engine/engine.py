@@ -135,8 +135,8 @@ class Engine:
         """
         params = self._check_request(request_id, params, priority)
         if partial and (kv_write is not None or kv_read is not None):
-            raise InvalidRequestError("kv_write / kv_read are not supported on streaming-input requests")
-        # streaming inputs keep exact KV whatever the server defaults (their prompt may still change)
+            raise InvalidRequestError("a streaming input's kv_write / kv_read are given to InputStreams.open")
+        # a streaming input's policies apply at finish (``streamkv.inputs``): exact KV until then
         write, read = (None, None) if partial else self.kv_policies.resolve(kv_write, kv_read)
         text, ids = self.tokenize_prompt(prompt) if not (partial and not prompt) else (None, [])
         self._validate_ids(ids, allow_empty=partial)

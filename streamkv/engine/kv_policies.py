@@ -27,14 +27,12 @@ class KVPolicies:
 
     def resolve(self, kv_write: PolicySpec, kv_read: PolicySpec) -> tuple[WritePolicy | None, ReadPolicy | None]:
         """A request's policies: its own (``{"policy": "none"}`` turns one off) or the defaults;
-        raises InvalidRequestError naming the problem."""
+        raises InvalidRequestError naming the problem. Both may apply: the read policy then picks
+        pages among the rows the write policy kept (its ring is always read)."""
         if isinstance(kv_read, dict) and kv_read.get("policy") == "quest" and "rescore" not in kv_read:
             kv_read = {**kv_read, "rescore": True}  # a request's decode rows re-score every step (Quest)
         write = self.write if kv_write is None else _parse("kv_write", make_write_policy, kv_write)
         read = self.read if kv_read is None else _parse("kv_read", make_read_policy, kv_read)
-        if write is not None and read is not None:
-            raise InvalidRequestError("kv_write and kv_read cannot be combined on one request yet: pick one "
-                                      "(or send {\"policy\": \"none\"} to turn a server default off)")
         return write, read
 
 

@@ -71,17 +71,17 @@ class LLM:
         return LocalSession(self.engine, SessionSpec(system=system, **spec))
 
     def open_input(self, source: str | Seq[dict[str, str]] = "", params: SamplingParams | None = None,
-                   priority: int = 0) -> "InputHandle":
+                   priority: int = 0, kv_write: dict[str, Any] | None = None,
+                   kv_read: dict[str, Any] | None = None) -> "InputHandle":
         """A streaming-input request: ``source`` is the prompt text so far, or chat messages whose
         last (user) message is the growing text. Returns a handle with ``append``, ``update``,
-        ``finish``, ``result`` (and ``advance`` to prefill what has arrived)."""
+        ``finish``, ``result`` (and ``advance`` to prefill what has arrived). ``kv_write`` /
+        ``kv_read``: KV policies, applied once the input is finished."""
         from streamkv.inputs.local import InputHandle
 
         rid = f"llm-in-{next(self._ids)}"
-        if isinstance(source, str):
-            self.engine.inputs.open(rid, prompt=source, params=params, priority=priority)
-        else:
-            self.engine.inputs.open(rid, messages=list(source), params=params, priority=priority)
+        prompt, messages = (source, None) if isinstance(source, str) else (None, list(source))
+        self.engine.inputs.open(rid, prompt, messages, params, priority, kv_write=kv_write, kv_read=kv_read)
         return InputHandle(self.engine, rid)
 
     def span_queries(self, queries: Any, locality_k: int | None = None,

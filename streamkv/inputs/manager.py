@@ -10,6 +10,12 @@ new ids and the ids the sequence holds; everything after it is invalidated::
 An append whose text changes the tokenization of the previous tail is the same case. The
 last token stays uncomputed until ``finish`` (``Sequence.partial``), so the output after
 finish is the fresh request's on the final prompt, bit for bit.
+
+KV policies (``kv_write`` / ``kv_read``, or the server defaults) are checked at open and
+take effect at finish, once the prompt is final: the prompt is prefilled exactly until then.
+A write policy that scores the prompt needs the queries of its last ``observation_tokens``
+rows, so finish recomputes those rows (at most ``observation_tokens``) if they were already
+computed; the compressed KV and the answer are then the fresh request's, bit for bit.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, InvalidRequestError, QueueFullError
 from streamkv.inputs.source import ChatSource, InputSource, make_source
+from streamkv.policies.read import ReadPolicy
+from streamkv.policies.write import WritePolicy
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.sequence import Sequence, SeqStatus
 
@@ -41,6 +49,8 @@ class InputStream:
     computed_at_finish: int = 0
     appends: int = 0
     updates: int = 0
+    write: WritePolicy | None = None  # applied at finish
+    read: ReadPolicy | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -77,17 +87,20 @@ class InputStreams:
 
     # --------------------------------------------------------------- operations
     def open(self, request_id: str, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-             params: SamplingParams | None = None, priority: int = 0) -> InputStream:
-        """Queue a request whose input is still arriving; it prefills what it has."""
+             params: SamplingParams | None = None, priority: int = 0, kv_write: Any = None,
+             kv_read: Any = None) -> InputStream:
+        """Queue a request whose input is still arriving; it prefills what it has. ``kv_write``
+        / ``kv_read``: its KV policies (None: the server defaults), applied at finish."""
         self._reap()
         if len(self._open) >= self.config.max_input_streams:
             raise QueueFullError(f"{len(self._open)} input streams are open (limit "
                                  f"{self.config.max_input_streams})", 1.0)
+        write, read = self.engine.kv_policies.resolve(kv_write, kv_read)
         source = make_source(prompt, messages, self.engine.tokenizer)
         ids = self._ids(source, source.initial_text, final=False)
         seq = self.engine.add_request(request_id, ids, params, priority, partial=True)
         assert seq is not None  # partial requests never hit the response cache
-        stream = InputStream(request_id, seq, source, source.initial_text, time.monotonic())
+        stream = InputStream(request_id, seq, source, source.initial_text, time.monotonic(), write=write, read=read)
         self._open[request_id] = stream
         self.stats.opened += 1
         return stream
@@ -112,7 +125,9 @@ class InputStreams:
         stream = self.get(request_id)
         stream.computed_at_finish = stream.seq.num_computed
         self._set_text(stream, stream.text, final=True, event="input_finished")
-        stream.seq.partial = False
+        seq = stream.seq
+        seq.write, seq.read, seq.read_from = stream.write, stream.read, len(seq.tokens)  # the answer's rows
+        seq.partial = False
         self._close(stream, "finished")
         self.stats.finished += 1
         return stream
@@ -164,8 +179,11 @@ class InputStreams:
         # the last token is always recomputed (its logits give the first output token), as
         # for a fresh request, whose prefix-cache hit never covers its last token either
         keep = min(lcp, max(0, len(ids) - 1))
-        dropped = ops.truncate(seq, keep)
-        ops.append(seq, ids[keep:])
+        cut = keep if not final or stream.write is None else min(keep, stream.write.observed_from(len(ids)))
+        before = seq.num_computed
+        dropped = ops.truncate(seq, cut)
+        ops.append(seq, ids[cut:])
+        dropped -= min(before, keep) - min(before, cut)  # rows recomputed for the write policy: not invalidated
         now = time.perf_counter()
         stream.text, stream.last_activity = text, time.monotonic()
         seq.tokens_invalidated += dropped

@@ -33,6 +33,7 @@ class EngineCore(Protocol):
     seq_ops: "SeqOps"
     stats: Any
     sessions: Any
+    kv_policies: Any  # the defaults; .resolve(kv_write, kv_read) -> (write, read) policies or InvalidRequestError
 
     def add_request(self, request_id: str, prompt: str | Seq[int], params: "SamplingParams | None" = None,
                     priority: int = 0, klass: "PriorityClass" = ..., partial: bool = False) -> "Sequence | None":

@@ -45,6 +45,11 @@ class KVLayout:
     def rows(self) -> int:
         return self.sink + self.kept + self.window
 
+    @property
+    def ring_from(self) -> int:
+        """First row of the ring (the ``window`` newest tokens)."""
+        return self.sink + self.kept
+
     def row(self, index: int) -> int:
         """Cache row that token ``index`` (>= ``at``) is written to."""
         return self.sink + self.kept + (index - (self.at - self.window)) % self.window
@@ -95,6 +100,11 @@ class WritePolicy(ABC):
     def moves(self, prompt_len: int) -> bool:
         """Whether reaching the layout drops rows (the prompt is longer than the capacity)."""
         return prompt_len > self.capacity
+
+    def observed_from(self, prompt_len: int) -> int:
+        """First prompt row whose queries :meth:`select` needs (``prompt_len``: none): a row
+        computed before the policy applied (a streamed input) is computed again from there."""
+        return prompt_len - self.observation if self.observation and self.moves(prompt_len) else prompt_len
 
     def select(self, q: torch.Tensor | None, keys: torch.Tensor, scale: float) -> torch.Tensor:
         """Middle tokens kept by one layer: [kv_heads, budget] int64, ascending, in ``[sink, L - window)``.

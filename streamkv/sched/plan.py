@@ -24,7 +24,8 @@ class ScheduledSeq:
     queries of its last ``write.observation`` rows as they are computed and, in the step whose
     chunk ends at ``num_prompt``, moves the rows ``write`` keeps into the blocks of
     ``block_table`` after the prompt's. A compressed sequence (``rows`` >= 0) computes one
-    token per step, written to row ``write_row`` of its ``rows`` rows (its ring).
+    token per step, written to row ``write_row`` of its ``rows`` rows, in its ring (rows
+    ``ring_from`` .. ``rows - 1``).
     ``observe`` > 0: the runner keeps the queries of the sequence's newest ``observe`` rows.
 
     ``draft``: the last ``len(draft)`` ids of ``token_ids`` are speculated; the runner samples
@@ -45,6 +46,7 @@ class ScheduledSeq:
     write: WritePolicy | None = None
     rows: int = -1
     write_row: int = -1
+    ring_from: int = -1
     observe: int = 0  # keep the queries of the sequence's newest rows (``RecentQueries``)
     draft: tuple[int, ...] = ()  # speculated ids at the end of ``token_ids``
 

@@ -343,7 +343,8 @@ class Scheduler:
             read=seq.read if start >= seq.read_from else None,
             write=seq.write if seq.compresses else None,
             rows=layout.rows if layout is not None else -1,
-            write_row=layout.row(start) if layout is not None else -1, observe=seq.observe, draft=prop.draft)
+            write_row=layout.row(start) if layout is not None else -1,
+            ring_from=layout.ring_from if layout is not None else -1, observe=seq.observe, draft=prop.draft)
 
     def _enter_layout(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> None:
         """The write policy's point is reached: from now on the sequence holds its layout's
@@ -377,7 +378,7 @@ class Scheduler:
                 seq.reads = seq.reads or ReadCount()
                 seq.reads.add(read)
             if seq.cacheable and seq.layout is None:
-                self.kv.commit(seq.seq_id, seq.tokens, seq.num_computed)
+                self.kv.commit(seq.seq_id, seq.tokens, seq.exact_rows)
             if seq.write is not None and seq.layout is None and seq.num_computed == seq.write_point:
                 self._enter_layout(seq, item, output)
             if not item.sample or not emitted:

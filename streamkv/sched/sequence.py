@@ -141,6 +141,12 @@ class Sequence:
             return None
         return 1 if self.layout is not None else self.write_point - computed
 
+    @property
+    def exact_rows(self) -> int:
+        """Computed rows whose KV is exact, so may enter the prefix cache: not those a read
+        policy computed (they attended to some pages only)."""
+        return min(self.num_computed, self.read_from) if self.read is not None else self.num_computed
+
     def kv_rows(self, end: int) -> int:
         """Rows of KV that hold tokens ``[0, end)``."""
         return self.layout.rows if self.layout is not None else end

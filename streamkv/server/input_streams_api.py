@@ -3,6 +3,7 @@
 ::
 
     POST /v1/input_streams                {"prompt": "..."} | {"messages": [...]}  -> 201 {"id": "istr_..."}
+                                          (+ "kv_write" / "kv_read": applied at finish)
     POST /v1/input_streams/{id}/append    {"text": "..."}   -> {"tokens": N, "computed": M}
     POST /v1/input_streams/{id}/update    {"text": "..."}   -> {"tokens": N, "lcp": K, "invalidated": J}
     POST /v1/input_streams/{id}/finish    {"stream": false} -> text_completion | chat.completion (or SSE)
@@ -26,7 +27,7 @@ from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, QueueFullError, StreamKVError
 from streamkv.server.errors import APIError, error_body
-from streamkv.server.generation import check_model, check_output, finish_reason, make_params
+from streamkv.server.generation import check_model, check_output, finish_reason, kv_options, make_params
 from streamkv.server.openai_api import (chat_chunks, chat_logprobs, completion_chunks, completion_logprobs,
                                         sampling_fields, stream_sse, usage)
 from streamkv.server.protocol import ChatMessage, StreamOptions, _Body, _Sampling, message_text
@@ -40,6 +41,8 @@ class OpenInput(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     max_tokens: StrictInt | None = None
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    kv_write: dict[str, Any] | None = None  # KV policies, applied once the input is finished
+    kv_read: dict[str, Any] | None = None
 
 
 class InputText(_Body):
@@ -69,7 +72,7 @@ async def open_input(body: OpenInput, request: Request) -> dict[str, Any]:
         {"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
         for m in body.messages]
     rid = f"istr_{secrets.token_hex(12)}"
-    handle = await state.engine.open_input(rid, body.prompt, messages, params, body.priority)
+    handle = await state.engine.open_input(rid, body.prompt, messages, params, body.priority, kv_options(state, body))
     info = await handle.info()
     return {"id": rid, "object": "input_stream", "kind": "chat" if messages else "completion", **info}
 
@@ -133,7 +136,8 @@ async def _handle(request: Request | WebSocket, stream_id: str) -> AsyncInputStr
 def _extension(out: RequestOutput) -> dict[str, Any]:
     return {"events": [{"event": name, "t": round(t, 6)} for name, t in out.events],
             "tokens_invalidated": int(out.metrics.get("tokens_invalidated", 0)),
-            "num_preemptions": int(out.metrics.get("num_preemptions", 0))}
+            "num_preemptions": int(out.metrics.get("num_preemptions", 0)),
+            **({"kv": out.kv} if out.kv is not None else {})}
 
 
 def _usage(out: RequestOutput, info: dict[str, int]) -> dict[str, int]:
