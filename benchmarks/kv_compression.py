@@ -11,8 +11,11 @@ Budgets are the KV tokens a sequence keeps in total (sinks + middle + window), t
 kvpress keeps (``compression_ratio = 1 - budget / context``). Hyper-parameters per budget B:
 snapstream sinks 16, window max(32, B/8), 32 observed rows, pool kernel 7 (max pooling);
 streaming_llm sinks 16, window B - 16; quest B tokens of pages (16 sink, 64 recent), re-scored every
-step; kvpress SnapKV window 32, kernel 7; kvpress StreamingLLM 16 sinks. Our runs share one engine,
+step; snapstream_quest (both on one request) snapstream at 2B with quest reading B of its rows;
+kvpress SnapKV window 32, kernel 7; kvpress StreamingLLM 16 sinks. Our runs share one engine,
 so a prompt is prefilled once and its prefix reused (never into snapstream's observed rows).
+Speculative decoding is off in every run: requests with a KV policy never draft, so the exact
+baseline must not either.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ from common import fmt, md_table  # noqa: E402
 from streamkv import LLM, SamplingParams  # noqa: E402
 
 PLOT = common.REPO / "docs" / "img" / "kv_compression.png"
-OURS = ("streaming_llm", "snapstream", "quest")
+OURS = ("streaming_llm", "snapstream", "quest", "snapstream_quest")
 PRESSES = ("kvpress_snapkv", "kvpress_streaming_llm")
 
 
@@ -45,6 +48,11 @@ def our_policy(name: str, budget: int) -> dict:
     if name == "quest":
         return {"kv_write": {"policy": "none"},
                 "kv_read": {"policy": "quest", "budget_tokens": budget, "sink_tokens": sink, "recent_tokens": 64}}
+    if name == "snapstream_quest":  # both: snapstream keeps 2 x budget rows, quest reads budget of them
+        write = our_policy("snapstream", 2 * budget)["kv_write"]
+        quest = {"policy": "quest", "budget_tokens": max(budget, sink + write["window_tokens"]), "sink_tokens": sink,
+                 "recent_tokens": 64}
+        return {"kv_write": write, "kv_read": quest}
     return {"kv_write": {"policy": "none"}}  # full
 
 
@@ -117,7 +125,8 @@ def accuracy(args, llm: LLM, hf_path: Path | None) -> list[dict]:
         for task in args.tasks:
             for seed in range(args.samples):
                 sample = samples[(length, task, seed)] = kv_tasks.make(task, tok, length, seed)
-                for policy, budget in [("full", None)] + [(p, b) for p in OURS for b in args.budgets if b < length]:
+                for policy, budget in [("full", None)] + [(p, b) for p in args.policies for b in args.budgets
+                                                          if b < length]:
                     t0 = time.perf_counter()
                     text, nll = run_ours(llm, sample, our_policy(policy, budget or 0))
                     value = nll if task == "ppl" else kv_tasks.score(sample, text)
@@ -214,7 +223,7 @@ def pool_run(args, kv: dict) -> dict:
     end-to-end throughput."""
     from streamkv.sched.sequence import SeqStatus
 
-    llm = LLM(num_blocks=args.pool_blocks, max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = LLM(num_blocks=args.pool_blocks, max_num_seqs=64, max_num_batched_tokens=2048, speculation="none")
     engine, sched = llm.engine, llm.engine.scheduler
     params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(long_prompts(engine.tokenizer, args.requests, args.prompt_tokens)):
@@ -256,7 +265,7 @@ def overhead(args) -> dict:
 
 def decode_at(args) -> dict:
     """Batch-1 decode time per token at a long context: exact vs quest, snapstream and both."""
-    llm = LLM()
+    llm = LLM(speculation="none")  # requests with a KV policy never draft: compare attention alone
     prompt = long_prompts(llm.engine.tokenizer, 1, args.prompt_tokens)[0]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     out = {}
@@ -312,6 +321,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="2048,4096")
     ap.add_argument("--budgets", default="256,512,1024,2048")
     ap.add_argument("--tasks", default=",".join(kv_tasks.TASKS))
+    ap.add_argument("--policies", default=",".join(OURS), help=f"ours to run, of {','.join(OURS)}")
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--model", default=None, help="a Hugging Face directory: also measure this model")
     ap.add_argument("--no-kvpress", dest="kvpress", action="store_false")
@@ -323,10 +333,15 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--plot-from", default=None)
+    ap.add_argument("--no-plot", dest="plot", action="store_false", help=f"leave {PLOT.name} as it is")
     args = ap.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.budgets = [int(x) for x in args.budgets.split(",")]
     args.tasks = args.tasks.split(",")
+    args.policies = args.policies.split(",")
+    unknown = set(args.policies) - set(OURS)
+    if unknown:
+        ap.error(f"unknown --policies {sorted(unknown)}; known: {', '.join(OURS)}")
     args.pool_configs = ["none"] + [c for c in args.pool_configs.split(",") if c != "none"]
     if args.plot_from:
         data = json.loads(Path(args.plot_from).read_text())
@@ -340,11 +355,14 @@ def main() -> None:
         models = [(None, common.export_hf(common.HF_EXPORT))] + ([(args.model, Path(args.model))] if args.model else [])
         res["accuracy"] = []
         for name, hf in models:
-            llm = LLM(model=name) if name else LLM()
+            # no speculation: teacher forcing (ForcedSampler) needs one sampled token per step, and
+            # the policies never draft, so every policy, full included, decodes alike
+            llm = LLM(model=name, speculation="none") if name else LLM(speculation="none")
             for row in accuracy(args, llm, hf):
                 res["accuracy"].append({**row, "model": name or "SmolLM2-135M-Instruct (embedded)"})
             del llm
-        plot(res["accuracy"], args.budgets, PLOT)
+        if args.plot:
+            plot(res["accuracy"], args.budgets, PLOT)
         tables = summarize(res["accuracy"], args.budgets)
         print("\n\n".join(tables))
     if any(p in args.parts for p in ("performance", "overhead", "decode", "pool")):

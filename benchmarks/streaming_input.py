@@ -366,6 +366,7 @@ def main() -> int:
     ap.add_argument("--peers", default="vllm", help="vllm (same queries, non-streaming with prefix caching, "
                                                     "and vLLM's own streaming input), or none")
     ap.add_argument("--max-wait-s", type=float, default=None, help="aging bound of the queue policies")
+    ap.add_argument("--pressure-modes", default="recompute,swap,cost", help="preemption modes of the pressure runs")
     ap.add_argument("--arrivals", default="poisson", choices=["poisson", "azure-conv", "azure-code"],
                     help="query arrivals: a Poisson process, or the gaps of an Azure LLM inference trace "
                          "(shared/data/traces) rescaled to each QPS")
@@ -404,7 +405,7 @@ def main() -> int:
             small = LLM(threads=args.threads, max_model_len=8192, num_blocks=blocks, swap_space=1 << 30,
                         preemption="cost", max_num_batched_tokens=args.budget, max_wait_s=args.max_wait_s)
             rows += run_matrix(small, kind, qps, args, vocab, [p for p in policies if p.split("@")[0] in ("fcfs", "lcas")],
-                               ["recompute", "swap", "cost"], "pressure")
+                               args.pressure_modes.split(","), "pressure")
             del small
     overhead = sched_overhead()
     print(f"\nscheduling: {overhead:.0f} µs per schedule() with 500 live streaming inputs (target < 200)")
