@@ -134,6 +134,36 @@ def test_both_policies_survive_preemption(solo, mode, rescore):
     engine.check_integrity()
 
 
+FITS = {"policy": "snapstream", "budget_tokens": 1024, "sink_tokens": 16, "window_tokens": 64,
+        "observation_tokens": 16}  # capacity 1,104 rows: these prompts fit, nothing is dropped
+
+
+@pytest.mark.parametrize("kv", [dict(kv_read=_quest(True)), dict(kv_read=_quest(False)),
+                                dict(kv_write=FITS, kv_read=_quest(True))], ids=["quest", "quest-picks", "fits+quest"])
+def test_answers_under_a_read_policy_are_recomputed_row_by_row(llm, kv):
+    """Preempted by recompute mid-answer, a request whose answer rows read some pages gets its
+    prompt back from the prefix cache (never its answer: those rows are not exact) and then
+    recomputes each answer row alone, reading the pages it read before: the same bits."""
+    llm.engine.pool.reset_prefix_cache()
+    want = [_result(llm.generate([_doc(i)], PARAMS, **kv)[0]) for i in range(2)]
+    tight = LLM(max_num_batched_tokens=256, num_blocks=72, block_size=16, preemption="recompute")
+    engine = tight.engine
+    for i in range(2):
+        engine.add_request(f"c{i}", _doc(i), PARAMS, **kv)
+    seqs = [engine._requests[f"c{i}"].seq for i in range(2)]
+    done = {}
+    while any(s.num_output < 6 and not s.finished for s in seqs):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    filler = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"f{i}", " ".join(f"w{i}x{j}" for j in range(120)), filler, priority=-1)
+    while len(done) < 4:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert sum(done[f"c{i}"].metrics["num_preemptions"] for i in range(2)) >= 1
+    assert [_result(done[f"c{i}"]) for i in range(2)] == want
+    engine.check_integrity()
+
+
 def test_a_read_policy_answer_never_enters_the_prefix_cache(llm):
     """The answer rows attended to some pages only: a later exact request whose prompt is that
     prompt + answer hits the prompt's blocks, never the answer's, and is exact."""

@@ -15,7 +15,8 @@ attention kernels never turn into RoPE angles (keys are cached after RoPE).
 Picks are remembered per sequence as page *positions*, plus per layer the slots they
 resolve to, valid while the block table up to the tail is unchanged (a swap moves slots): a
 decode row whose policy does not re-score reuses, per layer, the pages its sequence's last
-prompt chunk picked, with the tail grown by the tokens decoded since.
+prompt chunk under the policy picked (a session question), or its first decode row (a request,
+whose prompt is exact), with the tail grown by the tokens decoded since.
 
 A sequence in a write policy's layout (``span.rows`` >= 0, see ``streamkv.policies.write``)
 has a fixed set of rows whose last ``window`` are a ring holding the newest tokens; its tail

@@ -132,14 +132,22 @@ class Sequence:
         return self.layout is not None and self.write is not None and self.write.moves(self.num_prompt_tokens)
 
     def chunk_limit(self, computed: int) -> int | None:
-        """Most rows one step may compute from ``computed`` (None: no limit of its own). A
-        request whose answer re-scores its pages every step recomputes that answer row by
-        row after a preemption, so each row picks the pages it picked the first time."""
-        if self.write is None:
-            if self.read is not None and self.read.rescore and computed >= self.read_from > 0:
-                return 1
-            return None
-        return 1 if self.layout is not None else self.write_point - computed
+        """Most rows one step may compute from ``computed`` (None: no limit of its own).
+
+        After a preemption by recompute, rows must be computed as they were the first time:
+        exact rows stop where the read policy starts (``read_from``), and the answer's rows
+        under a read policy go one per step, so each row reads the pages it read before (its
+        own picks, or the remembered ones); a write policy's chunks stop at its point and its
+        ring takes one row per step."""
+        limits = []
+        if self.write is not None:
+            limits.append(1 if self.layout is not None else self.write_point - computed)
+        if self.read is not None and self.read_from > 0:
+            if computed < self.read_from:
+                limits.append(self.read_from - computed)
+            elif self.read.rescore or computed >= self.num_prompt_tokens:
+                limits.append(1)
+        return min(limits) if limits else None
 
     @property
     def exact_rows(self) -> int:
