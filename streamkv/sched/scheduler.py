@@ -16,7 +16,7 @@ from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadCount
 from streamkv.sched.admission import CellBudget
-from streamkv.sched.cadence import PromptAllowance, StepCadence
+from streamkv.sched.cadence import StepCadence
 from streamkv.sched.grouping import PrefillGroups
 from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
@@ -145,7 +145,7 @@ class Scheduler:
         crowded = spec_cap and any(s.status is SeqStatus.WAITING for s in ranked)
         if self.admission is not None:
             self.admission.begin(self.seqs.values())
-        allowance = self._prompt_allowance(ranked, budget)
+        prompt_left = self._prompt_rows(ranked, budget)
         capped = False
         for seq in ranked:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
@@ -178,12 +178,12 @@ class Scheduler:
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
-            if target - computed > 1 and allowance is not None:  # prompt rows: under the decode cadence
-                granted = allowance.take(computed, n)
-                if granted < n:
-                    n, capped = granted, True
+            if target - computed > 1:  # prompt rows: under the decode cadence's cap
+                if n > prompt_left:
+                    n, capped = prompt_left, True
                     if n == 0:
                         continue
+                prompt_left -= n
             draft = self._draft(seq, min(spec_cap, budget - n), crowded) if spec_cap and n == 1 else ()
             out.append(_Proposal(seq, computed + n, draft))
             budget -= n + len(draft)
@@ -192,22 +192,21 @@ class Scheduler:
             self.cadence.stats.capped_steps += 1
         return out
 
-    def _prompt_allowance(self, ranked: list[Sequence], budget: int) -> PromptAllowance | None:
-        """The decode cadence's time for this step's prompt chunks while a sequence decodes
-        (computes the row of a token it generated, as ``_decodes`` counts them); None: no cap."""
+    def _prompt_rows(self, ranked: list[Sequence], budget: int) -> int:
+        """Prompt rows this step may carry: the decode cadence's cap while a sequence decodes
+        (computes the row of a token it generated, as ``_decodes`` counts them)."""
         if self.cadence is None or not any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1
                                            and s.num_output > 0 for s in ranked):
-            return None
-        return self.cadence.allowance(budget)
+            return budget
+        return self.cadence.prompt_rows(budget)
 
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """The engine reports each executed step's time (the decode cadence learns from it)."""
         if self.cadence is None:
             return
-        prompt = [it for it in plan.seqs if not _decodes(it)]
-        rows = sum(it.num_tokens for it in prompt)
-        keys = sum(it.num_tokens * it.start + it.num_tokens * (it.num_tokens + 1) // 2 for it in prompt)
-        self.cadence.observe(len(plan.seqs) - len(prompt), rows, seconds, keys)
+        decodes = [it for it in plan.seqs if _decodes(it)]
+        prompt = sum(it.num_tokens for it in plan.seqs) - sum(it.num_tokens for it in decodes)
+        self.cadence.observe(len(decodes), prompt, seconds)
 
     def _held(self, seq: Sequence) -> bool:
         """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool

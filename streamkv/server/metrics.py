@@ -133,11 +133,8 @@ def _scheduler_metrics(scheduler: Any) -> Any:
     cad = scheduler.cadence.stats if scheduler.cadence is not None else None
     yield CounterMetricFamily("streamkv_cadence_capped_steps", "steps whose prompt rows the decode cadence capped",
                               value=cad.capped_steps if cad else 0)
-    yield GaugeMetricFamily("streamkv_cadence_prompt_cap_tokens", "prompt rows a chunk at the start of a context "
-                            "may carry in a step with decoders (decode cadence; 0: off or not learned yet)",
-                            value=cad.cap if cad else 0)
-    yield GaugeMetricFamily("streamkv_cadence_key_seconds", "learned seconds per key a prompt row attends to "
-                            "(decode cadence; 0: off or not fitted yet)", value=cad.key_s if cad else 0)
+    yield GaugeMetricFamily("streamkv_cadence_prompt_cap_tokens", "prompt rows a step with decoders may carry "
+                            "(decode cadence; 0: off or not learned yet)", value=cad.cap if cad else 0)
     grp = scheduler.groups.stats if scheduler.groups is not None else None
     for key, attr, doc in (("followers", "followers", "requests admitted after waiting for a leader's shared blocks"),
                            ("deferred_steps", "deferred_steps", "(follower, step) pairs spent waiting for a leader"),
