@@ -95,17 +95,17 @@ def test_picks_kept_from_before_the_ring_are_dropped_when_it_starts():
     assert memory[1].plan.tail == ring_from // bs and set(slots[ring_from:].tolist()) <= set(compact.tolist())
 
 
-@pytest.mark.parametrize("rescore", [True, False])
-def test_both_policies_report_and_repeat_batched_and_chunked(llm, solo, rescore):
-    outs = llm.generate([_doc(i) for i in range(3)], PARAMS, kv_write=SNAP, kv_read=_quest(rescore))
-    assert [_result(o) for o in outs] == solo[rescore]
-    kv = outs[0].kv
-    assert kv["compressed"] and kv["tokens_kept"] == 16 + 128 + 64 < kv["tokens_seen"]
-    assert kv["read"]["policy"] == "quest" and kv["tokens_read_per_step"] == 160 < kv["tokens_kept"]
-    assert kv["pages_scored"] > kv["pages_picked"] > 0
+def test_both_policies_report_and_repeat_batched_and_chunked(llm, solo):
     chunked = LLM(max_num_batched_tokens=256, max_chunk_tokens=40, num_blocks=160, enable_prefix_caching=False)
-    again = chunked.generate([_doc(i) for i in range(3)], PARAMS, kv_write=SNAP, kv_read=_quest(rescore))
-    assert [_result(o) for o in again] == solo[rescore]
+    for rescore in (True, False):
+        outs = llm.generate([_doc(i) for i in range(3)], PARAMS, kv_write=SNAP, kv_read=_quest(rescore))
+        assert [_result(o) for o in outs] == solo[rescore]
+        kv = outs[0].kv
+        assert kv["compressed"] and kv["tokens_kept"] == 16 + 128 + 64 < kv["tokens_seen"]
+        assert kv["read"]["policy"] == "quest" and kv["tokens_read_per_step"] == 160 < kv["tokens_kept"]
+        assert kv["pages_scored"] > kv["pages_picked"] > 0
+        again = chunked.generate([_doc(i) for i in range(3)], PARAMS, kv_write=SNAP, kv_read=_quest(rescore))
+        assert [_result(o) for o in again] == solo[rescore]
 
 
 @pytest.mark.parametrize("mode,rescore", [("recompute", True), ("swap", False)])
@@ -138,8 +138,8 @@ FITS = {"policy": "snapstream", "budget_tokens": 1024, "sink_tokens": 16, "windo
         "observation_tokens": 16}  # capacity 1,104 rows: these prompts fit, nothing is dropped
 
 
-@pytest.mark.parametrize("kv", [dict(kv_read=_quest(True)), dict(kv_read=_quest(False)),
-                                dict(kv_write=FITS, kv_read=_quest(True))], ids=["quest", "quest-picks", "fits+quest"])
+@pytest.mark.parametrize("kv", [dict(kv_read=_quest(False)), dict(kv_write=FITS, kv_read=_quest(True))],
+                         ids=["quest-picks", "fits+quest"])  # (re-scored quest alone takes the same branch)
 def test_answers_under_a_read_policy_are_recomputed_row_by_row(llm, kv):
     """Preempted by recompute mid-answer, a request whose answer rows read some pages gets its
     prompt back from the prefix cache (never its answer: those rows are not exact) and then
