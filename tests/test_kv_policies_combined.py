@@ -16,16 +16,12 @@ from streamkv import LLM, SamplingParams
 from streamkv.attention.backend import KVCache, SeqSpan
 from streamkv.attention.selection import LayerSelector
 from streamkv.policies.read import QuestPolicy
+from tests.test_kv_write import _doc  # the same long records prompt
 
 SNAP = {"policy": "snapstream", "budget_tokens": 128, "sink_tokens": 16, "window_tokens": 64,
         "observation_tokens": 16}
 QUEST = {"policy": "quest", "budget_tokens": 160, "sink_tokens": 16, "recent_tokens": 32}
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
-
-
-def _doc(i: int, words: int = 420) -> str:
-    return f"Record {i}. " + " ".join(f"item{(i * 7 + j) % 97} weighs {j % 13} kg;" for j in range(words // 4)) + \
-        "\nWhich item weighs the most?"
 
 
 def _result(out) -> tuple:
@@ -108,30 +104,37 @@ def test_both_policies_report_and_repeat_batched_and_chunked(llm, solo):
         assert [_result(o) for o in again] == solo[rescore]
 
 
+def _preempted_mid_answer(engine, kv: dict, n: int, after: int, filler_words: int, filler_tokens: int) -> list:
+    """Run ``n`` documents with ``kv`` until each has ``after`` tokens, then add as many
+    higher-priority fillers, which take the pool from them mid-answer; their final outputs
+    (at least one of them was preempted)."""
+    for i in range(n):
+        engine.add_request(f"c{i}", _doc(i), PARAMS, **kv)
+    seqs = [engine._requests[f"c{i}"].seq for i in range(n)]
+    done = {}
+    while any(s.num_output < after and not s.finished for s in seqs):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    filler = SamplingParams(max_tokens=filler_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"f{i}", " ".join(f"w{i}x{j}" for j in range(filler_words)), filler, priority=-1)
+    while len(done) < 2 * n:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    outs = [done[f"c{i}"] for i in range(n)]
+    assert sum(o.metrics["num_preemptions"] for o in outs) >= 1
+    return outs
+
+
 @pytest.mark.parametrize("mode,rescore", [("recompute", True), ("swap", False)])
 def test_both_policies_survive_preemption(solo, mode, rescore):
     """Higher-priority requests take the pool from the compressed, page-reading ones mid-answer:
     they recompute (prefill, compression, answer rows with their page picks) or swap; same bits."""
     tight = LLM(max_num_batched_tokens=256, num_blocks=72, block_size=16, preemption=mode,
                 swap_space=(64 << 20) if mode == "swap" else 0)
-    engine = tight.engine
-    ids = [f"c{i}" for i in range(3)]
-    for i, rid in enumerate(ids):
-        engine.add_request(rid, _doc(i), PARAMS, kv_write=SNAP, kv_read=_quest(rescore))
-    seqs = {rid: engine._requests[rid].seq for rid in ids}
-    done = {}
-    while any(s.num_output < 4 and not s.finished for s in seqs.values()):
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    filler = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    for i in range(3):
-        engine.add_request(f"f{i}", " ".join(f"w{i}x{j}" for j in range(90)), filler, priority=-1)
-        ids.append(f"f{i}")
-    while len(done) < len(ids):
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert sum(done[f"c{i}"].metrics["num_preemptions"] for i in range(3)) >= 1
-    assert [_result(done[f"c{i}"]) for i in range(3)] == solo[rescore]
-    assert engine.kv.host.num_used == 0
-    engine.check_integrity()
+    kv = dict(kv_write=SNAP, kv_read=_quest(rescore))
+    outs = _preempted_mid_answer(tight.engine, kv, 3, after=4, filler_words=90, filler_tokens=60)
+    assert [_result(o) for o in outs] == solo[rescore]
+    assert tight.engine.kv.host.num_used == 0
+    tight.engine.check_integrity()
 
 
 FITS = {"policy": "snapstream", "budget_tokens": 1024, "sink_tokens": 16, "window_tokens": 64,
@@ -147,21 +150,9 @@ def test_answers_under_a_read_policy_are_recomputed_row_by_row(llm, kv):
     llm.engine.pool.reset_prefix_cache()
     want = [_result(llm.generate([_doc(i)], PARAMS, **kv)[0]) for i in range(2)]
     tight = LLM(max_num_batched_tokens=256, num_blocks=72, block_size=16, preemption="recompute")
-    engine = tight.engine
-    for i in range(2):
-        engine.add_request(f"c{i}", _doc(i), PARAMS, **kv)
-    seqs = [engine._requests[f"c{i}"].seq for i in range(2)]
-    done = {}
-    while any(s.num_output < 6 and not s.finished for s in seqs):
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    filler = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    for i in range(2):
-        engine.add_request(f"f{i}", " ".join(f"w{i}x{j}" for j in range(120)), filler, priority=-1)
-    while len(done) < 4:
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert sum(done[f"c{i}"].metrics["num_preemptions"] for i in range(2)) >= 1
-    assert [_result(done[f"c{i}"]) for i in range(2)] == want
-    engine.check_integrity()
+    outs = _preempted_mid_answer(tight.engine, kv, 2, after=6, filler_words=120, filler_tokens=40)
+    assert [_result(o) for o in outs] == want
+    tight.engine.check_integrity()
 
 
 def test_a_read_policy_answer_never_enters_the_prefix_cache(llm):
