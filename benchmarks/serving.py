@@ -23,6 +23,7 @@ import csv
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -80,7 +81,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, at: float
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
     sent = time.perf_counter()
     stamps: list[float] = []
-    try:
+    tokens = None  # from the final usage chunk where the server sends one: a chunk may carry several
+    try:           # tokens (speculative decoding emits every accepted token of a step at once)
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return {"error": r.status_code, "sent": sent}
@@ -89,9 +91,11 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, at: float
                     chunk = json.loads(line[6:])
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         stamps.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "sent": sent}
-    return {"sent": sent, "stamps": stamps}
+    return {"sent": sent, "stamps": stamps, "tokens": len(stamps) if tokens is None else tokens}
 
 
 async def run_rate(server: Server, model: str, prompts: list[str], lengths: list[tuple[int, int]], rate: float,
@@ -111,8 +115,8 @@ async def run_rate(server: Server, model: str, prompts: list[str], lengths: list
         wall = time.perf_counter() - t0
     ok = [r for r in results if r.get("stamps")]
     ttft = [r["stamps"][0] - r["sent"] for r in ok]
-    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (len(r["stamps"]) - 1) for r in ok if len(r["stamps"]) > 1]
-    tokens = sum(len(r["stamps"]) for r in ok)
+    tpot = [(r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1]
+    tokens = sum(r["tokens"] for r in ok)
     end = max((r["stamps"][-1] for r in ok), default=t0 + wall) - t0
     offered = rate * statistics.mean(o for _, o in lengths)
     return {"rate": rate, "completed": len(ok), "errors": len(results) - len(ok), "output_tok_s": tokens / end,
@@ -124,11 +128,11 @@ def keeps_up(row: dict, slo: float) -> bool:
     return row["errors"] == 0 and row["ttft_p99"] <= slo
 
 
-def start_server(name: str, port: int, dtype: str) -> tuple[Server, str, dict]:
+def start_server(name: str, port: int, dtype: str, streamkv_args: str = "") -> tuple[Server, str, dict]:
     if name == "streamkv":
         cmd = [sys.executable, "-m", "streamkv.cli", "serve", "--port", str(port), "--dtype", dtype,
-               "--max-waiting", "100000"]
-        return Server(name, cmd, port), "", {"ignore_eos": True}
+               "--max-waiting", "100000", *shlex.split(streamkv_args)]
+        return Server(name, cmd, port), "", {"ignore_eos": True, "stream_options": {"include_usage": True}}
     # --interrupt_requests False: by default a new request cancels the one being streamed
     cmd = [str(LLAMACPP_PY), "-m", "llama_cpp.server", "--model", str(embedded_gguf()), "--port", str(port),
            "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "8192", "--interrupt_requests", "False"]
@@ -147,6 +151,7 @@ def main() -> None:
     ap.add_argument("--ttft-slo", type=float, default=5.0)
     ap.add_argument("--report", default=None, help="re-print the tables of a saved serving-*.json")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--streamkv-args", default="", help='extra `streamkv serve` flags, e.g. "--stall-factor 3"')
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.report:
@@ -163,7 +168,7 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     results: dict[str, list[dict]] = {}
     for i, name in enumerate(args.engines.split(",")):
-        server, _, extra = start_server(name, 18500 + i, args.dtype)
+        server, _, extra = start_server(name, 18500 + i, args.dtype, args.streamkv_args)
         try:
             model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
             results[name] = []

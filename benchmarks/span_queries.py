@@ -200,17 +200,22 @@ def part_bulk(args, rng: random.Random) -> dict:
     state_blocks = -(-(len(tok.encode(frags[0])) + 16) // 16) + 1
     blocks = 2 * need + 15 * state_blocks  # room for two queries in flight + ~1/4 of the fragments' states
     del probe
-    res = {"fragments": 60, "queries": len(queries), "pool_blocks": blocks, "pool_tokens": blocks * 16}
-    for order in ("given", "clustered"):
-        llm = LLM(dtype=args.dtype, num_blocks=blocks)
-        t, (outs, _) = timed(lambda: llm.span_bulk(queries, order=order, concurrency=2))
-        ttft = [o.metrics["first_token_time"] - o.metrics["spans"]["submitted"] for o in outs]
-        st = llm.engine.spans.cache.stats
-        res[order] = {"wall_s": t, "mean_ttft_s": statistics.mean(ttft), "hits": st.hits, "misses": st.misses,
-                      "computed_tokens": sum(o.metrics["spans"]["usage"]["computed_tokens"] for o in outs)}
-        print(f"  bulk {order:9}: wall {t:.1f} s  mean TTFT {res[order]['mean_ttft_s']:.3f} s  "
-              f"hits {st.hits}  misses {st.misses}  computed {res[order]['computed_tokens']} tok", flush=True)
-        del llm
+    res = {"fragments": 60, "queries": len(queries), "pool_blocks": blocks, "pool_tokens": blocks * 16, "runs": []}
+    for host in args.bulk_host:  # span_host_bytes: 0 = evicted states are dropped and recomputed
+        for order in ("given", "clustered"):
+            llm = LLM(dtype=args.dtype, num_blocks=blocks, span_host_bytes=host)
+            t, (outs, _) = timed(lambda: llm.span_bulk(queries, order=order, concurrency=2))
+            ttft = [o.metrics["first_token_time"] - o.metrics["spans"]["submitted"] for o in outs]
+            st = llm.engine.spans.cache.stats
+            run = {"order": order, "span_host_bytes": host, "wall_s": t, "mean_ttft_s": statistics.mean(ttft),
+                   "hits": st.hits, "misses": st.misses, "offloads": st.offloads, "restores": st.restores,
+                   "evictions": st.evictions,
+                   "computed_tokens": sum(o.metrics["spans"]["usage"]["computed_tokens"] for o in outs)}
+            res["runs"].append(run)
+            print(f"  bulk {order:9} host {host >> 20:5} MiB: wall {t:.1f} s  mean TTFT {run['mean_ttft_s']:.3f} s  "
+                  f"hits {st.hits}  misses {st.misses}  restores {st.restores}  "
+                  f"computed {run['computed_tokens']} tok", flush=True)
+            del llm
     return res
 
 
@@ -326,6 +331,8 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=2048, help="step token budget (streamkv and vLLM)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--bulk-queries", type=int, default=500)
+    ap.add_argument("--bulk-host", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1 << 30],
+                    help="span_host_bytes values for the bulk part (0: evicted spans are recomputed)")
     ap.add_argument("--hay", default="0,50,200")
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--qa", type=int, default=24)

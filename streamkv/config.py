@@ -44,6 +44,9 @@ class CacheConfig:
     swap_space: int = field(default=0, metadata={"unit": "BYTES", 
         "help": "bytes of host memory a preempted sequence's KV can be swapped to instead of being "
                 "recomputed (see --preemption); 0 = off"})
+    span_host_bytes: int = field(default=1 << 30, metadata={"unit": "BYTES",
+        "help": "bytes of host memory that cached span states move to when the pool needs their blocks "
+                "(restored on their next hit instead of recomputed); 0 = drop them"})
     response_cache_entries: int = field(default=0, metadata={"unit": "ENTRIES", 
         "help": "LRU cache of full responses to deterministic stateless requests (temperature 0 or a "
                 "seed), keyed by prompt ids and sampling parameters; 0 = off"})
@@ -61,6 +64,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
+        if self.span_host_bytes < 0:
+            raise ValueError(f"span_host_bytes must be >= 0, got {self.span_host_bytes}")
         if self.response_cache_entries < 0:
             raise ValueError(f"response_cache_entries must be >= 0, got {self.response_cache_entries}")
         if self.num_blocks is not None and self.num_blocks < 1:

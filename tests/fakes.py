@@ -219,13 +219,15 @@ class SlotFakeRunner(FakeRunner):
 def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_model_len: int = 512,
                 chunk: int | None = None, queue_policy: str = "fcfs", max_wait_s: float | None = None,
                 swap_blocks: int = 0, preemption: str = "recompute", speculation: str = "auto",
-                repeat: int | None = None, grouped_prefill: bool = True,
+                repeat: int | None = None, grouped_prefill: bool = True, span_host_bytes: int = 1 << 30,
                 **inputs: object) -> tuple[Engine, SlotFakeRunner]:
-    """An engine on a :class:`SlotFakeRunner` (swap space in blocks: ``swap_blocks``)."""
+    """An engine on a :class:`SlotFakeRunner` (swap space in blocks: ``swap_blocks``; KV bytes
+    are 64 per token)."""
     from streamkv.config import InputStreamConfig
 
     config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                            swap_space=swap_blocks * 64 * block_size),
+                                            swap_space=swap_blocks * 64 * block_size,
+                                            span_host_bytes=span_host_bytes),
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=chunk,
                                                     queue_policy=queue_policy, max_wait_s=max_wait_s,
                                                     preemption=preemption, speculation=speculation,

@@ -45,7 +45,10 @@ def test_span_query_reuses_permuted_operands(http):
                                "completion_tokens"}
     stats = http.get("/v1/spans/cache").json()
     assert stats["entries"] > 0 and stats["hits"] > 0
+    assert {"host_entries", "host_bytes", "offloads", "restores"} <= stats.keys()  # the host tier (idle here)
     text = http.get("/metrics").text
+    assert re.search(r"^streamkv_span_cache_restores_total \d", text, re.M)
+    assert re.search(r"^streamkv_span_cache_host_bytes \d", text, re.M)
     assert re.search(r"^streamkv_span_cache_hits_total [1-9]", text, re.M)
     assert re.search(r'^streamkv_span_tokens_total\{kind="reused"\} [1-9]', text, re.M)
     assert re.search(r"^streamkv_span_queries_total [1-9]", text, re.M)

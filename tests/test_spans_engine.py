@@ -176,13 +176,34 @@ def test_locality_k_runs_a_tree_of_judges(llm):
     no_leaks(llm)
 
 
-def test_cache_pressure_evicts_and_every_query_finishes():
-    llm = LLM(dtype="float32", num_blocks=80)  # 1,280 tokens: one query (50 blocks) and a few cached notes
+def test_cache_pressure_moves_spans_to_the_host_then_drops_them_and_every_query_finishes():
+    # 1,280 tokens: one query (50 blocks) and a few cached notes; a host tier of ~3 note states
+    llm = LLM(dtype="float32", num_blocks=80, span_host_bytes=12 << 20)
     docs = [fragment(f"Note {i}: " + " ".join(f"item{i}-{j}" for j in range(30)) + "\n") for i in range(10)]
     outs = llm.span_queries([gen(seq(SYS, plus(docs[i], docs[(i + 1) % 10]), user("Sum up.")), max_tokens=4,
                                  temperature=0) for i in range(10)])
     assert all(o.finish_reason in ("stop", "length") for o in outs)
-    assert llm.engine.spans.cache.stats.evictions > 0
+    cache = llm.engine.spans.cache
+    assert cache.stats.offloads > 0 and cache.stats.evictions > 0 and cache.host_used <= 12 << 20
+    no_leaks(llm)
+    assert cache.host_used == 0 and cache.host_entries() == 0
+
+
+def test_a_hit_restored_from_the_host_equals_a_hit_in_the_pool(llm):
+    spans = llm.engine.spans
+    warm = run(llm, rag(DOCS[:3]))  # computed and cached, in the pool
+    cached = len(spans.cache)
+    assert spans.cache.trim(llm.engine.pool.num_blocks + 1) == cached  # every state, to the host
+    assert spans.cache.held_blocks() == 0 and spans.cache.host_entries() == cached
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    restores = spans.cache.stats.restores
+    out = llm.span_queries(rag(DOCS[:3]))[0]
+    assert result(out) == warm[0] and spans.cache.stats.restores > restores
+    usage = out.metrics["spans"]["usage"]  # the question's last rows only, as for a hit in the pool
+    assert 0 < usage["computed_tokens"] < usage["reused_tokens"] // 10
+    spans.cache.trim(llm.engine.pool.num_blocks + 1)
+    # operands restored and placed at new positions equal a cold run
+    assert run(llm, rag(DOCS[1:4])) == [cold(llm, rag(DOCS[1:4]))]
     no_leaks(llm)
 
 

@@ -80,3 +80,49 @@ def test_random_span_queries_keep_the_kv_exact_and_finish(seed, blocks, budget):
     engine.check_integrity()
     assert engine.pool.num_free == engine.pool.num_blocks
     assert not engine.spans.has_work() and engine.spans._reserved == 0
+
+
+def _notes(n: int):
+    return [_query([fragment(f"{WORDS[i % 7]}{i}" * 3), fragment(WORDS[(i + 3) % 7] * 2)], "qq") for i in range(n)]
+
+
+def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies():
+    budget = 64 * 40  # host copies of 40 tokens in all (64 bytes per token)
+    engine, _ = slot_engine(num_blocks=64, block_size=4, span_host_bytes=budget)
+    cache = engine.spans.cache
+    for q in _notes(4):
+        _run(engine, [q], [])
+        sizes = [(k, 64 * len(s.stream.tokens) if s.stream else s.host_bytes) for k, s in cache._entries.items()]
+        cache.trim(engine.pool.num_blocks + 1)  # everything unused leaves the pool, least recent first
+        expect, total = [], 0  # the newest copies that fit, once copies larger than the budget are dropped
+        for key, size in reversed([(k, n) for k, n in sizes if n <= budget]):
+            if total + size > budget:
+                break
+            expect.insert(0, key)
+            total += size
+        assert list(cache._entries) == expect and cache.host_used == total <= budget
+        assert cache.held_blocks() == 0 and engine.pool.num_free == engine.pool.num_blocks
+    assert cache.stats.offloads > cache.host_entries() > 0 and cache.stats.evictions > 0
+    cache.clear()
+    engine.check_integrity()
+    assert cache.host_used == 0 and len(cache) == 0
+
+
+def test_a_host_copy_that_finds_no_blocks_is_a_miss_and_the_query_recomputes_it():
+    engine, _ = slot_engine(num_blocks=32, block_size=4)
+    query = _notes(1)[0]
+    first = _run(engine, [query], [])["q0"].token_ids
+    cache = engine.spans.cache
+    cache.trim(engine.pool.num_blocks + 1)
+    keys = [k for k, s in cache._entries.items() if s.host is not None]
+    hog = engine.seq_ops.open(list(range(1, 4 * engine.pool.num_free - 2)))  # a pinned stream takes the pool
+    while not engine.seq_ops.is_idle(hog):
+        engine.step()
+    assert cache.take(keys[-1]) is None and keys[-1] not in cache  # dropped, counted as a miss
+    assert cache.host_used == sum(s.host_bytes for s in cache._entries.values())
+    engine.seq_ops.close(hog)
+    engine.step()
+    assert _run(engine, [query], [])["q0"].token_ids == first and cache.stats.restores > 0
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks

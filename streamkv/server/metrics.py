@@ -160,9 +160,13 @@ def _span_metrics(spans: Any) -> Any:
     st = spans.cache.stats
     for name, value, doc in (("hits", st.hits, "span-cache lookups that found a computed state"),
                              ("misses", st.misses, "span-cache lookups that computed the state"),
-                             ("evictions", st.evictions, "cached span states evicted for room")):
+                             ("evictions", st.evictions, "cached span states dropped for room"),
+                             ("offloads", st.offloads, "cached span states moved from the pool to host memory"),
+                             ("restores", st.restores, "span-cache hits restored from host memory")):
         yield CounterMetricFamily(f"streamkv_span_cache_{name}", doc, value=value)
     yield GaugeMetricFamily("streamkv_span_cache_entries", "computed span states cached", value=len(spans.cache))
+    yield GaugeMetricFamily("streamkv_span_cache_host_bytes", "bytes of cached span states in host memory",
+                            value=spans.cache.host_used)
     yield GaugeMetricFamily("streamkv_span_queries_running", "span queries in progress", value=spans.num_running)
     yield CounterMetricFamily("streamkv_span_queries", "span queries ended", value=spans.queries_ended)
     tokens = CounterMetricFamily("streamkv_span_tokens", "tokens of ended span queries, by kind", labels=["kind"])

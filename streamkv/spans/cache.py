@@ -7,22 +7,37 @@ query places it, so any query needing that piece reuses it (re-positioned by rot
 it lands elsewhere). States share blocks copy-on-write (an operand's stream aliases its
 prefix's full blocks).
 
-Entries in use by a running query are never evicted; the others leave in LRU order when
-the pool runs low (:meth:`trim`), so cached spans never starve ordinary requests of blocks.
+Entries in use by a running query are never evicted; the others leave the pool in LRU order
+when it runs low (:meth:`trim`), so cached spans never starve ordinary requests of blocks.
+
+Two tiers::
+
+    pool (pinned stream) ──trim──▶ host (K/V copy, ``host_bytes`` in all) ──LRU──▶ dropped
+           ▲                              │
+           └────────── take (a hit) ──────┘  restored into fresh blocks, rows as they were
+
+A restored state's rows are a copy of the rows it had, so a hit from the host equals a hit
+from the pool bit for bit. It no longer shares blocks with the state it was forked from
+(copy-on-write sharing is not rebuilt). A host copy whose restore finds no blocks is dropped
+and counts as a miss (the query computes the span again).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from typing import Any
+
+from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.kv.manager import KVManager
 from streamkv.ops.seq_ops import SeqOps
-from streamkv.sched.sequence import Sequence
+from streamkv.sched.sequence import PriorityClass, Sequence
 
 
 @dataclass
 class State:
-    """``stream`` holds the KV of ``length`` tokens (None: the empty root state)."""
+    """``stream`` holds the KV of ``length`` tokens (None: the empty root state, or a state
+    moved to the host, whose K/V [layers, len(tokens), kv_heads, head_dim] are ``host``)."""
 
     key: bytes
     stream: Sequence | None
@@ -30,20 +45,31 @@ class State:
     text: str | None = None  # an inner generate's output text
     uses: int = 0
     volatile: bool = False  # built on a sampled (not reproducible) output: never cached
+    host: tuple[Any, Any] | None = None  # (k, v) on the host, from SeqOps.export
+    tokens: list[int] | None = None  # the stream's tokens while on the host
+    host_bytes: int = 0
 
 
 @dataclass
 class CacheStats:
     hits: int = 0
     misses: int = 0
-    evictions: int = 0
+    evictions: int = 0  # dropped (from the pool without a host tier, or from the host)
+    offloads: int = 0  # moved from the pool to the host
+    restores: int = 0  # hits served from the host
 
 
 class SpanCache:
-    def __init__(self, seq_ops: SeqOps, kv: KVManager, max_entries: int = 4096) -> None:
+    """``host_bytes``: the host tier's size (0: off); ``bytes_per_token``: K+V of one token."""
+
+    def __init__(self, seq_ops: SeqOps, kv: KVManager, max_entries: int = 4096, host_bytes: int = 0,
+                 bytes_per_token: int = 0) -> None:
         self._ops = seq_ops
         self._kv = kv
         self.max_entries = max_entries
+        self.host_bytes = host_bytes if bytes_per_token > 0 else 0
+        self._per_token = bytes_per_token
+        self.host_used = 0
         self._entries: OrderedDict[bytes, State] = OrderedDict()
         self.stats = CacheStats()
 
@@ -56,6 +82,9 @@ class SpanCache:
     def take(self, key: bytes) -> State | None:
         """The cached state (one more use, freshest in LRU order), or None."""
         state = self._entries.get(key)
+        if state is not None and state.host is not None and not self._restore(state):
+            self._drop(key)
+            state = None
         if state is None:
             self.stats.misses += 1
             return None
@@ -68,6 +97,10 @@ class SpanCache:
         """Cache a freshly computed state, in use by its query. A state computed twice
         concurrently keeps the first copy; the second stream is closed."""
         old = self._entries.get(state.key)
+        if old is not None and old.host is not None:  # computed again while a copy waited on the host
+            self._drop_host(old)
+            del self._entries[state.key]
+            old = None
         if old is not None:
             if state.stream is not None and state.stream is not old.stream:
                 self._ops.close(state.stream)
@@ -83,28 +116,92 @@ class SpanCache:
         state.uses = max(0, state.uses - 1)
 
     def trim(self, free_blocks: int) -> int:
-        """Evict unused states, least recent first, until the pool has ``free_blocks`` free
-        blocks and at most ``max_entries`` entries remain; returns how many left."""
-        evicted = 0
+        """Move unused states out of the pool, least recent first, until it has ``free_blocks``
+        free blocks and at most ``max_entries`` entries remain: to the host while it has room,
+        else dropped. Returns how many left the pool."""
+        moved = 0
         for key in list(self._entries):
-            if self._kv.pool.num_free >= free_blocks and len(self._entries) <= self.max_entries:
+            over = len(self._entries) > self.max_entries
+            if self._kv.pool.num_free >= free_blocks and not over:
                 break
             state = self._entries[key]
-            if state.uses:
+            if state.uses or (state.stream is None and not over):
+                continue  # in use, or holds no blocks (on the host, or the root)
+            moved += 1
+            if not over and self._offload(state):
                 continue
-            del self._entries[key]
-            if state.stream is not None:
-                self._ops.close(state.stream)
-            evicted += 1
-        self.stats.evictions += evicted
-        return evicted
+            self._drop(key)
+        self._fit_host()
+        return moved
 
     def clear(self) -> int:
-        """Drop every unused state (``DELETE /v1/spans/cache``, tests)."""
-        n = len(self._entries)
-        self.trim(self._kv.pool.num_blocks + 1)
-        return n - len(self._entries)
+        """Drop every unused state, in the pool or on the host (``DELETE /v1/spans/cache``)."""
+        unused = [key for key, state in self._entries.items() if not state.uses]
+        for key in unused:
+            self._drop(key)
+        return len(unused)
 
     def held_blocks(self) -> int:
         return len({b for s in self._entries.values() if s.stream is not None and self._kv.has(s.stream.seq_id)
                     for b in self._kv.block_table(s.stream.seq_id)})
+
+    def host_entries(self) -> int:
+        return sum(1 for s in self._entries.values() if s.host is not None)
+
+    # ------------------------------------------------------------- host tier
+    def _drop(self, key: bytes) -> None:
+        state = self._entries.pop(key)
+        if state.stream is not None:
+            self._ops.close(state.stream)
+            state.stream = None
+        self._drop_host(state)
+        self.stats.evictions += 1
+
+    def _drop_host(self, state: State) -> None:
+        self.host_used -= state.host_bytes
+        state.host, state.tokens, state.host_bytes = None, None, 0
+
+    def _offload(self, state: State) -> bool:
+        """Copy an idle state's K/V to the host and close its stream (False: no host room)."""
+        stream = state.stream
+        assert stream is not None
+        size = len(stream.tokens) * self._per_token
+        if size > self.host_bytes or not self._ops.is_idle(stream):
+            return False
+        state.host = self._ops.export(stream, len(stream.tokens))
+        state.tokens, state.host_bytes = list(stream.tokens), size
+        self.host_used += size
+        self._ops.close(stream)
+        state.stream = None
+        self.stats.offloads += 1
+        return True
+
+    def _fit_host(self) -> None:
+        """Drop host copies, least recent first, until the host tier fits ``host_bytes``."""
+        for key in list(self._entries):
+            if self.host_used <= self.host_bytes:
+                return
+            state = self._entries[key]
+            if state.host is not None and not state.uses:  # (uses: being restored)
+                self._drop(key)
+
+    def _restore(self, state: State) -> bool:
+        """Bring a host copy back into fresh blocks (making room among other unused states);
+        False when the pool cannot hold it."""
+        assert state.host is not None and state.tokens is not None
+        (k, v), tokens = state.host, state.tokens
+        state.uses += 1  # not evicted by the trim below
+        try:
+            for attempt in range(2):
+                try:
+                    state.stream = self._ops.restore(tokens, k, v, klass=PriorityClass.POOL)
+                    break
+                except OutOfBlocksError:
+                    if attempt:
+                        return False
+                    self.trim(self._kv.blocks_for(len(tokens)) + 1)
+        finally:
+            state.uses -= 1
+        self._drop_host(state)
+        self.stats.restores += 1
+        return True

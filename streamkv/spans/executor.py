@@ -34,7 +34,9 @@ class SpanQueries:
 
     def __init__(self, engine: "EngineCore") -> None:
         self.engine = engine
-        self.cache = SpanCache(engine.seq_ops, engine.kv)
+        per_token = getattr(engine.kv_ops, "bytes_per_block", 0) // engine.kv.block_size
+        self.cache = SpanCache(engine.seq_ops, engine.kv, host_bytes=engine.config.cache.span_host_bytes,
+                               bytes_per_token=per_token)
         self.corpora: dict[str, dict[str, str]] = {}
         self._renderer: Renderer | None = None
         self._queries: dict[str, Query] = {}
@@ -152,7 +154,9 @@ class SpanQueries:
     def cache_info(self) -> dict[str, Any]:
         st = self.cache.stats
         return {"entries": len(self.cache), "blocks": self.cache.held_blocks(), "hits": st.hits,
-                "misses": st.misses, "evictions": st.evictions, "running": len(self._queries),
+                "misses": st.misses, "evictions": st.evictions, "host_entries": self.cache.host_entries(),
+                "host_bytes": self.cache.host_used, "offloads": st.offloads, "restores": st.restores,
+                "running": len(self._queries),
                 "corpora": {name: len(c) for name, c in self.corpora.items()}}
 
     @property
