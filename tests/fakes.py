@@ -147,9 +147,9 @@ class FakeKVOps:
         self.flush()
         return [self.slots.get(int(s)) for s in slots.tolist()], None
 
-    def load(self, slots, k, v) -> None:
+    def load(self, slots, k, v, start: int = 0) -> None:
         self.flush()
-        for d, entry in zip(slots.tolist(), k):
+        for d, entry in zip(slots.tolist(), k[start:]):
             self.slots[d] = entry
 
 

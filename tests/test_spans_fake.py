@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from streamkv import SamplingParams
 from streamkv.errors import InvalidRequestError
 from streamkv.spans.ir import fragment, gen, plus, seq, user
+from streamkv.spans.cache import SpanCache
 from tests.fakes import slot_engine
 
 WORDS = ["abc", "defgh", "ijklmnopq", "rst", "uvwxyzab", "cdefghijklmnop", "qq"]
@@ -86,10 +87,18 @@ def _notes(n: int):
     return [_query([fragment(f"{WORDS[i % 7]}{i}" * 3), fragment(WORDS[(i + 3) % 7] * 2)], "qq") for i in range(n)]
 
 
-def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies():
+def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies(monkeypatch):
     budget = 64 * 40  # host copies of 40 tokens in all (64 bytes per token)
     engine, _ = slot_engine(num_blocks=64, block_size=4, span_host_bytes=budget)
     cache = engine.spans.cache
+    offload, peak = SpanCache._offload, [0]
+
+    def watched(self, state, room):  # the budget holds at every copy, not only after a trim
+        moved = offload(self, state, room)
+        peak[0] = max(peak[0], self.host_used)
+        return moved
+
+    monkeypatch.setattr(SpanCache, "_offload", watched)
     for q in _notes(4):
         _run(engine, [q], [])
         sizes = [(k, 64 * len(s.stream.tokens) if s.stream else s.host_bytes) for k, s in cache._entries.items()]
@@ -102,13 +111,13 @@ def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies():
             total += size
         assert list(cache._entries) == expect and cache.host_used == total <= budget
         assert cache.held_blocks() == 0 and engine.pool.num_free == engine.pool.num_blocks
-    assert cache.stats.offloads > cache.host_entries() > 0 and cache.stats.evictions > 0
+    assert cache.stats.offloads > cache.host_entries() > 0 and cache.stats.evictions > 0 and peak[0] <= budget
     cache.clear()
     engine.check_integrity()
     assert cache.host_used == 0 and len(cache) == 0
 
 
-def test_a_host_copy_that_finds_no_blocks_is_a_miss_and_the_query_recomputes_it():
+def test_a_host_copy_that_finds_no_blocks_is_a_miss_and_stays_for_later():
     engine, _ = slot_engine(num_blocks=32, block_size=4)
     query = _notes(1)[0]
     first = _run(engine, [query], [])["q0"].token_ids
@@ -118,11 +127,31 @@ def test_a_host_copy_that_finds_no_blocks_is_a_miss_and_the_query_recomputes_it(
     hog = engine.seq_ops.open(list(range(1, 4 * engine.pool.num_free - 2)))  # a pinned stream takes the pool
     while not engine.seq_ops.is_idle(hog):
         engine.step()
-    assert cache.take(keys[-1]) is None and keys[-1] not in cache  # dropped, counted as a miss
-    assert cache.host_used == sum(s.host_bytes for s in cache._entries.values())
+    used, misses = cache.host_used, cache.stats.misses
+    assert cache.take(keys[-1]) is None and cache.stats.misses == misses + 1  # a miss, the copy kept
+    assert cache._entries[keys[-1]].host is not None and cache.host_used == used
     engine.seq_ops.close(hog)
     engine.step()
     assert _run(engine, [query], [])["q0"].token_ids == first and cache.stats.restores > 0
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_operands_restored_under_a_long_prefix_share_its_blocks_and_the_query_fits_its_reservation():
+    def query(ops):
+        return gen(seq(fragment("s" * 100), plus(*[fragment(o * 3) for o in ops]), user("qq")),
+                   max_tokens=2, temperature=0)
+
+    # 110 blocks of 4: the query needs 88; four restored operands each holding a private copy
+    # of the 100-token prefix would need 4 x 28 blocks and never let the new operand compute
+    engine, _ = slot_engine(num_blocks=110, block_size=4)
+    _run(engine, [query(["abcd", "efgh", "ijkl", "mnop"])], [])
+    engine.spans.cache.trim(engine.pool.num_blocks + 1)
+    second = _run(engine, [query(["abcd", "efgh", "ijkl", "zzzz"])], [])["q0"]
+    assert engine.spans.cache.stats.restores >= 4  # the prefix and three operands
+    alone, _ = slot_engine(num_blocks=110, block_size=4, span_host_bytes=0)
+    assert second.token_ids == _run(alone, [query(["abcd", "efgh", "ijkl", "zzzz"])], [])["q0"].token_ids
     engine.spans.cache.clear()
     engine.check_integrity()
     assert engine.pool.num_free == engine.pool.num_blocks

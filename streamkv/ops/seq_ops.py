@@ -249,19 +249,32 @@ class SeqOps:
 
     def restore(self, tokens: Seq[int], k: torch.Tensor, v: torch.Tensor,
                 klass: PriorityClass = PriorityClass.STREAM, observe: int = 0,
-                queries: torch.Tensor | None = None) -> Sequence:
+                queries: torch.Tensor | None = None, base: Sequence | None = None) -> Sequence:
         """A stream over ``tokens`` whose KV is ``k``/``v`` (from :meth:`export`), observing its
         newest ``observe`` rows, its window ``queries`` (from :meth:`queries`) when given.
+        With ``base`` (a computed stream whose tokens start ``tokens``), the stream forks the
+        base's rows (sharing its full blocks, as the stream it was exported from did) and
+        loads only the rows after them.
 
         Raises OutOfBlocksError (nothing changed) when the pool is short.
         """
         seq = self._new(list(tokens), klass)
         seq.observe = observe
-        blocks = self._kv.adopt(seq.seq_id, len(tokens))
+        start = 0 if base is None else len(base.tokens)
         try:
-            self.ops.load(slots_of(blocks, 0, len(tokens), self._kv.block_size), k, v)
-        except Exception:
-            self._kv.free(seq.seq_id)
+            if base is None:
+                blocks = self._kv.adopt(seq.seq_id, len(tokens))
+            else:
+                self.fork_kv(base, seq, start)
+                if not self._kv.grow(seq.seq_id, len(tokens)):
+                    raise OutOfBlocksError(f"no blocks for {len(tokens) - start} restored rows")
+                blocks = self._kv.block_table(seq.seq_id)
+            self.ops.load(slots_of(blocks, start, len(tokens) - start, self._kv.block_size), k, v, start)
+        except KVCacheFullError:
+            raise OutOfBlocksError("no block for the fork's partial copy") from None
+        except BaseException:
+            if self._kv.has(seq.seq_id):
+                self._kv.free(seq.seq_id)
             raise
         seq.num_computed = len(tokens)
         if queries is not None and observe and self._recent is not None:

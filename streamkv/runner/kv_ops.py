@@ -132,9 +132,12 @@ class KVOps:
                 self.cache.v.index_select(1, slots).to("cpu"))
 
     @torch.inference_mode()
-    def load(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write exported K/V back into ``slots`` (any free slots: positions are in the keys)."""
+    def load(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Write exported K/V rows ``start:`` back into ``slots`` (any free slots: positions
+        are in the keys)."""
         self.flush()
+        if start:
+            k, v = k[:, start:], v[:, start:]
         expect = (self.cache.k.shape[0], slots.numel(), *self.cache.k.shape[2:])
         if tuple(k.shape) != expect or tuple(v.shape) != expect:
             raise ValueError(f"saved KV has shape {tuple(k.shape)}, this model's cache needs {expect}")

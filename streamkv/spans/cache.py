@@ -17,9 +17,12 @@ Two tiers::
            └────────── take (a hit) ──────┘  restored into fresh blocks, rows as they were
 
 A restored state's rows are a copy of the rows it had, so a hit from the host equals a hit
-from the pool bit for bit. It no longer shares blocks with the state it was forked from
-(copy-on-write sharing is not rebuilt). A host copy whose restore finds no blocks is dropped
-and counts as a miss (the query computes the span again).
+from the pool bit for bit. When the state it was forked from (``State.base``) is in the pool,
+the restore forks it and loads only the rows after it, so the restored stream shares blocks
+as the original did and a query holds no more blocks than when it computed the span (its
+admission counts on that); else every row is loaded into fresh blocks. A copy whose restore
+finds no blocks stays on the host, and the lookup is a miss (the query computes the span; its
+``put`` replaces the copy).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class State:
     host: tuple[Any, Any] | None = None  # (k, v) on the host, from SeqOps.export
     tokens: list[int] | None = None  # the stream's tokens while on the host
     host_bytes: int = 0
+    base: bytes | None = None  # the state whose stream this one's was forked from (shares its blocks)
 
 
 @dataclass
@@ -83,8 +87,7 @@ class SpanCache:
         """The cached state (one more use, freshest in LRU order), or None."""
         state = self._entries.get(key)
         if state is not None and state.host is not None and not self._restore(state):
-            self._drop(key)
-            state = None
+            state = None  # no blocks now: the query computes it (its put replaces the host copy)
         if state is None:
             self.stats.misses += 1
             return None
@@ -117,21 +120,22 @@ class SpanCache:
 
     def trim(self, free_blocks: int) -> int:
         """Move unused states out of the pool, least recent first, until it has ``free_blocks``
-        free blocks and at most ``max_entries`` entries remain: to the host while it has room,
-        else dropped. Returns how many left the pool."""
-        moved = 0
+        free blocks and at most ``max_entries`` entries remain: to the host when the copy
+        would stay there (its size plus the newer host copies fit ``host_bytes``; older ones
+        are dropped to make room), else dropped. Returns how many left the pool."""
+        moved, newer = 0, self.host_used  # host bytes of the copies newer than the current key
         for key in list(self._entries):
             over = len(self._entries) > self.max_entries
             if self._kv.pool.num_free >= free_blocks and not over:
                 break
             state = self._entries[key]
+            newer -= state.host_bytes
             if state.uses or (state.stream is None and not over):
                 continue  # in use, or holds no blocks (on the host, or the root)
             moved += 1
-            if not over and self._offload(state):
+            if not over and self._offload(state, room=self.host_bytes - newer):
                 continue
             self._drop(key)
-        self._fit_host()
         return moved
 
     def clear(self) -> int:
@@ -161,13 +165,15 @@ class SpanCache:
         self.host_used -= state.host_bytes
         state.host, state.tokens, state.host_bytes = None, None, 0
 
-    def _offload(self, state: State) -> bool:
-        """Copy an idle state's K/V to the host and close its stream (False: no host room)."""
+    def _offload(self, state: State, room: int) -> bool:
+        """Copy an idle state's K/V to the host and close its stream (False: it needs more than
+        ``room`` bytes, or the tier is off)."""
         stream = state.stream
         assert stream is not None
         size = len(stream.tokens) * self._per_token
-        if size > self.host_bytes or not self._ops.is_idle(stream):
+        if not self.host_bytes or size > room or not self._ops.is_idle(stream):
             return False
+        self._fit_host(self.host_bytes - size)  # older copies make room first: never over budget
         state.host = self._ops.export(stream, len(stream.tokens))
         state.tokens, state.host_bytes = list(stream.tokens), size
         self.host_used += size
@@ -176,25 +182,28 @@ class SpanCache:
         self.stats.offloads += 1
         return True
 
-    def _fit_host(self) -> None:
-        """Drop host copies, least recent first, until the host tier fits ``host_bytes``."""
+    def _fit_host(self, limit: int) -> None:
+        """Drop host copies, least recent first, until they hold at most ``limit`` bytes."""
         for key in list(self._entries):
-            if self.host_used <= self.host_bytes:
+            if self.host_used <= limit:
                 return
             state = self._entries[key]
             if state.host is not None and not state.uses:  # (uses: being restored)
                 self._drop(key)
 
     def _restore(self, state: State) -> bool:
-        """Bring a host copy back into fresh blocks (making room among other unused states);
-        False when the pool cannot hold it."""
+        """Bring a host copy back into the pool (making room among other unused states),
+        forked from its base state's stream when that is in the pool, so it shares the base's
+        blocks as the stream it was copied from did. False, the copy kept, when the pool
+        cannot hold it."""
         assert state.host is not None and state.tokens is not None
         (k, v), tokens = state.host, state.tokens
-        state.uses += 1  # not evicted by the trim below
+        state.uses += 1  # not dropped by the trim below
         try:
             for attempt in range(2):
-                try:
-                    state.stream = self._ops.restore(tokens, k, v, klass=PriorityClass.POOL)
+                try:  # (the base again after a trim, which may have moved it out)
+                    state.stream = self._ops.restore(tokens, k, v, klass=PriorityClass.POOL,
+                                                     base=self._base_stream(state))
                     break
                 except OutOfBlocksError:
                     if attempt:
@@ -205,3 +214,10 @@ class SpanCache:
         self._drop_host(state)
         self.stats.restores += 1
         return True
+
+    def _base_stream(self, state: State) -> Sequence | None:
+        base = self._entries.get(state.base) if state.base is not None else None
+        if base is None or base.stream is None or not self._ops.is_idle(base.stream):
+            return None
+        n = len(base.stream.tokens)
+        return base.stream if n <= len(state.tokens or ()) and base.stream.tokens == state.tokens[:n] else None

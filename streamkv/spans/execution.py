@@ -84,7 +84,7 @@ class Execution:
         stream = yield from self._stream(query, state, list(piece.ids))
         query.usage.computed_tokens += len(piece.ids)
         return (yield from self._cached(query, State(key, stream, state.length + len(piece.ids),
-                                                     volatile=state.volatile)))
+                                                     volatile=state.volatile, base=state.key)))
 
     def _plus(self, query: Query, state: State, plus: PlusPlan) -> Generator[Any, Any, State]:
         key = state_key(state.key, plus.key)
@@ -98,7 +98,8 @@ class Execution:
         parts = [(op.stream, state.length, op.length - state.length) for op in ops[1:]]
         query.usage.repositioned_tokens += yield from self._with_blocks(
             lambda: self.engine.seq_ops.splice(stream, parts), sum(p[2] for p in parts))  # type: ignore[arg-type]
-        return (yield from self._cached(query, State(key, stream, len(stream.tokens), volatile=volatile)))
+        return (yield from self._cached(query, State(key, stream, len(stream.tokens), volatile=volatile,
+                                                     base=ops[0].key)))
 
     def _operand(self, query: Query, plan: SpanPlan, base: State) -> Generator[Any, Any, State]:
         state = yield from self._segments(query, plan, base)
@@ -129,7 +130,7 @@ class Execution:
         self.engine.seq_ops.release_kv(req)
         query.usage.computed_tokens += len(gen.prompt) + len(out.token_ids)
         return (yield from self._cached(query, State(key, stream, len(req.tokens), text=out.text,
-                                                     volatile=volatile)))
+                                                     volatile=volatile, base=state.key)))
 
     # ----------------------------------------------------------------- helpers
     def _take(self, query: Query, key: bytes, volatile: bool = False) -> State | None:
