@@ -14,7 +14,7 @@ Two tiers::
 
     pool (pinned stream) ──trim──▶ host (K/V copy, ``host_bytes`` in all) ──LRU──▶ dropped
            ▲                              │
-           └────────── take (a hit) ──────┘  restored into fresh blocks, rows as they were
+           └────────── take (a hit) ──────┘  restored, rows as they were
 
 A restored state's rows are a copy of the rows it had, so a hit from the host equals a hit
 from the pool bit for bit. When the state it was forked from (``State.base``) is in the pool,
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-
 from typing import Any
 
 from streamkv.kv.block_pool import OutOfBlocksError
@@ -128,7 +127,9 @@ class SpanCache:
             over = len(self._entries) > self.max_entries
             if self._kv.pool.num_free >= free_blocks and not over:
                 break
-            state = self._entries[key]
+            state = self._entries.get(key)
+            if state is None:  # (dropped meanwhile: _offload makes host room among older copies only)
+                continue
             newer -= state.host_bytes
             if state.uses or (state.stream is None and not over):
                 continue  # in use, or holds no blocks (on the host, or the root)
