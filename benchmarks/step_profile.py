@@ -9,7 +9,8 @@ the model's forward and, inside it with the native layers, native/layer.c's own 
 attention, norms, RoPE + KV writes, SiLU, residual adds; timed in C), the LM head with its norm,
 and the sampler. "overhead" = step - GEMMs - attention - LM head: what is neither a kernel
 doing the model's arithmetic nor reading its weights (Python, dispatch, scheduling, glue).
-Prints the CPU model and flags.
+Prints the CPU model and flags. Speculation is off unless --engine-kwargs turns it on (a step is
+then one forward per sequence).
 """
 from __future__ import annotations
 
@@ -129,7 +130,9 @@ def main() -> int:
     info = common.machine_info(args.threads)
     print(f"CPU: {info['cpu']['model']} ({', '.join(info['cpu']['flags'])}); torch {info.get('torch')}, "
           f"{info.get('torch_threads')} threads")
-    llm = LLM(threads=args.threads, **json.loads(args.engine_kwargs))
+    # one forward per step: prompt-lookup speculation (on by default) verifies several drafted
+    # tokens per step, so a run has fewer steps than tokens; --engine-kwargs may turn it back on
+    llm = LLM(threads=args.threads, **{"speculation": "none", **json.loads(args.engine_kwargs)})
     model = llm.engine.bundle.runner.model
     if args.torch_layers:
         model.native = None

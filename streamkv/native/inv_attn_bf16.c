@@ -48,7 +48,7 @@
 #define SB 64            /* keys per super-block: one softmax update */
 #define NB (SB / 16)
 #define MAXDB 4          /* 32-dim blocks: D <= 128 */
-#define ROWS 48          /* query rows (query, head of the kv group) per item */
+#define ROWS 96          /* query rows (query, head of the kv group) per item */
 #define SPLIT_MIN 2      /* a lone decode row with more chunks than this is split one item per chunk */
 /* Decode rows run as one item per chunk over every kv head (run_heads) when there are several of
  * them or the row is long; a lone short one keeps one item per kv head (better balanced on few
@@ -121,8 +121,61 @@ typedef struct {
     v16 o[2 * MAXDB];
 } RowState;
 
+/* P V of rows [0, NR) over the nb whole 16-key blocks of a super-block, interleaved: element j of
+ * row r is still one vdpbf16ps chain over the key pairs in order, o[r][j] = s[r].o[j] * a[r] first;
+ * only the schedule differs from one row at a time (NR * NV independent chains instead of NV, so
+ * the chains' latency hides behind each other; each V vector is loaded once for the NR rows). */
+static inline __attribute__((always_inline)) void pv_rows(const int NR, const int NV, int nb,
+                                                          __m512i Vp[NB][8][2 * MAXDB],
+                                                          uint32_t pp[][NB][8], const float* a, RowState* st) {
+    __m512 o[4][8];
+    for (int r = 0; r < NR; r++) {
+        const __m512 va = _mm512_set1_ps(a[r]);
+        for (int j = 0; j < NV; j++) o[r][j] = _mm512_mul_ps(st[r].o[j], va);
+    }
+    for (int x = 0; x < nb; x++)
+        for (int kp = 0; kp < 8; kp++)
+            for (int r = 0; r < NR; r++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[r][x][kp]);
+                for (int j = 0; j < NV; j++) o[r][j] = _mm512_dpbf16_ps(o[r][j], (__m512bh)Vp[x][kp][j], w);
+            }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NV; j++) st[r].o[j] = o[r][j];
+}
+
+/* The scores of rows [0, nr) against nbk 16-key blocks: acc[r][x] lane i = one vdpbf16ps chain over
+ * the dim pairs p = 0 .. P - 1 of q_r and key 16x + i (unscaled). */
+static inline __attribute__((always_inline)) void qk_rows(const int nr, const int nbk, int P, const uint32_t (*qp)[64],
+                                                          __m512i Kt[NB][16 * MAXDB], __m512 acc[4][NB]) {
+    for (int r = 0; r < nr; r++) for (int x = 0; x < nbk; x++) acc[r][x] = _mm512_setzero_ps();
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < nr; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r][p]);
+            for (int x = 0; x < nbk; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], (__m512bh)Kt[x][p], qb);
+        }
+}
+
+/* P V of one row over its lim visible keys (the partly visible super-blocks of a prompt's diagonal,
+ * a decode row's last block): key pairs the row does not see at all are skipped. */
+static void pv_row(int nv, int lim, __m512i Vp[NB][8][2 * MAXDB], uint32_t pp[NB][8], float a, RowState* s) {
+    const int rb = (lim + 15) / 16;
+    const __m512 va = _mm512_set1_ps(a);
+    __m512 o[2 * MAXDB];
+    for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(s->o[j], va);
+    for (int x = 0; x < rb; x++) {
+        const int left = lim - 16 * x, npairs = left >= 16 ? 8 : (left + 1) / 2;
+        for (int kp = 0; kp < npairs; kp++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[x][kp]);
+            for (int j = 0; j < nv; j++) o[j] = _mm512_dpbf16_ps(o[j], (__m512bh)Vp[x][kp][j], w);
+        }
+    }
+    for (int j = 0; j < nv; j++) s->o[j] = o[j];
+}
+
 /* One super-block for rows [0, R): scores, softmax update, P V. pos[r] is row r's context index
- * relative to the super-block's first key. */
+ * relative to the super-block's first key. Rows go four at a time: their scores together, then
+ * each row's softmax, then their P V together when all four see every key of the block (whole
+ * 16-key blocks), else row by row; either way the same operations per element. */
 static void super_block(const Ctx* cx, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
                         __m512i Kt[NB][16 * MAXDB], __m512i Vp[NB][8][2 * MAXDB], RowState* st) {
     const int P = cx->D / 2, nv = 2 * cx->DB, nb = (nk + 15) / 16;
@@ -130,48 +183,66 @@ static void super_block(const Ctx* cx, const uint32_t (*qp)[64], const int64_t* 
     for (int r0 = 0; r0 < R; r0 += 4) {
         const int rn = R - r0 < 4 ? R - r0 : 4;
         __m512 acc[4][NB];
-        for (int r = 0; r < rn; r++) for (int x = 0; x < nb; x++) acc[r][x] = _mm512_setzero_ps();
-        for (int p = 0; p < P; p++)
-            for (int r = 0; r < rn; r++) {
-                const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r0 + r][p]);
-                for (int x = 0; x < nb; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], (__m512bh)Kt[x][p], qb);
+        if (rn == 4 && nb == NB) qk_rows(4, NB, P, qp + r0, Kt, acc);   /* constant bounds: unrolled */
+        else qk_rows(rn, nb, P, qp + r0, Kt, acc);
+        uint32_t pp[4][NB][8];
+        float a[4], mn[4], d[16] = {0};
+        int lims[4], whole = rn == 4 && nk % 16 == 0;
+        /* scores scaled and masked in place (acc), each row's new max, then the four rescale
+         * factors exp(m - m') in one v_exp (lane r of v_exp equals s_exp of lane r's value) */
+        for (int r = 0; r < rn; r++) {
+            const RowState* s = st + r0 + r;
+            const int64_t vis = pos[r0 + r] + 1;           /* keys of this super-block the row sees */
+            const int lim = vis <= 0 ? 0 : vis < nk ? (int)vis : nk;
+            lims[r] = lim;
+            whole &= lim == nk;
+            if (lim == 0) continue;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int x = 0; x < (lim + 15) / 16; x++) {
+                const int left = lim - 16 * x;
+                acc[r][x] = _mm512_mul_ps(acc[r][x], vscale);
+                if (left < 16)
+                    acc[r][x] = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), _mm512_set1_ps(-INFINITY), acc[r][x]);
+                mx = _mm512_max_ps(mx, acc[r][x]);
             }
+            const float bm = v_hmax(mx);
+            mn[r] = bm > s->m ? bm : s->m;
+            d[r] = s->m - mn[r];
+        }
+        float ea[16];
+        v_store(ea, v_exp(v_load(d)));
+        __m512 tot[4];
+        for (int r = 0; r < 4; r++) tot[r] = _mm512_setzero_ps();
         for (int r = 0; r < rn; r++) {
             RowState* s = st + r0 + r;
-            const int64_t vis = pos[r0 + r] + 1;           /* keys of this super-block the row sees */
-            if (vis <= 0) continue;
-            const int lim = vis < nk ? (int)vis : nk, rb = (lim + 15) / 16;
-            __m512 sc[NB];
-            __mmask16 valid[NB];
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int x = 0; x < rb; x++) {
+            const int lim = lims[r];
+            if (lim == 0) continue;
+            a[r] = s->m == -INFINITY ? 0.f : ea[r];
+            for (int x = 0; x < (lim + 15) / 16; x++) {
                 const int left = lim - 16 * x;
-                valid[x] = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-                sc[x] = _mm512_mask_blend_ps(valid[x], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(acc[r][x], vscale));
-                mx = _mm512_max_ps(mx, sc[x]);
+                __m512 pr = v_exp(_mm512_sub_ps(acc[r][x], _mm512_set1_ps(mn[r])));
+                if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
+                tot[r] = _mm512_add_ps(tot[r], pr);
+                _mm256_storeu_si256((__m256i*)pp[r][x], (__m256i)_mm512_cvtneps_pbh(pr));
             }
-            const float bm = v_hmax(mx), mn = bm > s->m ? bm : s->m;
-            const float a = s->m == -INFINITY ? 0.f : s_exp(s->m - mn);
-            uint32_t pp[NB][8];
-            __m512 tot = _mm512_setzero_ps();
-            for (int x = 0; x < rb; x++) {
-                const __m512 pr = _mm512_maskz_mov_ps(valid[x], v_exp(_mm512_sub_ps(sc[x], _mm512_set1_ps(mn))));
-                tot = _mm512_add_ps(tot, pr);
-                _mm256_storeu_si256((__m256i*)pp[x], (__m256i)_mm512_cvtneps_pbh(pr));
-            }
-            s->l = s->l * a + v_hsum(tot);
-            s->m = mn;
-            const __m512 va = _mm512_set1_ps(a);
-            __m512 o[2 * MAXDB];
-            for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(s->o[j], va);
-            for (int x = 0; x < rb; x++) {
-                const int left = lim - 16 * x, npairs = left >= 16 ? 8 : (left + 1) / 2;
-                for (int kp = 0; kp < npairs; kp++) {
-                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[x][kp]);
-                    for (int j = 0; j < nv; j++) o[j] = _mm512_dpbf16_ps(o[j], (__m512bh)Vp[x][kp][j], w);
-                }
-            }
-            for (int j = 0; j < nv; j++) s->o[j] = o[j];
+        }
+        float sums[4];
+        v_hsum4(tot[0], tot[1], tot[2], tot[3], sums);
+        for (int r = 0; r < rn; r++) {
+            if (lims[r] == 0) continue;
+            st[r0 + r].l = st[r0 + r].l * a[r] + sums[r];
+            st[r0 + r].m = mn[r];
+        }
+        if (whole && nv <= 4) {                            /* D <= 64: 4 rows x nv chains */
+            if (nv == 2) pv_rows(4, 2, nb, Vp, pp, a, st + r0);
+            else pv_rows(4, 4, nb, Vp, pp, a, st + r0);
+        } else if (whole) {                                /* D <= 128: two rows at a time */
+            for (int h = 0; h < 4; h += 2)
+                if (nv == 6) pv_rows(2, 6, nb, Vp, pp + h, a + h, st + r0 + h);
+                else pv_rows(2, 8, nb, Vp, pp + h, a + h, st + r0 + h);
+        } else {
+            for (int r = 0; r < rn; r++)
+                if (lims[r] > 0) pv_row(nv, lims[r], Vp, pp[r], a[r], st + r0 + r);
         }
     }
 }
