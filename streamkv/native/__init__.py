@@ -27,7 +27,7 @@ _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c"
 # roundings is written out in the source and the compiler may not reassociate or contract it.
 _EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "layer.c",
                                       "kv_move.c")]
-_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h")]
+_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h", "attn_bf16_rows.h")]
 # STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
 # CPU that would not take it; tests do this in a subprocess with their own cache directory)
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", *os.environ.get("STREAMKV_NATIVE_FLAGS", "").split()]

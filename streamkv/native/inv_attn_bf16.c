@@ -23,6 +23,10 @@
  *
  * Accumulator lanes follow _mm512_unpack{lo,hi}_epi16's interleave (lane_dim() maps them back).
  *
+ * A prompt whose rows span several tiles has its key blocks transposed once per call, before the
+ * items run (pretranspose()); other items transpose the blocks they read as they go. Rows run four
+ * at a time (super_block()): their scores together, each row's softmax, their P V together.
+ *
  * Work items are (sequence, tile of query rows, kv head, range of chunks). An item that starts
  * at chunk 0 merges its chunks in place and writes the output; otherwise (long decode contexts,
  * split for parallelism) it writes one partial per chunk and a second pass merges them in order.
@@ -67,6 +71,8 @@ typedef struct {
     float* part;
     int H, Hk, D, DB;
     float scale;
+    __m512i* pre;             /* prompts' blocks transposed once per call (pre_at[b] >= 0), or NULL */
+    const int64_t* pre_at;    /* per sequence: offset of its blocks in pre, in vectors, or -1 */
 } Ctx;
 
 /* 32 bf16 of one key row at dims [32h, 32h + 32), zeros past D */
@@ -76,8 +82,9 @@ static inline __m512i load32(const uint16_t* row, int h, int D) {
     return _mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1), row + 32 * h);
 }
 
-/* A 16-key block (n valid keys, the rest zero) of kv head hk: Kt[16 DB] pair-major, Vp[8][2 DB]. */
-static inline void load_block(const Ctx* cx, const int64_t* slots, int n, int hk, __m512i* Kt, __m512i Vp[8][2 * MAXDB]) {
+/* A 16-key block (n valid keys, the rest zero) of kv head hk: Kt[16 DB] pair-major, Vp[8][2 DB]
+ * (Vp[kp][j] at Vp + 2 DB kp + j). Blocks lie 16 DB vectors apart (KS) in both arrays. */
+static inline void load_block(const Ctx* cx, const int64_t* slots, int n, int hk, __m512i* Kt, __m512i* Vp) {
     const int DB = cx->DB, D = cx->D, Hk = cx->Hk;
     for (int h = 0; h < DB; h++) {
         __m512i r[16];
@@ -91,8 +98,8 @@ static inline void load_block(const Ctx* cx, const int64_t* slots, int n, int hk
             __m512i a = 2 * kp < n ? load32(cx->vc + (slots[2 * kp] * Hk + hk) * D, h, D) : _mm512_setzero_si512();
             __m512i b = 2 * kp + 1 < n ? load32(cx->vc + (slots[2 * kp + 1] * Hk + hk) * D, h, D)
                                        : _mm512_setzero_si512();
-            Vp[kp][2 * h] = _mm512_unpacklo_epi16(a, b);
-            Vp[kp][2 * h + 1] = _mm512_unpackhi_epi16(a, b);
+            Vp[kp * 2 * DB + 2 * h] = _mm512_unpacklo_epi16(a, b);
+            Vp[kp * 2 * DB + 2 * h + 1] = _mm512_unpackhi_epi16(a, b);
         }
 }
 
@@ -116,136 +123,7 @@ static inline void merge(float* M, float* L, v16* O, float m, float l, const v16
     *M = mn;
 }
 
-typedef struct {
-    float m, l;
-    v16 o[2 * MAXDB];
-} RowState;
-
-/* P V of rows [0, NR) over the nb whole 16-key blocks of a super-block, interleaved: element j of
- * row r is still one vdpbf16ps chain over the key pairs in order, o[r][j] = s[r].o[j] * a[r] first;
- * only the schedule differs from one row at a time (NR * NV independent chains instead of NV, so
- * the chains' latency hides behind each other; each V vector is loaded once for the NR rows). */
-static inline __attribute__((always_inline)) void pv_rows(const int NR, const int NV, int nb,
-                                                          __m512i Vp[NB][8][2 * MAXDB],
-                                                          uint32_t pp[][NB][8], const float* a, RowState* st) {
-    __m512 o[4][8];
-    for (int r = 0; r < NR; r++) {
-        const __m512 va = _mm512_set1_ps(a[r]);
-        for (int j = 0; j < NV; j++) o[r][j] = _mm512_mul_ps(st[r].o[j], va);
-    }
-    for (int x = 0; x < nb; x++)
-        for (int kp = 0; kp < 8; kp++)
-            for (int r = 0; r < NR; r++) {
-                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[r][x][kp]);
-                for (int j = 0; j < NV; j++) o[r][j] = _mm512_dpbf16_ps(o[r][j], (__m512bh)Vp[x][kp][j], w);
-            }
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NV; j++) st[r].o[j] = o[r][j];
-}
-
-/* The scores of rows [0, nr) against nbk 16-key blocks: acc[r][x] lane i = one vdpbf16ps chain over
- * the dim pairs p = 0 .. P - 1 of q_r and key 16x + i (unscaled). */
-static inline __attribute__((always_inline)) void qk_rows(const int nr, const int nbk, int P, const uint32_t (*qp)[64],
-                                                          __m512i Kt[NB][16 * MAXDB], __m512 acc[4][NB]) {
-    for (int r = 0; r < nr; r++) for (int x = 0; x < nbk; x++) acc[r][x] = _mm512_setzero_ps();
-    for (int p = 0; p < P; p++)
-        for (int r = 0; r < nr; r++) {
-            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r][p]);
-            for (int x = 0; x < nbk; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], (__m512bh)Kt[x][p], qb);
-        }
-}
-
-/* P V of one row over its lim visible keys (the partly visible super-blocks of a prompt's diagonal,
- * a decode row's last block): key pairs the row does not see at all are skipped. */
-static void pv_row(int nv, int lim, __m512i Vp[NB][8][2 * MAXDB], uint32_t pp[NB][8], float a, RowState* s) {
-    const int rb = (lim + 15) / 16;
-    const __m512 va = _mm512_set1_ps(a);
-    __m512 o[2 * MAXDB];
-    for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(s->o[j], va);
-    for (int x = 0; x < rb; x++) {
-        const int left = lim - 16 * x, npairs = left >= 16 ? 8 : (left + 1) / 2;
-        for (int kp = 0; kp < npairs; kp++) {
-            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[x][kp]);
-            for (int j = 0; j < nv; j++) o[j] = _mm512_dpbf16_ps(o[j], (__m512bh)Vp[x][kp][j], w);
-        }
-    }
-    for (int j = 0; j < nv; j++) s->o[j] = o[j];
-}
-
-/* One super-block for rows [0, R): scores, softmax update, P V. pos[r] is row r's context index
- * relative to the super-block's first key. Rows go four at a time: their scores together, then
- * each row's softmax, then their P V together when all four see every key of the block (whole
- * 16-key blocks), else row by row; either way the same operations per element. */
-static void super_block(const Ctx* cx, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
-                        __m512i Kt[NB][16 * MAXDB], __m512i Vp[NB][8][2 * MAXDB], RowState* st) {
-    const int P = cx->D / 2, nv = 2 * cx->DB, nb = (nk + 15) / 16;
-    const __m512 vscale = v_set1(cx->scale);
-    for (int r0 = 0; r0 < R; r0 += 4) {
-        const int rn = R - r0 < 4 ? R - r0 : 4;
-        __m512 acc[4][NB];
-        if (rn == 4 && nb == NB) qk_rows(4, NB, P, qp + r0, Kt, acc);   /* constant bounds: unrolled */
-        else qk_rows(rn, nb, P, qp + r0, Kt, acc);
-        uint32_t pp[4][NB][8];
-        float a[4], mn[4], d[16] = {0};
-        int lims[4], whole = rn == 4 && nk % 16 == 0;
-        /* scores scaled and masked in place (acc), each row's new max, then the four rescale
-         * factors exp(m - m') in one v_exp (lane r of v_exp equals s_exp of lane r's value) */
-        for (int r = 0; r < rn; r++) {
-            const RowState* s = st + r0 + r;
-            const int64_t vis = pos[r0 + r] + 1;           /* keys of this super-block the row sees */
-            const int lim = vis <= 0 ? 0 : vis < nk ? (int)vis : nk;
-            lims[r] = lim;
-            whole &= lim == nk;
-            if (lim == 0) continue;
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int x = 0; x < (lim + 15) / 16; x++) {
-                const int left = lim - 16 * x;
-                acc[r][x] = _mm512_mul_ps(acc[r][x], vscale);
-                if (left < 16)
-                    acc[r][x] = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), _mm512_set1_ps(-INFINITY), acc[r][x]);
-                mx = _mm512_max_ps(mx, acc[r][x]);
-            }
-            const float bm = v_hmax(mx);
-            mn[r] = bm > s->m ? bm : s->m;
-            d[r] = s->m - mn[r];
-        }
-        float ea[16];
-        v_store(ea, v_exp(v_load(d)));
-        __m512 tot[4];
-        for (int r = 0; r < 4; r++) tot[r] = _mm512_setzero_ps();
-        for (int r = 0; r < rn; r++) {
-            RowState* s = st + r0 + r;
-            const int lim = lims[r];
-            if (lim == 0) continue;
-            a[r] = s->m == -INFINITY ? 0.f : ea[r];
-            for (int x = 0; x < (lim + 15) / 16; x++) {
-                const int left = lim - 16 * x;
-                __m512 pr = v_exp(_mm512_sub_ps(acc[r][x], _mm512_set1_ps(mn[r])));
-                if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
-                tot[r] = _mm512_add_ps(tot[r], pr);
-                _mm256_storeu_si256((__m256i*)pp[r][x], (__m256i)_mm512_cvtneps_pbh(pr));
-            }
-        }
-        float sums[4];
-        v_hsum4(tot[0], tot[1], tot[2], tot[3], sums);
-        for (int r = 0; r < rn; r++) {
-            if (lims[r] == 0) continue;
-            st[r0 + r].l = st[r0 + r].l * a[r] + sums[r];
-            st[r0 + r].m = mn[r];
-        }
-        if (whole && nv <= 4) {                            /* D <= 64: 4 rows x nv chains */
-            if (nv == 2) pv_rows(4, 2, nb, Vp, pp, a, st + r0);
-            else pv_rows(4, 4, nb, Vp, pp, a, st + r0);
-        } else if (whole) {                                /* D <= 128: two rows at a time */
-            for (int h = 0; h < 4; h += 2)
-                if (nv == 6) pv_rows(2, 6, nb, Vp, pp + h, a + h, st + r0 + h);
-                else pv_rows(2, 8, nb, Vp, pp + h, a + h, st + r0 + h);
-        } else {
-            for (int r = 0; r < rn; r++)
-                if (lims[r] > 0) pv_row(nv, lims[r], Vp, pp[r], a[r], st + r0 + r);
-        }
-    }
-}
+#include "attn_bf16_rows.h"
 
 static void store_out(const Ctx* cx, float* dst, const RowState* s) {
     float t[16];
@@ -276,7 +154,11 @@ static void run_item(const Item* it, const Ctx* cx) {
         for (int i = 0; i < nv; i++) run[r].o[i] = v_zero();
     }
     const int64_t end = start + it->q1;               /* the tile sees context [0, end) */
-    __m512i Kt[NB][16 * MAXDB], Vp[NB][8][2 * MAXDB];
+    const int KS = 16 * cx->DB;
+    __m512i Kloc[NB * 16 * MAXDB], Vloc[NB * 16 * MAXDB];
+    const __m512i* Kpre = NULL;                       /* this kv head's pre-transposed blocks */
+    if (cx->pre_at && cx->pre_at[it->b] >= 0)
+        Kpre = cx->pre + cx->pre_at[it->b] + (int64_t)it->hk * 2 * KS * ((L + 15) / 16);
     for (int c = it->c0; c < it->c1; c++) {
         const int64_t c0 = (int64_t)c * CHUNK, c1 = c0 + CHUNK < end ? c0 + CHUNK : end;
         for (int r = 0; r < R; r++) {
@@ -286,13 +168,19 @@ static void run_item(const Item* it, const Ctx* cx) {
         for (int64_t k0 = c0; k0 < c1; k0 += SB) {
             const int nk = c1 - k0 < SB ? (int)(c1 - k0) : SB, nb = (nk + 15) / 16;
             const int64_t k1 = k0 + SB;
-            if (k1 < c1) prefetch_keys(cx, cx->slots + off + k1, c1 - k1 < SB ? (int)(c1 - k1) : SB, it->hk);
-            for (int x = 0; x < nb; x++) {
-                const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
-                load_block(cx, cx->slots + off + k0 + 16 * x, n, it->hk, Kt[x], Vp[x]);
+            const __m512i *Kt = Kloc, *Vp = Vloc;
+            if (Kpre) {                                   /* blocks k0/16 ... of the pre-pass */
+                Kt = Kpre + KS * (k0 / 16);
+                Vp = Kpre + KS * ((L + 15) / 16 + k0 / 16);
+            } else {
+                if (k1 < c1) prefetch_keys(cx, cx->slots + off + k1, c1 - k1 < SB ? (int)(c1 - k1) : SB, it->hk);
+                for (int x = 0; x < nb; x++) {
+                    const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
+                    load_block(cx, cx->slots + off + k0 + 16 * x, n, it->hk, Kloc + x * KS, Vloc + x * KS);
+                }
             }
             for (int r = 0; r < R; r++) rel[r] = ctx[r] - k0;
-            super_block(cx, (const uint32_t (*)[64])qp, rel, R, nk, Kt, Vp, st);
+            super_block(cx->D, cx->scale, (const uint32_t (*)[64])qp, rel, R, nk, Kt, Vp, st);
         }
         for (int r = 0; r < R; r++) {
             if (st[r].m == -INFINITY) continue;           /* the row sees nothing of this chunk */
@@ -333,7 +221,8 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     Ctx sc = *cx;                                     /* the staged rows: slot i = the block's key i */
     sc.kc = stage; sc.vc = stage + (size_t)SB * row;
     const int64_t c0 = (int64_t)it->c0 * CHUNK, c1 = c0 + CHUNK < L ? c0 + CHUNK : L;
-    __m512i Kt[NB][16 * MAXDB], Vp[NB][8][2 * MAXDB];
+    const int KS = 16 * cx->DB;
+    __m512i Kt[NB * 16 * MAXDB], Vp[NB * 16 * MAXDB];
     for (int64_t k0 = c0; k0 < c1; k0 += SB) {
         const int nk = c1 - k0 < SB ? (int)(c1 - k0) : SB, nb = (nk + 15) / 16;
         const int64_t* sl = cx->slots + off + k0;
@@ -343,9 +232,9 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
         for (int hk = 0; hk < Hk; hk++) {
             for (int x = 0; x < nb; x++) {
                 const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
-                load_block(&sc, iota + 16 * x, n, hk, Kt[x], Vp[x]);
+                load_block(&sc, iota + 16 * x, n, hk, Kt + x * KS, Vp + x * KS);
             }
-            super_block(cx, (const uint32_t (*)[64])qp[hk * G], rel, G, nk, Kt, Vp, st + hk * G);
+            super_block(cx->D, cx->scale, (const uint32_t (*)[64])qp[hk * G], rel, G, nk, Kt, Vp, st + hk * G);
         }
     }
     const int64_t nc = (L + CHUNK - 1) / CHUNK;     /* partials at part + (h * nc + c) * W */
@@ -357,11 +246,42 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     }
 }
 
+/* Sequences whose rows span several tiles read every key block once per tile (and kv head); for
+ * them the blocks are transposed once here, in parallel, into cx->pre (per sequence and kv head:
+ * its ceil(L / 16) K blocks, then its V blocks, 16 DB vectors each; the same bits load_block
+ * would give each tile). Returns pre_at (per sequence: its offset in vectors, or -1), or NULL. */
+static int64_t* pretranspose(Ctx* cx, int B, int TQ, int ndec) {
+    const int KS = 16 * cx->DB, H = cx->H;
+    int64_t* at = malloc(sizeof(int64_t) * B), total = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t nq = cx->seqs[4 * b + 1], L = cx->seqs[4 * b + 3], nc = (L + CHUNK - 1) / CHUNK;
+        at[b] = -1;
+        if (SPLIT(nq, nc) || nq <= TQ) continue;
+        at[b] = total;
+        total += (int64_t)cx->Hk * 2 * KS * ((L + 15) / 16);
+    }
+    if (total == 0) { free(at); return NULL; }
+    cx->pre = aligned_alloc(64, sizeof(__m512i) * total);
+    for (int b = 0; b < B; b++) {
+        if (at[b] < 0) continue;
+        const int64_t off = cx->seqs[4 * b + 2], L = cx->seqs[4 * b + 3], nblk = (L + 15) / 16;
+        #pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < cx->Hk * nblk; i++) {
+            const int hk = (int)(i / nblk);
+            const int64_t j = i % nblk;
+            __m512i* base = cx->pre + at[b] + (int64_t)hk * 2 * KS * nblk;
+            const int n = L - 16 * j < 16 ? (int)(L - 16 * j) : 16;
+            load_block(cx, cx->slots + off + 16 * j, n, hk, base + KS * j, base + KS * (nblk + j));
+        }
+    }
+    return at;
+}
+
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
                            const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
     if (D % 16 != 0 || D > 32 * MAXDB || Hk <= 0 || H % Hk != 0 || H / Hk > ROWS || B <= 0) return 1;
     const int G = H / Hk, TQ = ROWS / G, nv = 2 * ((D + 31) / 32), W = 2 + 16 * nv;
-    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale};
+    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL};
     int64_t nitems = 0, npart = 0;
     int ndec = 0;
     for (int b = 0; b < B; b++) ndec += seqs[4 * b + 1] == 1;
@@ -390,6 +310,8 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
                 }
         }
     }
+    int64_t* pre_at = pretranspose(&cx, B, TQ, ndec);
+    cx.pre_at = pre_at;
     if (npart == 0) {
         #pragma omp parallel for schedule(dynamic, 1)
         for (int64_t t = 0; t < nitems; t++) run_item(&items[t], &cx);
@@ -428,6 +350,8 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         }
     }
     free(cx.part);
+    free(cx.pre);
+    free(pre_at);
     free(items);
     return 0;
 }

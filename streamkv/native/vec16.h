@@ -56,8 +56,11 @@ static inline v16 v_neg_select(v16 x, v16 a, v16 b) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), b, a);
 }
 static inline v16 v_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-/* a * 2^n for integral n in [-126, 127]: one correctly rounded product, as a * (float)2^n is */
-static inline v16 v_ldexp(v16 a, v16 n) { return _mm512_scalef_ps(a, n); }
+/* a * 2^n for integral n in [-126, 127] */
+static inline v16 v_ldexp(v16 a, v16 n) {
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(a, _mm512_castsi512_ps(e));
+}
 static inline float v_hsum(v16 a) {
     __m256 t = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
     __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));

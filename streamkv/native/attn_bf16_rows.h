@@ -1,0 +1,151 @@
+/* One super-block of query rows for inv_attn_bf16.c: scores, the online-softmax update, P V.
+ *
+ * Included by inv_attn_bf16.c inside its AVX512-BF16 section, after NB (16-key blocks per
+ * super-block) and MAXDB (32-dim blocks per head, D <= 32 MAXDB). Key blocks come transposed
+ * (load_block() there): K block x at Kt + 16 DB x, pair-major (Kt[16 DB x + p] holds dim pair p of
+ * its 16 keys); V block x at Vp + 16 DB x, key pairs interleaved (Vp[(8 x + kp) 2 DB + j]).
+ *
+ *   rows r0 .. r0+3:  acc[r][x] = q_r . K block x      one vdpbf16ps chain per key over dim pairs
+ *   each row:         m' = max(m, block max), a = exp(m - m'), p = bf16(exp(s - m')), l = l a + sum p
+ *   rows r0 .. r0+3:  o[r][j] = o[r][j] a_r + P V      one vdpbf16ps chain per element over key pairs
+ *
+ * Whatever the grouping (four rows, two, or one row with a partly visible block), each element
+ * sees the same operations in the same order: a row's bits never depend on its neighbours.
+ */
+#ifndef STREAMKV_ATTN_BF16_ROWS_H
+#define STREAMKV_ATTN_BF16_ROWS_H
+
+typedef struct {
+    float m, l;
+    v16 o[2 * MAXDB];
+} RowState;
+
+/* P V of rows [0, NR) over the nb whole 16-key blocks of a super-block, interleaved: element j of
+ * row r is still one vdpbf16ps chain over the key pairs in order, o[r][j] = s[r].o[j] * a[r] first;
+ * only the schedule differs from one row at a time (NR * NV independent chains instead of NV, so
+ * the chains' latency hides behind each other; each V vector is loaded once for the NR rows). */
+static inline __attribute__((always_inline)) void pv_rows(const int NR, const int NV, int nb,
+                                                          const __m512i* Vp, uint32_t pp[][NB][8],
+                                                          const float* a, RowState* st) {
+    __m512 o[4][8];
+    for (int r = 0; r < NR; r++) {
+        const __m512 va = _mm512_set1_ps(a[r]);
+        for (int j = 0; j < NV; j++) o[r][j] = _mm512_mul_ps(st[r].o[j], va);
+    }
+    for (int x = 0; x < nb; x++)
+        for (int kp = 0; kp < 8; kp++)
+            for (int r = 0; r < NR; r++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[r][x][kp]);
+                for (int j = 0; j < NV; j++)
+                    o[r][j] = _mm512_dpbf16_ps(o[r][j], (__m512bh)Vp[(8 * x + kp) * NV + j], w);
+            }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NV; j++) st[r].o[j] = o[r][j];
+}
+
+/* The scores of rows [0, nr) against nbk 16-key blocks: acc[r][x] lane i = one vdpbf16ps chain over
+ * the dim pairs p = 0 .. P - 1 of q_r and key 16x + i (unscaled). */
+static inline __attribute__((always_inline)) void qk_rows(const int nr, const int nbk, int P, int KS,
+                                                          const uint32_t (*qp)[64], const __m512i* Kt,
+                                                          __m512 acc[4][NB]) {
+    for (int r = 0; r < nr; r++) for (int x = 0; x < nbk; x++) acc[r][x] = _mm512_setzero_ps();
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < nr; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r][p]);
+            for (int x = 0; x < nbk; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], (__m512bh)Kt[x * KS + p], qb);
+        }
+}
+
+/* P V of one row over its lim visible keys (the partly visible super-blocks of a prompt's diagonal,
+ * a decode row's last block): key pairs the row does not see at all are skipped. */
+static void pv_row(int nv, int lim, const __m512i* Vp, uint32_t pp[NB][8], float a, RowState* s) {
+    const int rb = (lim + 15) / 16;
+    const __m512 va = _mm512_set1_ps(a);
+    __m512 o[2 * MAXDB];
+    for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(s->o[j], va);
+    for (int x = 0; x < rb; x++) {
+        const int left = lim - 16 * x, npairs = left >= 16 ? 8 : (left + 1) / 2;
+        for (int kp = 0; kp < npairs; kp++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[x][kp]);
+            for (int j = 0; j < nv; j++) o[j] = _mm512_dpbf16_ps(o[j], (__m512bh)Vp[(8 * x + kp) * nv + j], w);
+        }
+    }
+    for (int j = 0; j < nv; j++) s->o[j] = o[j];
+}
+
+/* One super-block for rows [0, R): scores, softmax update, P V. pos[r] is row r's context index
+ * relative to the super-block's first key. Rows go four at a time: their scores together, then
+ * each row's softmax, then their P V together when all four see every key of the block (whole
+ * 16-key blocks), else row by row; either way the same operations per element. */
+static void super_block(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
+                        const __m512i* Kt, const __m512i* Vp, RowState* st) {
+    const int DB = (D + 31) / 32, P = D / 2, nv = 2 * DB, nb = (nk + 15) / 16, KS = 16 * DB;
+    const __m512 vscale = v_set1(scale);
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int rn = R - r0 < 4 ? R - r0 : 4;
+        __m512 acc[4][NB];
+        if (rn == 4 && nb == NB) qk_rows(4, NB, P, KS, qp + r0, Kt, acc);   /* constant bounds: unrolled */
+        else qk_rows(rn, nb, P, KS, qp + r0, Kt, acc);
+        uint32_t pp[4][NB][8];
+        float a[4], mn[4], d[16] = {0};
+        int lims[4], whole = rn == 4 && nk % 16 == 0;
+        /* scores scaled and masked in place (acc), each row's new max, then the four rescale
+         * factors exp(m - m') in one v_exp (lane r of v_exp equals s_exp of lane r's value) */
+        for (int r = 0; r < rn; r++) {
+            const RowState* s = st + r0 + r;
+            const int64_t vis = pos[r0 + r] + 1;           /* keys of this super-block the row sees */
+            const int lim = vis <= 0 ? 0 : vis < nk ? (int)vis : nk;
+            lims[r] = lim;
+            whole &= lim == nk;
+            if (lim == 0) continue;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int x = 0; x < (lim + 15) / 16; x++) {
+                const int left = lim - 16 * x;
+                acc[r][x] = _mm512_mul_ps(acc[r][x], vscale);
+                if (left < 16)
+                    acc[r][x] = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), _mm512_set1_ps(-INFINITY), acc[r][x]);
+                mx = _mm512_max_ps(mx, acc[r][x]);
+            }
+            const float bm = v_hmax(mx);
+            mn[r] = bm > s->m ? bm : s->m;
+            d[r] = s->m - mn[r];
+        }
+        float ea[16];
+        v_store(ea, v_exp(v_load(d)));
+        __m512 tot[4];
+        for (int r = 0; r < 4; r++) tot[r] = _mm512_setzero_ps();
+        for (int r = 0; r < rn; r++) {
+            RowState* s = st + r0 + r;
+            const int lim = lims[r];
+            if (lim == 0) continue;
+            a[r] = s->m == -INFINITY ? 0.f : ea[r];
+            for (int x = 0; x < (lim + 15) / 16; x++) {
+                const int left = lim - 16 * x;
+                __m512 pr = v_exp(_mm512_sub_ps(acc[r][x], _mm512_set1_ps(mn[r])));
+                if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
+                tot[r] = _mm512_add_ps(tot[r], pr);
+                _mm256_storeu_si256((__m256i*)pp[r][x], (__m256i)_mm512_cvtneps_pbh(pr));
+            }
+        }
+        float sums[4];
+        v_hsum4(tot[0], tot[1], tot[2], tot[3], sums);
+        for (int r = 0; r < rn; r++) {
+            if (lims[r] == 0) continue;
+            st[r0 + r].l = st[r0 + r].l * a[r] + sums[r];
+            st[r0 + r].m = mn[r];
+        }
+        if (whole && nv <= 4) {                            /* D <= 64: 4 rows x nv chains */
+            if (nv == 2) pv_rows(4, 2, nb, Vp, pp, a, st + r0);
+            else pv_rows(4, 4, nb, Vp, pp, a, st + r0);
+        } else if (whole) {                                /* D <= 128: two rows at a time */
+            for (int h = 0; h < 4; h += 2)
+                if (nv == 6) pv_rows(2, 6, nb, Vp, pp + h, a + h, st + r0 + h);
+                else pv_rows(2, 8, nb, Vp, pp + h, a + h, st + r0 + h);
+        } else {
+            for (int r = 0; r < rn; r++)
+                if (lims[r] > 0) pv_row(nv, lims[r], Vp, pp[r], a[r], st + r0 + r);
+        }
+    }
+}
+
+#endif
