@@ -73,6 +73,48 @@ static void pv_row(int nv, int lim, const __m512i* Vp, uint32_t pp[NB][8], float
     for (int j = 0; j < nv; j++) s->o[j] = o[j];
 }
 
+/* Rows [0, rn), rn < 4 (a decode row's kv group, a tile's last rows): the scores together, then
+ * row by row its softmax and P V, as pv_row() does; the same operations per element as above. */
+static void few_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int rn, int nk,
+                     const __m512i* Kt, const __m512i* Vp, RowState* st) {
+    const int DB = (D + 31) / 32, P = D / 2, nv = 2 * DB, nb = (nk + 15) / 16, KS = 16 * DB;
+    const __m512 vscale = v_set1(scale);
+    __m512 acc[4][NB];
+    for (int r = 0; r < rn; r++) for (int x = 0; x < nb; x++) acc[r][x] = _mm512_setzero_ps();
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < rn; r++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[r][p]);
+            for (int x = 0; x < nb; x++) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], (__m512bh)Kt[x * KS + p], qb);
+        }
+    for (int r = 0; r < rn; r++) {
+        RowState* s = st + r;
+        const int64_t vis = pos[r] + 1;                    /* keys of this super-block the row sees */
+        if (vis <= 0) continue;
+        const int lim = vis < nk ? (int)vis : nk, rb = (lim + 15) / 16;
+        __m512 sc[NB];
+        __mmask16 valid[NB];
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int x = 0; x < rb; x++) {
+            const int left = lim - 16 * x;
+            valid[x] = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            sc[x] = _mm512_mask_blend_ps(valid[x], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(acc[r][x], vscale));
+            mx = _mm512_max_ps(mx, sc[x]);
+        }
+        const float bm = v_hmax(mx), mn = bm > s->m ? bm : s->m;
+        const float a = s->m == -INFINITY ? 0.f : s_exp(s->m - mn);
+        uint32_t pp[NB][8];
+        __m512 tot = _mm512_setzero_ps();
+        for (int x = 0; x < rb; x++) {
+            const __m512 pr = _mm512_maskz_mov_ps(valid[x], v_exp(_mm512_sub_ps(sc[x], _mm512_set1_ps(mn))));
+            tot = _mm512_add_ps(tot, pr);
+            _mm256_storeu_si256((__m256i*)pp[x], (__m256i)_mm512_cvtneps_pbh(pr));
+        }
+        s->l = s->l * a + v_hsum(tot);
+        s->m = mn;
+        pv_row(nv, lim, Vp, pp, a, s);
+    }
+}
+
 /* One super-block for rows [0, R): scores, softmax update, P V. pos[r] is row r's context index
  * relative to the super-block's first key. Rows go four at a time: their scores together, then
  * each row's softmax, then their P V together when all four see every key of the block (whole
@@ -83,6 +125,7 @@ static void super_block(int D, float scale, const uint32_t (*qp)[64], const int6
     const __m512 vscale = v_set1(scale);
     for (int r0 = 0; r0 < R; r0 += 4) {
         const int rn = R - r0 < 4 ? R - r0 : 4;
+        if (rn < 4) { few_rows(D, scale, qp + r0, pos + r0, rn, nk, Kt, Vp, st + r0); continue; }
         __m512 acc[4][NB];
         if (rn == 4 && nb == NB) qk_rows(4, NB, P, KS, qp + r0, Kt, acc);   /* constant bounds: unrolled */
         else qk_rows(rn, nb, P, KS, qp + r0, Kt, acc);

@@ -52,7 +52,7 @@
 #define SB 64            /* keys per super-block: one softmax update */
 #define NB (SB / 16)
 #define MAXDB 4          /* 32-dim blocks: D <= 128 */
-#define ROWS 96          /* query rows (query, head of the kv group) per item */
+#define ROWS 48          /* query rows (query, head of the kv group) per item */
 #define SPLIT_MIN 2      /* a lone decode row with more chunks than this is split one item per chunk */
 /* Decode rows run as one item per chunk over every kv head (run_heads) when there are several of
  * them or the row is long; a lone short one keeps one item per kv head (better balanced on few
