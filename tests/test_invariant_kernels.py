@@ -129,12 +129,14 @@ KERNELS = [pytest.param((attn, torch.float32, 1e-5), id="f32-float32"),
 def test_attention_is_correct_and_every_row_equals_its_decode(kernel, heads):
     """A mixed step (decodes, fresh chunks, chunks with context, lengths around the 512-key
     chunk boundary, decodes long enough to be split by chunk); then every row alone, as a decode
-    over its own context, gives the same bits. The bf16 kernel runs a step's decode rows one item
-    per chunk over every kv head and a lone short decode one item per kv head (64 heads: per kv
-    head always), so this also checks that the work split never changes a bit."""
+    over its own context, gives the same bits. The bf16 kernel runs a step's few-row sequences
+    (decodes; a decode with its drafts, 4 rows at 1026 keys: two rows see nothing of the last
+    chunk) one item per chunk over every kv head and a lone short decode one item per kv head
+    (64 heads: per kv head always), so this also checks that the work split never changes a bit."""
     fn, dtype, tol = kernel
     h, hk, d = heads
-    shapes = [(1, 1), (1, 37), (5, 5), (17, 17), (40, 900), (1, 1025), (1, 1600), (3, 512), (30, 540)]
+    shapes = [(1, 1), (1, 37), (5, 5), (17, 17), (40, 900), (1, 1025), (1, 1600), (3, 512), (30, 540),
+              (4, 1026), (2, 1700)]
     q, kc, vc, seqs, slots = _step(shapes, h, hk, d, dtype, seed=d)
     out = fn(q, kc, vc, seqs, slots, d ** -0.5)
     torch.testing.assert_close(out.double(), _reference(q, kc, vc, seqs, slots, d ** -0.5), atol=tol, rtol=tol)

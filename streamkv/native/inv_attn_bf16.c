@@ -28,10 +28,11 @@
  * at a time (super_block()): their scores together, each row's softmax, their P V together.
  *
  * Work items are (sequence, tile of query rows, kv head, range of chunks). An item that starts
- * at chunk 0 merges its chunks in place and writes the output; otherwise (long decode contexts,
- * split for parallelism) it writes one partial per chunk and a second pass merges them in order.
- * Both call the same merge() on the same per-chunk partials, so the split never changes a bit.
- * A split decode item covers one chunk and every kv head (run_heads()): per super-block it first
+ * at chunk 0 merges its chunks in place and writes the output; otherwise (few-row sequences:
+ * decode rows, a decode row with its drafts; split for parallelism) it writes one partial per row
+ * and chunk and a second pass merges them in order. Both call the same merge() on the same
+ * per-chunk partials, so the split never changes a bit.
+ * A split item covers one chunk, all its rows and every kv head (run_heads()): per super-block it first
  * copies the block's cache rows, all heads, in address order into a staging buffer, then runs each
  * head from there. The rows are then read as one sequential stream (a per-head gather reads 128
  * of every 384 bytes and streamed at ~12 GB/s on the EPYC, vs ~28 GB/s for the copy), and each
@@ -53,11 +54,13 @@
 #define NB (SB / 16)
 #define MAXDB 4          /* 32-dim blocks: D <= 128 */
 #define ROWS 48          /* query rows (query, head of the kv group) per item */
-#define SPLIT_MIN 2      /* a lone decode row with more chunks than this is split one item per chunk */
-/* Decode rows run as one item per chunk over every kv head (run_heads) when there are several of
- * them or the row is long; a lone short one keeps one item per kv head (better balanced on few
- * threads). Only the work split differs: the bits are the same either way. */
-#define SPLIT(nq, nc) ((nq) == 1 && H <= ROWS && (ndec > 1 || (nc) > SPLIT_MIN))
+#define SPLIT_MIN 2      /* a lone few-row sequence with more chunks than this is split one item per chunk */
+/* Few-row sequences (nq H <= ROWS: decode rows, a decode row with its speculative drafts) run as
+ * one item per chunk over every kv head (run_heads) when there are several of them or the context
+ * is long; a lone short one keeps one item per kv head (better balanced on few threads). Only the
+ * work split differs: the bits are the same either way. */
+#define FEW(nq) ((nq) * H <= ROWS)
+#define SPLIT(nq, nc) (FEW(nq) && (nfew > 1 || (nc) > SPLIT_MIN))
 
 typedef struct { int b, q0, q1, hk, c0, c1; int64_t part; } Item;
 
@@ -201,21 +204,23 @@ static void run_item(const Item* it, const Ctx* cx) {
         }
 }
 
-/* A split decode item (it->hk < 0): chunk it->c0 of one decode row, every kv head, partials out.
- * stage holds SB cache rows of K and of V (every head): 2 * SB * Hk * D bf16. */
+/* A split item (it->hk < 0): chunk it->c0 of a few-row sequence, all its nq rows and every kv
+ * head, partials out. Rows are grouped per kv head: row hk R + j G + g is query row j, head
+ * hk G + g (R = nq G). stage holds SB cache rows of K and of V (every head): 2 * SB * Hk * D bf16. */
 static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     const int64_t* sq = cx->seqs + 4 * it->b;
-    const int64_t row0 = sq[0], off = sq[2], L = sq[3];
-    const int H = cx->H, Hk = cx->Hk, D = cx->D, G = H / Hk, nv = 2 * cx->DB, row = Hk * D;
+    const int64_t row0 = sq[0], nq = sq[1], off = sq[2], L = sq[3], start = L - nq;
+    const int H = cx->H, Hk = cx->Hk, D = cx->D, G = H / Hk, nv = 2 * cx->DB, row = Hk * D, R = (int)nq * G;
     uint32_t qp[ROWS][64];
     int64_t rel[ROWS], iota[SB];
     RowState st[ROWS];
-    for (int h = 0; h < H; h++) {
-        const float* src = cx->q + (row0 * H + h) * D;
+    for (int r = 0; r < Hk * R; r++) {
+        const int j = (r % R) / G, h = (r / R) * G + r % G;
+        const float* src = cx->q + ((row0 + j) * H + h) * D;
         for (int p = 0; p < D / 2; p++)
-            qp[h][p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
-        st[h].m = -INFINITY; st[h].l = 0.f;
-        for (int i = 0; i < nv; i++) st[h].o[i] = v_zero();
+            qp[r][p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
+        st[r].m = -INFINITY; st[r].l = 0.f;
+        for (int i = 0; i < nv; i++) st[r].o[i] = v_zero();
     }
     for (int i = 0; i < SB; i++) iota[i] = i;
     Ctx sc = *cx;                                     /* the staged rows: slot i = the block's key i */
@@ -228,21 +233,24 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
         const int64_t* sl = cx->slots + off + k0;
         for (int i = 0; i < nk; i++) memcpy((uint16_t*)sc.kc + (size_t)i * row, cx->kc + sl[i] * row, (size_t)row * 2);
         for (int i = 0; i < nk; i++) memcpy((uint16_t*)sc.vc + (size_t)i * row, cx->vc + sl[i] * row, (size_t)row * 2);
-        for (int r = 0; r < G; r++) rel[r] = L - 1 - k0;
+        for (int r = 0; r < R; r++) rel[r] = start + r / G - k0;
         for (int hk = 0; hk < Hk; hk++) {
             for (int x = 0; x < nb; x++) {
                 const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
                 load_block(&sc, iota + 16 * x, n, hk, Kt + x * KS, Vp + x * KS);
             }
-            super_block(cx->D, cx->scale, (const uint32_t (*)[64])qp[hk * G], rel, G, nk, Kt, Vp, st + hk * G);
+            super_block(cx->D, cx->scale, (const uint32_t (*)[64])qp[hk * R], rel, R, nk, Kt, Vp, st + hk * R);
         }
     }
-    const int64_t nc = (L + CHUNK - 1) / CHUNK;     /* partials at part + (h * nc + c) * W */
-    for (int h = 0; h < H; h++) {
-        if (st[h].m == -INFINITY) continue;
-        float* p = cx->part + it->part + ((int64_t)h * nc + it->c0) * (2 + 16 * nv);
-        p[0] = st[h].m; p[1] = st[h].l;
-        for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, st[h].o[i]);
+    /* partials at part + ((j H + h) nc + c) W; a row that sees nothing of the chunk (a draft's
+     * keys past an earlier row) leaves m = -inf, which the merge skips */
+    const int64_t nc = (L + CHUNK - 1) / CHUNK;
+    for (int r = 0; r < Hk * R; r++) {
+        const int j = (r % R) / G, h = (r / R) * G + r % G;
+        float* p = cx->part + it->part + (((int64_t)j * H + h) * nc + it->c0) * (2 + 16 * nv);
+        p[0] = st[r].m; p[1] = st[r].l;
+        if (st[r].m != -INFINITY)
+            for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, st[r].o[i]);
     }
 }
 
@@ -250,7 +258,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
  * them the blocks are transposed once here, in parallel, into cx->pre (per sequence and kv head:
  * its ceil(L / 16) K blocks, then its V blocks, 16 DB vectors each; the same bits load_block
  * would give each tile). Returns pre_at (per sequence: its offset in vectors, or -1), or NULL. */
-static int64_t* pretranspose(Ctx* cx, int B, int TQ, int ndec) {
+static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew) {
     const int KS = 16 * cx->DB, H = cx->H;
     int64_t* at = malloc(sizeof(int64_t) * B), total = 0;
     for (int b = 0; b < B; b++) {
@@ -283,13 +291,13 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     const int G = H / Hk, TQ = ROWS / G, nv = 2 * ((D + 31) / 32), W = 2 + 16 * nv;
     Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL};
     int64_t nitems = 0, npart = 0;
-    int ndec = 0;
-    for (int b = 0; b < B; b++) ndec += seqs[4 * b + 1] == 1;
+    int nfew = 0;
+    for (int b = 0; b < B; b++) nfew += FEW(seqs[4 * b + 1]);
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         if (nq <= 0 || nq > L) return 2;
         const int64_t nc = (L + CHUNK - 1) / CHUNK;
-        if (SPLIT(nq, nc)) { nitems += nc; npart += (int64_t)H * nc * W; }
+        if (SPLIT(nq, nc)) { nitems += nc; npart += nq * H * nc * W; }
         else nitems += Hk * ((nq + TQ - 1) / TQ);
     }
     Item* items = malloc(sizeof(Item) * nitems);
@@ -299,8 +307,8 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         const int nc = (int)((L + CHUNK - 1) / CHUNK);
         if (SPLIT(nq, nc)) {
-            for (int c = 0; c < nc; c++) items[n++] = (Item){b, 0, 1, -1, c, c + 1, po};
-            po += (int64_t)H * nc * W;
+            for (int c = 0; c < nc; c++) items[n++] = (Item){b, 0, (int)nq, -1, c, c + 1, po};
+            po += nq * H * nc * W;
         } else {
             for (int q0 = 0; q0 < nq; q0 += TQ)
                 for (int hk = 0; hk < Hk; hk++) {
@@ -310,7 +318,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
                 }
         }
     }
-    int64_t* pre_at = pretranspose(&cx, B, TQ, ndec);
+    int64_t* pre_at = pretranspose(&cx, B, TQ, nfew);
     cx.pre_at = pre_at;
     if (npart == 0) {
         #pragma omp parallel for schedule(dynamic, 1)
@@ -328,25 +336,25 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
             free(stage);
         }
     }
-    /* merge the split decode rows: per (sequence, head), its chunks in order */
+    /* merge the split rows: per (sequence, row, head), its chunks in order */
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < nitems; t++) {
         const Item* it = &items[t];
         if (it->part < 0 || it->c0 != 0) continue;
         const int64_t* sq = seqs + 4 * it->b;
         const int nc = (int)((sq[3] + CHUNK - 1) / CHUNK);
-        for (int h = 0; h < H; h++) {                 /* split items cover every head */
+        for (int jh = 0; jh < sq[1] * H; jh++) {      /* split items cover every row and head */
             RowState s;
             s.m = -INFINITY; s.l = 0.f;
             for (int i = 0; i < nv; i++) s.o[i] = v_zero();
             for (int c = 0; c < nc; c++) {
-                const float* p = cx.part + it->part + ((int64_t)h * nc + c) * W;
+                const float* p = cx.part + it->part + ((int64_t)jh * nc + c) * W;
                 if (p[0] == -INFINITY) continue;
                 v16 o[2 * MAXDB];
                 for (int i = 0; i < nv; i++) o[i] = v_load(p + 2 + 16 * i);
                 merge(&s.m, &s.l, s.o, p[0], p[1], o, nv);
             }
-            store_out(&cx, out + (sq[0] * H + h) * D, &s);
+            store_out(&cx, out + (sq[0] * H + jh) * D, &s);
         }
     }
     free(cx.part);
