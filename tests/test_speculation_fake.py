@@ -38,14 +38,40 @@ def test_draft_is_the_continuation_of_the_most_recent_longest_ngram():
     assert PromptLookup(ngram_min=1).draft(seq, SpecState(), 4) == (9, 5, 6, 4)
 
 
-def test_index_is_incremental_and_rebuilt_when_tokens_are_cut():
+def _draft_by_scan(tokens: list[int], pl: PromptLookup, limit: int) -> tuple[int, ...]:
+    """The rule spelled out: the longest n-gram ending the tokens, n = ngram_max .. ngram_min,
+    found again ending earlier (before the last token); the latest such occurrence's continuation."""
+    last = len(tokens) - 1
+    for n in range(pl.ngram_max, pl.ngram_min - 1, -1):
+        if last < n:
+            continue
+        for end in range(last - 1, n - 2, -1):
+            if tokens[end - n + 1:end + 1] == tokens[last - n + 1:]:
+                return tuple(tokens[end + 1:end + 1 + limit])
+    return ()
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=60), ngram=st.tuples(st.integers(1, 3), st.integers(0, 3)),
+       grow=st.lists(st.integers(0, 3), max_size=8))
+def test_draft_equals_the_spelled_out_rule(tokens, ngram, grow):
+    """Over random sequences of a 4-token vocabulary (many repeats): the array search drafts what a
+    plain scan does, before and after the sequence grows (the history array is extended in place)."""
+    pl = PromptLookup(max_draft=4, ngram_min=ngram[0], ngram_max=ngram[0] + ngram[1])
+    seq, state = _seq(tokens), SpecState()
+    assert pl.draft(seq, state, 4) == _draft_by_scan(seq.tokens, pl, 4)
+    seq.tokens += grow
+    assert pl.draft(seq, state, 3) == _draft_by_scan(seq.tokens, pl, 3)
+
+
+def test_history_is_incremental_and_rebuilt_when_tokens_are_cut():
     pl = PromptLookup(max_draft=3, ngram_min=2)
     state = SpecState()
     seq = _seq([1, 2, 3, 4, 1, 2])
     assert pl.draft(seq, state, 3) == (3, 4, 1)
     seq.tokens += [3, 9, 1, 2]          # now "1 2" was last followed by 3 9
     assert pl.draft(seq, state, 3) == (3, 9, 1)
-    seq.tokens[:] = [5, 6, 7, 5, 6]     # cut and replaced (a stop string): the old index is dropped
+    seq.tokens[:] = [5, 6, 7, 5, 6]     # cut and replaced (a stop string): the history is copied again
     assert pl.draft(seq, state, 3) == (7, 5, 6)
 
 

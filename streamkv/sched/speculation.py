@@ -23,17 +23,34 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from streamkv.sched.sequence import Sequence, SeqStatus
 
 
 @dataclass
 class SpecState:
-    """Per sequence: an n-gram index of its tokens and its running acceptance rate."""
+    """Per sequence: its tokens as an array (searched for n-grams) and its running acceptance rate."""
 
-    index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> where its continuation starts
-    indexed: int = 0   # n-grams ending before this position are in ``index``
+    history: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # tokens[:known], spare room after
+    known: int = 0     # tokens copied into ``history``
     rate: float = 0.5  # EMA of accepted / proposed drafts (a neutral prior: two misses stop it)
     idle_steps: int = 0  # steps since its last draft (a cooled-down sequence probes again)
+
+    def tokens(self, tokens: list[int]) -> np.ndarray:
+        """``tokens`` as an int64 array [len(tokens)]: only the new tail is copied (the whole list
+        again when it was cut, e.g. by a stop string); the buffer doubles when full."""
+        n = len(tokens)
+        if n < self.known:
+            self.known = 0
+        if n > self.history.size:
+            grown = np.empty(max(2 * self.history.size, n + 64), dtype=np.int64)
+            grown[:self.known] = self.history[:self.known]
+            self.history = grown
+        if n > self.known:
+            self.history[self.known:n] = tokens[self.known:n]
+            self.known = n
+        return self.history[:n]
 
 
 @dataclass
@@ -102,32 +119,38 @@ class PromptLookup(Speculator):
         tokens = seq.tokens
         if limit <= 0:
             return ()
-        if len(tokens) < state.indexed:  # the tokens were cut (a stop string): index again
-            state.index.clear()
-            state.indexed = 0
-        self._index(tokens, state)
         if state.rate < self.min_acceptance:
             state.idle_steps += 1
             if state.idle_steps < self.probe_every:
                 return ()
             limit = min(limit, 1)
-        for n in range(self.ngram_max, self.ngram_min - 1, -1):
-            if len(tokens) <= n:
-                continue
-            start = state.index.get(tuple(tokens[-n:]))
-            if start is not None:
-                state.idle_steps = 0
-                return tuple(tokens[start:start + limit])
-        return ()
+        start = self._continuation(state.tokens(tokens))
+        if start is None:
+            return ()
+        state.idle_steps = 0
+        return tuple(tokens[start:start + limit])
 
-    def _index(self, tokens: list[int], state: SpecState) -> None:
-        """Index every n-gram ending before the last token (each has a continuation)."""
-        last = len(tokens) - 1
-        for end in range(state.indexed, last):  # n-grams tokens[end-n+1 .. end]
-            for n in range(self.ngram_min, self.ngram_max + 1):
-                if end + 1 >= n:
-                    state.index[tuple(tokens[end + 1 - n:end + 1])] = end + 1
-        state.indexed = max(state.indexed, last)
+    def _continuation(self, a: np.ndarray) -> int | None:
+        """Where the continuation of the longest (``ngram_max`` .. ``ngram_min`` tokens) n-gram
+        ending ``a`` starts, at its most recent earlier occurrence (one that ends before the last
+        token), or None. ``ends`` holds the end positions e < L - 1 whose n tokens up to e equal
+        the last n; it shrinks as n grows (one O(L) comparison, then candidates only), so a long
+        context costs no per-token index in Python."""
+        last = a.size - 1
+        if last < 1:
+            return None
+        ends = np.flatnonzero(a[:last] == a[last])
+        best = None
+        for n in range(1, self.ngram_max + 1):
+            if ends.size == 0:
+                break
+            if n >= self.ngram_min:
+                best = int(ends[-1]) + 1
+            if n == self.ngram_max or last - n < 0:
+                break
+            ends = ends[ends >= n]
+            ends = ends[a[ends - n] == a[last - n]]
+        return best
 
     def observe(self, state: SpecState, proposed: int, accepted: int) -> None:
         if proposed:
