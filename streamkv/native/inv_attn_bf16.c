@@ -62,6 +62,8 @@
 #define FEW(nq) ((nq) * H <= ROWS)
 #define SPLIT(nq, nc) (FEW(nq) && (nfew > 1 || (nc) > SPLIT_MIN))
 
+/* A tile of one sequence's query rows [q0, q1) over chunks [c0, c1): one kv head (run_item(),
+ * merged in place), or hk = -1: every kv head, one chunk, partials at part (run_heads()) */
 typedef struct { int b, q0, q1, hk, c0, c1; int64_t part; } Item;
 
 typedef struct {
@@ -185,23 +187,14 @@ static void run_item(const Item* it, const Ctx* cx) {
             for (int r = 0; r < R; r++) rel[r] = ctx[r] - k0;
             super_block(cx->D, cx->scale, (const uint32_t (*)[64])qp, rel, R, nk, Kt, Vp, st);
         }
-        for (int r = 0; r < R; r++) {
-            if (st[r].m == -INFINITY) continue;           /* the row sees nothing of this chunk */
-            if (it->part < 0) {
+        for (int r = 0; r < R; r++)
+            if (st[r].m != -INFINITY)                     /* else the row sees nothing of this chunk */
                 merge(&run[r].m, &run[r].l, run[r].o, st[r].m, st[r].l, st[r].o, nv);
-            } else {                                      /* partials at part + ((g * nc) + c) * W */
-                const int64_t nc = (L + CHUNK - 1) / CHUNK;
-                float* p = cx->part + it->part + ((int64_t)(r % G) * nc + c) * (2 + 16 * nv);
-                p[0] = st[r].m; p[1] = st[r].l;
-                for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, st[r].o[i]);
-            }
-        }
     }
-    if (it->part < 0)
-        for (int r = 0; r < R; r++) {
-            const int j = it->q0 + r / G, h = it->hk * G + r % G;
-            store_out(cx, cx->out + ((row0 + j) * H + h) * D, &run[r]);
-        }
+    for (int r = 0; r < R; r++) {
+        const int j = it->q0 + r / G, h = it->hk * G + r % G;
+        store_out(cx, cx->out + ((row0 + j) * H + h) * D, &run[r]);
+    }
 }
 
 /* A split item (it->hk < 0): chunk it->c0 of a few-row sequence, all its nq rows and every kv
