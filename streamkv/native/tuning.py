@@ -13,8 +13,11 @@ Kinds and their paths (a kind only exists where more than one path can run):
 With the default invariant numerics one path serves every row of every step (a row's bits must
 not depend on the batch), so a kind is scored over its whole range of row counts: the geometric
 mean of each path's time relative to the fastest path at every shape (decode rows 1, 8 and 32,
-prompt chunks of 256 rows). ``--kernels KIND=PATH,...`` forces any of them; ``--kernels auto``
-measures the rest. The choice is cached under ``~/.cache/streamkv/kernels`` (``STREAMKV_CACHE_DIR``),
+prompt chunks of 256 rows). Near-ties do not flip: the path this machine chose last time for the
+same model (any kernel build), else the kind's first path, stays unless another scores more than
+``MARGIN`` lower, so a rebuild or a noisy minute does not change a machine's numerics (the LM head's
+q8 and dense scored within 0-15% of each other across runs on the EPYC and took turns without this).
+``--kernels KIND=PATH,...`` forces any of them; ``--kernels auto`` measures the rest. The choice is cached under ``~/.cache/streamkv/kernels`` (``STREAMKV_CACHE_DIR``),
 keyed by the CPU model and flags, torch's version and threads, the kernels' sources and the model's
 shapes; another process starting meanwhile waits for the first one's measurement (a file lock), so
 all of them run the same kernels. ``streamkv info`` prints the machine, the timings and the choice.
@@ -41,7 +44,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "attention": ("bf16", "f32"),
     "prefill_attention": ("native", "sdpa"),
 }
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: choices made before the near-tie rule (MARGIN) are measured again
+MARGIN = 1.10  # another path displaces the preferred one only with a score more than 10% lower
 
 
 def parse_kernels(spec: str) -> dict[str, str]:
@@ -129,22 +133,27 @@ def _measurable(kind: str) -> bool:
     return True
 
 
-def pick(times: dict[str, dict[str, float]]) -> str:
-    """The path whose geometric mean of (time / fastest time) over the shapes is lowest."""
+def pick(times: dict[str, dict[str, float]], prefer: str | None = None, margin: float = MARGIN) -> str:
+    """The path whose geometric mean of (time / fastest time) over the shapes is lowest; but
+    ``prefer`` (when it is one of the paths) stays unless that lowest score is more than
+    ``margin`` times lower than its own."""
     shapes = set.intersection(*(set(t) for t in times.values()))
     best = {sh: min(t[sh] for t in times.values()) for sh in shapes}
 
     def score(path: str) -> float:
         return math.exp(sum(math.log(times[path][sh] / best[sh]) for sh in shapes) / len(shapes))
-    return min(times, key=score)
+    winner = min(times, key=score)
+    return prefer if prefer in times and score(prefer) <= margin * score(winner) else winner
 
 
-def _cache_key(s: ModelShapes, forced: dict[str, str]) -> str:
+def _cache_key(s: ModelShapes, forced: dict[str, str], build: bool = True) -> str:
+    """The measurement's key; without ``build``, the same key minus the kernels' sources (what
+    the previous choice on this machine and model is filed under)."""
     from streamkv.native import build_tag
     from streamkv.native.cpu import cpu_flags, cpu_model
 
     key = {"v": CACHE_VERSION, "cpu": cpu_model(), "flags": cpu_flags(), "torch": torch.__version__,
-           "threads": torch.get_num_threads(), "native": build_tag(), "shapes": asdict(s),
+           "threads": torch.get_num_threads(), "native": build_tag() if build else None, "shapes": asdict(s),
            "forced": sorted(forced.items())}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -184,16 +193,24 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         t0 = time.perf_counter()
         from streamkv.native.kernel_bench import measure
 
+        last_path = _cache_dir() / f"last-{_cache_key(s, forced, build=False)}.json"
+        last = _read(last_path)
         choice = KernelChoice()
         for kind in kinds:  # gemm first: the dense candidates of the other kinds use its choice
             choice.timings[kind] = measure(kind, s, {**forced, **choice.paths})
-            choice.paths[kind] = pick(choice.timings[kind])
+            default = next(p for p in KINDS[kind] if p in choice.timings[kind])
+            choice.paths[kind] = pick(choice.timings[kind], prefer=last.paths.get(kind, default) if last else default)
             choice.source[kind] = "measured"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings}, indent=1))
-        os.replace(tmp, path)
+        _write(path, choice)
+        _write(last_path, choice)
         log.info("kernels measured in %.1f s: %s", time.perf_counter() - t0, choice.describe())
         return choice
+
+
+def _write(path: Path, choice: KernelChoice) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # the last-choice file has no lock of its own
+    tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings}, indent=1))
+    os.replace(tmp, path)
 
 
 def _read(path: Path) -> KernelChoice | None:
