@@ -197,9 +197,13 @@ static void run_item(const Item* it, const Ctx* cx) {
     }
 }
 
+/* Row r of a split item (rows grouped per kv head, R = nq G of them each): row hk R + j G + g is
+ * query row j, head hk G + g */
+static inline void split_row(int r, int R, int G, int* j, int* h) { *j = (r % R) / G; *h = (r / R) * G + r % G; }
+
 /* A split item (it->hk < 0): chunk it->c0 of a few-row sequence, all its nq rows and every kv
- * head, partials out. Rows are grouped per kv head: row hk R + j G + g is query row j, head
- * hk G + g (R = nq G). stage holds SB cache rows of K and of V (every head): 2 * SB * Hk * D bf16. */
+ * head, partials out (rows as split_row() numbers them). stage holds SB cache rows of K and of V
+ * (every head): 2 * SB * Hk * D bf16. */
 static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     const int64_t* sq = cx->seqs + 4 * it->b;
     const int64_t row0 = sq[0], nq = sq[1], off = sq[2], L = sq[3], start = L - nq;
@@ -208,7 +212,8 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     int64_t rel[ROWS], iota[SB];
     RowState st[ROWS];
     for (int r = 0; r < Hk * R; r++) {
-        const int j = (r % R) / G, h = (r / R) * G + r % G;
+        int j, h;
+        split_row(r, R, G, &j, &h);
         const float* src = cx->q + ((row0 + j) * H + h) * D;
         for (int p = 0; p < D / 2; p++)
             qp[r][p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
@@ -239,7 +244,8 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
      * keys past an earlier row) leaves m = -inf, which the merge skips */
     const int64_t nc = (L + CHUNK - 1) / CHUNK;
     for (int r = 0; r < Hk * R; r++) {
-        const int j = (r % R) / G, h = (r / R) * G + r % G;
+        int j, h;
+        split_row(r, R, G, &j, &h);
         float* p = cx->part + it->part + (((int64_t)j * H + h) * nc + it->c0) * (2 + 16 * nv);
         p[0] = st[r].m; p[1] = st[r].l;
         if (st[r].m != -INFINITY)

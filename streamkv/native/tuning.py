@@ -17,10 +17,11 @@ prompt chunks of 256 rows). Near-ties do not flip: the path this machine chose l
 same model (any kernel build), else the kind's first path, stays unless another scores more than
 ``MARGIN`` lower, so a rebuild or a noisy minute does not change a machine's numerics (the LM head's
 q8 and dense scored within 0-15% of each other across runs on the EPYC and took turns without this).
-``--kernels KIND=PATH,...`` forces any of them; ``--kernels auto`` measures the rest. The choice is cached under ``~/.cache/streamkv/kernels`` (``STREAMKV_CACHE_DIR``),
-keyed by the CPU model and flags, torch's version and threads, the kernels' sources and the model's
-shapes; another process starting meanwhile waits for the first one's measurement (a file lock), so
-all of them run the same kernels. ``streamkv info`` prints the machine, the timings and the choice.
+``--kernels KIND=PATH,...`` forces any of them; ``--kernels auto`` measures the rest. The choice is
+cached under ``~/.cache/streamkv/kernels`` (``STREAMKV_CACHE_DIR``), keyed by the CPU model and
+flags, torch's version and threads, the kernels' sources and the model's shapes; another process
+starting meanwhile waits for the first one's measurement (a file lock), so all of them run the
+same kernels. ``streamkv info`` prints the machine, the timings and the choice.
 """
 from __future__ import annotations
 
