@@ -125,14 +125,17 @@ KERNELS = [pytest.param((attn, torch.float32, 1e-5), id="f32-float32"),
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (8, 1, 32), (4, 4, 128), (6, 2, 48), (64, 4, 16)])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (8, 1, 32), (4, 4, 128), (6, 2, 48), (64, 4, 16),
+                                   (6, 3, 16)])
 def test_attention_is_correct_and_every_row_equals_its_decode(kernel, heads):
     """A mixed step (decodes, fresh chunks, chunks with context, lengths around the 512-key
     chunk boundary, decodes long enough to be split by chunk); then every row alone, as a decode
     over its own context, gives the same bits. The bf16 kernel runs a step's few-row sequences
     (decodes; a decode with its drafts, 4 rows at 1026 keys: two rows see nothing of the last
     chunk) one item per chunk over every kv head and a lone short decode one item per kv head
-    (64 heads: per kv head always), so this also checks that the work split never changes a bit."""
+    (64 heads: per kv head always), so this also checks that the work split never changes a bit.
+    Split items copy a super-block's cache rows (kv heads x head_dim) in whole vectors, or with
+    memcpy when a row is not a multiple of 32 (3 x 16 here)."""
     fn, dtype, tol = kernel
     h, hk, d = heads
     shapes = [(1, 1), (1, 37), (5, 5), (17, 17), (40, 900), (1, 1025), (1, 1600), (3, 512), (30, 540),

@@ -84,12 +84,15 @@ def _bounds(n_blocks: int, kvh: int, dim: int, g: torch.Generator) -> torch.Tens
 
 
 @pytest.mark.skipif(page_select() is None, reason="no C compiler: native page selection not built")
-@pytest.mark.parametrize("rows", [1, 5, 29])
-def test_native_selection_equals_the_torch_definition(rows):
-    g = torch.Generator().manual_seed(rows)
-    bounds = _bounds(300, 3, 64, g)
+@pytest.mark.parametrize("rows, group, dim", [(1, 3, 64), (5, 3, 64), (29, 3, 64), (1, 1, 16), (1, 4, 48),
+                                             (2, 2, 32), (1, 3, 128)])
+def test_native_selection_equals_the_torch_definition(rows, group, dim):
+    """With up to 4 rows per kv head (a decode row's group) and head_dim <= 64 the kernel puts
+    pages in vector lanes, otherwise rows; either way it must pick what torch picks."""
+    g = torch.Generator().manual_seed(rows * 1000 + group * 100 + dim)
+    bounds = _bounds(300, 3, dim, g)
     candidates = torch.randperm(300, generator=g)[:180].sort().values
-    q = torch.randn(rows, 3, 3, 64, generator=g).bfloat16()
+    q = torch.randn(rows, 3, group, dim, generator=g).bfloat16()
     policy = QuestPolicy()
     ref = super(QuestPolicy, policy).select(q, bounds, candidates, 40, 0.125)
     assert torch.equal(policy.select(q, bounds, candidates, 40, 0.125), ref)

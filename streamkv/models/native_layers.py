@@ -46,7 +46,7 @@ class SkModel(ctypes.Structure):
                 ("cos_t", ctypes.c_void_p), ("sin_t", ctypes.c_void_p), ("layers", ctypes.POINTER(SkLayer)),
                 ("prof", ctypes.c_void_p)]
 
-PHASES = ("norm", "gemm", "rope_kv", "attention", "silu", "residual")  # native/layer.c's timed phases
+PHASES = ("norm", "gemm", "rope_kv", "attention", "silu", "residual", "select")  # native/layer.c's timed phases
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -72,7 +72,7 @@ typedef struct {
 
 /* phases timed when prof is set: norms and casts, GEMMs, qk-norm + RoPE + KV writes, attention,
  * SiLU, residual adds */
-enum { P_NORM, P_GEMM, P_ROPE, P_ATTN, P_SILU, P_RESID, PHASES };
+enum { P_NORM, P_GEMM, P_ROPE, P_ATTN, P_SILU, P_RESID, P_SEL, PHASES };
 #define TIC(m) double tic_ = (m)->prof ? omp_get_wtime() : 0.0
 #define TOC(m, phase) do { if ((m)->prof) { double t_ = omp_get_wtime(); (m)->prof[phase] += t_ - tic_; tic_ = t_; } } while (0)
 
@@ -298,12 +298,14 @@ int streamkv_fwd_sel(const SkModel* m, float* x, int64_t T, const int64_t* pos, 
     const int hd = m->H * m->D;
     for (int l = 0; l < m->n_layers; l++) {
         int rc = streamkv_fwd_pre(m, l, x, T, pos, slot_mapping, w.q, ws);
+        TIC(m);
         for (int s = 0; s < nsel && rc == 0; s++) {
             const SkSelect* e = sel + s;
             rc = streamkv_page_select(w.q + e->q_row * hd, 0, 1, m->Hk, m->H / m->Hk, m->D, bounds + l * stride,
                                       e->cand, e->P, e->keep, m->scale, e->pos, e->full, e->sink_len, e->tail_from,
                                       e->ctx_len, bs, slots + e->out_off);
         }
+        TOC(m, P_SEL);
         if (rc == 0) rc = streamkv_fwd_attn(m, l, w.q, seqs, B, slots, w.attn);
         if (rc == 0) rc = streamkv_fwd_post(m, l, x, T, w.attn, ws);
         if (rc != 0) return 100 + rc;

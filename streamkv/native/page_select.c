@@ -15,6 +15,10 @@
  * 2 channels of 16 rows for one page:
  *
  *     acc[page][lane] += qt[c][lane] . bounds[page][c]      (c: channel pair, 64 of them)
+ *
+ * A decode row has n = g rows (3 here), so 13 of 16 lanes would idle: up to FEW rows, 16 pages
+ * go in the lanes instead (page_tile(): bounds transposed, one query pair broadcast per row),
+ * with the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -116,6 +120,60 @@ static void tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, i
 #endif
 }
 
+#ifdef PS_BF16
+#include "transpose16.h"
+
+/* The same ub as tile() for FEW rows (a decode row's kv group), pages in lanes instead of rows:
+ * 16 pages' bound pairs transposed (Bt[c][page]) and each row's query pair broadcast, so one
+ * vdpbf16ps adds 2 channels of 16 pages for one row. Per (page, row) it is the same chain of
+ * vdpbf16ps over c = 0 .. D2/2 - 1 with the same products (the instruction multiplies its two
+ * bf16 sources lane by lane, so which one holds the query does not matter): the same bits as
+ * tile(), with 16 / n times fewer instructions when n rows would fill 16 lanes. Rows n .. 15
+ * are 0, as tile() gets them from zero queries. */
+#define FEW 4      /* rows (n = R g) up to which the pages go in lanes */
+#define GROUPS 4   /* 16-page groups per call: GROUPS n independent vdpbf16ps chains */
+
+static inline __attribute__((always_inline)) void page_chains(const int NR, int ng, int C, const __m512i *Bt,
+                                                               const uint16_t *qt, __m512 acc[GROUPS][FEW]) {
+    for (int gi = 0; gi < ng; gi++)
+        for (int i = 0; i < NR; i++) acc[gi][i] = _mm512_setzero_ps();
+    for (int c = 0; c < C; c++)
+        for (int i = 0; i < NR; i++) {
+            int32_t pair;
+            memcpy(&pair, qt + ((size_t)c * LANES + i) * 2, sizeof pair);
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int gi = 0; gi < ng; gi++) acc[gi][i] = _mm512_dpbf16_ps(acc[gi][i], (__m512bh)Bt[gi * C + c], qb);
+        }
+}
+
+static void page_tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, int ng, int kvh, int h, int D2,
+                      int n, float *ub) {
+    const int C = D2 / 2;                                 /* channel pairs */
+    __m512i Bt[GROUPS * 64];                              /* Bt[g C + pair][page]; D2 <= 128 */
+    for (int gi = 0; gi < ng; gi++)
+        for (int v = 0; v < C / 16; v++) {                /* pairs 16 v .. 16 v + 15 of 16 pages */
+            __m512i r[16];
+            for (int pp = 0; pp < 16; pp++)
+                r[pp] = _mm512_loadu_si512(bounds + ((size_t)c[16 * gi + pp] * kvh + h) * D2 + 32 * v);
+            transpose16(r);
+            for (int j = 0; j < 16; j++) Bt[gi * C + 16 * v + j] = r[j];
+        }
+    __m512 acc[GROUPS][FEW];
+    switch (n) {                                          /* constant row counts: accumulators in registers */
+    case 1: page_chains(1, ng, C, Bt, qt, acc); break;
+    case 2: page_chains(2, ng, C, Bt, qt, acc); break;
+    case 3: page_chains(3, ng, C, Bt, qt, acc); break;
+    default: page_chains(4, ng, C, Bt, qt, acc); break;
+    }
+    for (int gi = 0; gi < ng; gi++) {
+        float t[FEW][16];
+        for (int i = 0; i < n; i++) _mm512_storeu_ps(t[i], acc[gi][i]);
+        for (int pp = 0; pp < 16; pp++)
+            for (int l = 0; l < LANES; l++) ub[(16 * gi + pp) * LANES + l] = l < n ? t[l][pp] : 0.f;
+    }
+}
+#endif
+
 /* qt [kvh][blocks][2D/2][LANES][2] bf16: row i of head h = lane i % 16 of block i / 16,
  * holding scale * [q+ | q-]; padding rows are zero. */
 static uint16_t *split_queries(const void *q, int q_bf16, int R, int kvh, int g, int D, float scale, int nb) {
@@ -144,17 +202,31 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
                          const int64_t *full, int64_t sink_len, int64_t tail_from, int64_t ctx_len, int bs,
                          int64_t *slots) {
     if (keep <= 0 || keep > P || D % 2) return 1;
-    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + PT - 1) / PT * PT;
+    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16;
     int64_t *cp = malloc(sizeof(int64_t) * (size_t)Pp);  /* candidates padded with the first one */
     for (int p = 0; p < Pp; p++) cp[p] = cand[p < P ? p : 0];
     uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
     float *ub = malloc(sizeof(float) * (size_t)kvh * nb * Pp * LANES);  /* [h][block][page][lane] */
+#ifdef PS_BF16
+    if (n <= FEW && D2 % 32 == 0 && D2 <= 128) {
+        const int groups = Pp / 16, calls = (groups + GROUPS - 1) / GROUPS;
+        #pragma omp parallel for schedule(static) if (kvh * calls >= 4)
+        for (int w = 0; w < kvh * calls; w++) {
+            /* heads innermost: a thread reads its pages' bounds (every head) as one stream */
+            const int h = w % kvh, g0 = GROUPS * (w / kvh), ng = groups - g0 < GROUPS ? groups - g0 : GROUPS;
+            page_tile(qt + (size_t)h * D2 * LANES, bounds, cp + (size_t)g0 * 16, ng, kvh, h, D2, n,
+                      ub + ((size_t)h * Pp + (size_t)g0 * 16) * LANES);
+        }
+    } else
+#endif
+    {
     int tiles = Pp / PT, work = kvh * nb * tiles;
     #pragma omp parallel for schedule(static) if (work >= 64)
     for (int w = 0; w < work; w++) {
         int hb = w / tiles, t = w % tiles;
         tile(qt + (size_t)hb * D2 * LANES, bounds, cp + (size_t)t * PT, kvh, hb / nb, D2,
              ub + ((size_t)hb * Pp + (size_t)t * PT) * LANES);
+    }
     }
     float *score = calloc((size_t)P, sizeof(float));
     for (int hb = 0; hb < kvh * nb; hb++) {
