@@ -36,10 +36,12 @@
  * copies the block's cache rows, all heads, in address order into a staging buffer, then runs each
  * head from there. The rows are then read as one sequential stream (a per-head gather reads 128
  * of every 384 bytes and streamed at ~12 GB/s on the EPYC, vs ~28 GB/s for the copy), and each
- * head's rows still run exactly a per-head item's operations.
+ * head's rows still run exactly a per-head item's operations. A step of only a few chunk items
+ * (fewer than 2 per thread) gives each kv head its own item instead, copying that head's part.
  * A row skips super-blocks where it sees no key and, in a partly visible block, key pairs it does
  * not see at all, so a prompt row runs exactly the operations its own decode would.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,16 +58,17 @@
 #define ROWS 48          /* query rows (query, head of the kv group) per item */
 #define SPLIT_MIN 1      /* a lone few-row sequence with more chunks than this is split one item per chunk */
 /* Few-row sequences (nq H <= ROWS: decode rows, a decode row with its speculative drafts) run as
- * one item per chunk over every kv head (run_heads) when there are several of them or more than
- * one chunk; a lone one-chunk one keeps one item per kv head (two threads then share 3 items, not
- * 1; at 2 chunks, 2 items of 3 heads beat 3 items of 2 chunks: 100 -> 50 us per layer at 1,024
- * keys on the EPYC). Only the work split differs: the bits are the same either way. */
+ * one item per chunk (run_heads) when there are several of them or more than one chunk; a lone
+ * one-chunk one keeps one item per kv head (run_item). Measured on the EPYC, 2 threads, a lone
+ * decode (us per layer): 1,024 keys 100 -> 50 as 2 chunk items instead of 3 head items; 576 keys
+ * 38 -> 27 and 1,536 keys 87 -> 74 with a chunk item per kv head. Only the work split differs:
+ * the bits are the same either way. */
 #define FEW(nq) ((nq) * H <= ROWS)
 #define SPLIT(nq, nc) (FEW(nq) && (nfew > 1 || (nc) > SPLIT_MIN))
 
 /* A tile of one sequence's query rows [q0, q1) over chunks [c0, c1): one kv head (run_item(),
- * merged in place), or hk = -1: every kv head, one chunk, partials at part (run_heads()) */
-typedef struct { int b, q0, q1, hk, c0, c1; int64_t part; } Item;
+ * merged in place), or hk = -1: kv heads [h0, h1), one chunk, partials at part (run_heads()) */
+typedef struct { int b, q0, q1, hk, c0, c1, h0, h1; int64_t part; } Item;
 
 typedef struct {
     const uint16_t* kc;
@@ -202,46 +205,47 @@ static void run_item(const Item* it, const Ctx* cx) {
  * query row j, head hk G + g */
 static inline void split_row(int r, int R, int G, int* j, int* h) { *j = (r % R) / G; *h = (r / R) * G + r % G; }
 
-/* Copies the cache rows (every kv head: row = Hk D bf16) of slots sl[0, n) into dst, K then V
- * (dst + SB row), one row after another: one sequential stream instead of a per-head gather. */
-static inline void stage_rows(const Ctx* cx, const int64_t* sl, int n, int row, uint16_t* dst) {
-    uint16_t* vd = dst + (size_t)SB * row;
-    if (row % 32 == 0) {                              /* whole 64-byte vectors; dst is 64-byte aligned */
+/* Copies elements [at, at + w) of the cache rows (row = Hk D bf16, every kv head) of slots sl[0, n)
+ * into dst, K then V (dst + SB w), one after another: one stream instead of a per-head gather. */
+static inline void stage_rows(const Ctx* cx, const int64_t* sl, int n, int row, int at, int w, uint16_t* dst) {
+    uint16_t* vd = dst + (size_t)SB * w;
+    if (w % 32 == 0) {                                /* whole 64-byte vectors; dst is 64-byte aligned */
         for (int i = 0; i < n; i++) {
-            const uint16_t *k = cx->kc + sl[i] * row, *v = cx->vc + sl[i] * row;
-            for (int o = 0; o < row; o += 32) {
-                _mm512_store_si512((void*)(dst + (size_t)i * row + o), _mm512_loadu_si512((const void*)(k + o)));
-                _mm512_store_si512((void*)(vd + (size_t)i * row + o), _mm512_loadu_si512((const void*)(v + o)));
+            const uint16_t *k = cx->kc + sl[i] * row + at, *v = cx->vc + sl[i] * row + at;
+            for (int o = 0; o < w; o += 32) {
+                _mm512_store_si512((void*)(dst + (size_t)i * w + o), _mm512_loadu_si512((const void*)(k + o)));
+                _mm512_store_si512((void*)(vd + (size_t)i * w + o), _mm512_loadu_si512((const void*)(v + o)));
             }
         }
         return;
     }
-    for (int i = 0; i < n; i++) memcpy(dst + (size_t)i * row, cx->kc + sl[i] * row, (size_t)row * 2);
-    for (int i = 0; i < n; i++) memcpy(vd + (size_t)i * row, cx->vc + sl[i] * row, (size_t)row * 2);
+    for (int i = 0; i < n; i++) memcpy(dst + (size_t)i * w, cx->kc + sl[i] * row + at, (size_t)w * 2);
+    for (int i = 0; i < n; i++) memcpy(vd + (size_t)i * w, cx->vc + sl[i] * row + at, (size_t)w * 2);
 }
 
 /* Prefetches (into L2) the K and V cache rows of slots sl[i0, i1). run_heads() spreads the next
  * super-block's rows over this block's 16-key blocks and heads, so they arrive while those
  * compute: otherwise the copy and the compute add up (on the EPYC, for a 6,000-key decode row,
  * ~190 + ~130 us per layer). One burst per block measured slower: the prefetches queue. */
-static inline void prefetch_rows(const Ctx* cx, const int64_t* sl, int64_t i0, int64_t i1, int row) {
+static inline void prefetch_rows(const Ctx* cx, const int64_t* sl, int64_t i0, int64_t i1, int row, int at, int w) {
     for (int64_t i = i0; i < i1; i++) {
-        const char *k = (const char*)(cx->kc + sl[i] * row), *v = (const char*)(cx->vc + sl[i] * row);
-        for (int o = 0; o < 2 * row; o += 64) { _mm_prefetch(k + o, _MM_HINT_T1); _mm_prefetch(v + o, _MM_HINT_T1); }
+        const char *k = (const char*)(cx->kc + sl[i] * row + at), *v = (const char*)(cx->vc + sl[i] * row + at);
+        for (int o = 0; o < 2 * w; o += 64) { _mm_prefetch(k + o, _MM_HINT_T1); _mm_prefetch(v + o, _MM_HINT_T1); }
     }
 }
 
-/* A split item (it->hk < 0): chunk it->c0 of a few-row sequence, all its nq rows and every kv
- * head, partials out (rows as split_row() numbers them). stage holds SB cache rows of K and of V
- * (every head): 2 * SB * Hk * D bf16. */
+/* A split item (it->hk < 0): chunk it->c0 of a few-row sequence, all its nq rows, kv heads
+ * [h0, h1), partials out (rows as split_row() numbers them). stage holds SB cache rows of K and
+ * of V (those heads' part): up to 2 * SB * Hk * D bf16. */
 static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     const int64_t* sq = cx->seqs + 4 * it->b;
     const int64_t row0 = sq[0], nq = sq[1], off = sq[2], L = sq[3], start = L - nq;
     const int H = cx->H, Hk = cx->Hk, D = cx->D, G = H / Hk, nv = 2 * cx->DB, row = Hk * D, R = (int)nq * G;
+    const int h0 = it->h0, h1 = it->h1, at = h0 * D, w = (h1 - h0) * D;
     uint32_t qp[ROWS][64];
     int64_t rel[ROWS], iota[SB];
     RowState st[ROWS];
-    for (int r = 0; r < Hk * R; r++) {
+    for (int r = h0 * R; r < h1 * R; r++) {
         int j, h;
         split_row(r, R, G, &j, &h);
         const float* src = cx->q + ((row0 + j) * H + h) * D;
@@ -252,7 +256,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     }
     for (int i = 0; i < SB; i++) iota[i] = i;
     Ctx sc = *cx;                                     /* the staged rows: slot i = the block's key i */
-    sc.kc = stage; sc.vc = stage + (size_t)SB * row;
+    sc.kc = stage; sc.vc = stage + (size_t)SB * w; sc.Hk = h1 - h0;
     const int64_t c0 = (int64_t)it->c0 * CHUNK, c1 = c0 + CHUNK < L ? c0 + CHUNK : L;
     const int KS = 16 * cx->DB;
     __m512i Kt[NB * 16 * MAXDB], Vp[NB * 16 * MAXDB];
@@ -260,14 +264,14 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
         const int nk = c1 - k0 < SB ? (int)(c1 - k0) : SB, nb = (nk + 15) / 16;
         const int64_t* sl = cx->slots + off + k0;
         const int64_t left = c1 - k0 - SB, nx = left <= 0 ? 0 : left < SB ? left : SB;   /* the next block's keys */
-        stage_rows(cx, sl, nk, row, stage);
+        stage_rows(cx, sl, nk, row, at, w, stage);
         for (int r = 0; r < R; r++) rel[r] = start + r / G - k0;
-        for (int hk = 0; hk < Hk; hk++) {
+        for (int hk = h0; hk < h1; hk++) {
             for (int x = 0; x < nb; x++) {
-                const int u = hk * nb + x, U = Hk * nb;
-                prefetch_rows(cx, sl + SB, nx * u / U, nx * (u + 1) / U, row);
+                const int u = (hk - h0) * nb + x, U = (h1 - h0) * nb;
+                prefetch_rows(cx, sl + SB, nx * u / U, nx * (u + 1) / U, row, at, w);
                 const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
-                load_block(&sc, iota + 16 * x, n, hk, Kt + x * KS, Vp + x * KS);
+                load_block(&sc, iota + 16 * x, n, hk - h0, Kt + x * KS, Vp + x * KS);
             }
             super_block(cx->D, cx->scale, (const uint32_t (*)[64])qp[hk * R], rel, R, nk, Kt, Vp, st + hk * R);
         }
@@ -275,7 +279,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     /* partials at part + ((j H + h) nc + c) W; a row that sees nothing of the chunk (a draft's
      * keys past an earlier row) leaves m = -inf, which the merge skips */
     const int64_t nc = (L + CHUNK - 1) / CHUNK;
-    for (int r = 0; r < Hk * R; r++) {
+    for (int r = h0 * R; r < h1 * R; r++) {
         int j, h;
         split_row(r, R, G, &j, &h);
         float* p = cx->part + it->part + (((int64_t)j * H + h) * nc + it->c0) * (2 + 16 * nv);
@@ -321,16 +325,21 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     if (D % 16 != 0 || D > 32 * MAXDB || Hk <= 0 || H % Hk != 0 || H / Hk > ROWS || B <= 0) return 1;
     const int G = H / Hk, TQ = ROWS / G, nv = 2 * ((D + 31) / 32), W = 2 + 16 * nv;
     Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL};
-    int64_t nitems = 0, npart = 0;
+    int64_t nitems = 0, npart = 0, nsplit = 0;
     int nfew = 0;
     for (int b = 0; b < B; b++) nfew += FEW(seqs[4 * b + 1]);
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         if (nq <= 0 || nq > L) return 2;
         const int64_t nc = (L + CHUNK - 1) / CHUNK;
-        if (SPLIT(nq, nc)) { nitems += nc; npart += nq * H * nc * W; }
+        if (SPLIT(nq, nc)) { nsplit += nc; npart += nq * H * nc * W; }
         else nitems += Hk * ((nq + TQ - 1) / TQ);
     }
+    /* A step of nothing but a few chunk items (a lone decode over 513-1,536 keys, a Quest
+     * decode's picked pages) splits each chunk per kv head too: 2 chunks of 512 + 64 keys are
+     * otherwise 512 keys on one thread and 64 on the other. */
+    const int apart = nitems == 0 && Hk > 1 && nsplit < 2 * omp_get_max_threads(), per = apart ? Hk : 1;
+    nitems += nsplit * per;
     Item* items = malloc(sizeof(Item) * nitems);
     cx.part = npart ? malloc(sizeof(float) * npart) : NULL;
     int64_t n = 0, po = 0;
@@ -338,14 +347,16 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         const int nc = (int)((L + CHUNK - 1) / CHUNK);
         if (SPLIT(nq, nc)) {
-            for (int c = 0; c < nc; c++) items[n++] = (Item){b, 0, (int)nq, -1, c, c + 1, po};
+            for (int c = 0; c < nc; c++)
+                for (int h = 0; h < per; h++)
+                    items[n++] = (Item){b, 0, (int)nq, -1, c, c + 1, apart ? h : 0, apart ? h + 1 : Hk, po};
             po += nq * H * nc * W;
         } else {
             for (int q0 = 0; q0 < nq; q0 += TQ)
                 for (int hk = 0; hk < Hk; hk++) {
                     const int q1 = q0 + TQ < nq ? q0 + TQ : (int)nq;
                     const int ncs = (int)((L - nq + q1 + CHUNK - 1) / CHUNK);
-                    items[n++] = (Item){b, q0, q1, hk, 0, ncs, -1};
+                    items[n++] = (Item){b, q0, q1, hk, 0, ncs, 0, 0, -1};
                 }
         }
     }
@@ -371,7 +382,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < nitems; t++) {
         const Item* it = &items[t];
-        if (it->part < 0 || it->c0 != 0) continue;
+        if (it->part < 0 || it->c0 != 0 || it->h0 != 0) continue;   /* once per sequence */
         const int64_t* sq = seqs + 4 * it->b;
         const int nc = (int)((sq[3] + CHUNK - 1) / CHUNK);
         for (int jh = 0; jh < sq[1] * H; jh++) {      /* split items cover every row and head */
