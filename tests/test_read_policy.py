@@ -84,15 +84,16 @@ def _bounds(n_blocks: int, kvh: int, dim: int, g: torch.Generator) -> torch.Tens
 
 
 @pytest.mark.skipif(page_select() is None, reason="no C compiler: native page selection not built")
-@pytest.mark.parametrize("rows, group, dim", [(1, 3, 64), (5, 3, 64), (29, 3, 64), (1, 1, 16), (1, 4, 48),
-                                             (2, 2, 32), (1, 3, 128)])
-def test_native_selection_equals_the_torch_definition(rows, group, dim):
+@pytest.mark.parametrize("rows, kv_heads, group, dim", [(1, 3, 3, 64), (5, 3, 3, 64), (29, 3, 3, 64), (1, 3, 1, 16),
+                                                       (1, 3, 4, 48), (2, 3, 2, 32), (1, 3, 3, 128), (1, 6, 3, 64)])
+def test_native_selection_equals_the_torch_definition(rows, kv_heads, group, dim):
     """With up to 4 rows per kv head (a decode row's group) and head_dim <= 64 the kernel puts
-    pages in vector lanes, otherwise rows; either way it must pick what torch picks."""
-    g = torch.Generator().manual_seed(rows * 1000 + group * 100 + dim)
-    bounds = _bounds(300, 3, dim, g)
+    pages in vector lanes (every head's rows in one softmax pass while they fit 16 lanes: not
+    6 heads x 3), otherwise rows; either way it must pick what torch picks."""
+    g = torch.Generator().manual_seed(rows * 1000 + kv_heads * 300 + group * 100 + dim)
+    bounds = _bounds(300, kv_heads, dim, g)
     candidates = torch.randperm(300, generator=g)[:180].sort().values
-    q = torch.randn(rows, 3, group, dim, generator=g).bfloat16()
+    q = torch.randn(rows, kv_heads, group, dim, generator=g).bfloat16()
     policy = QuestPolicy()
     ref = super(QuestPolicy, policy).select(q, bounds, candidates, 40, 0.125)
     assert torch.equal(policy.select(q, bounds, candidates, 40, 0.125), ref)

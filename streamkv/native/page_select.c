@@ -128,8 +128,8 @@ static void tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, i
  * vdpbf16ps adds 2 channels of 16 pages for one row. Per (page, row) it is the same chain of
  * vdpbf16ps over c = 0 .. D2/2 - 1 with the same products (the instruction multiplies its two
  * bf16 sources lane by lane, so which one holds the query does not matter): the same bits as
- * tile(), with 16 / n times fewer instructions when n rows would fill 16 lanes. Rows n .. 15
- * are 0, as tile() gets them from zero queries. */
+ * tile(), with 16 / n times fewer instructions when n rows would fill 16 lanes. It writes lanes
+ * [lane0, lane0 + n) of ub (the caller zeroes the rest, as tile() gets them from zero queries). */
 #define FEW 4      /* rows (n = R g) up to which the pages go in lanes */
 #define GROUPS 4   /* 16-page groups per call: GROUPS n independent vdpbf16ps chains */
 
@@ -147,7 +147,7 @@ static inline __attribute__((always_inline)) void page_chains(const int NR, int 
 }
 
 static void page_tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, int ng, int kvh, int h, int D2,
-                      int n, float *ub) {
+                      int n, int lane0, float *ub) {
     const int C = D2 / 2;                                 /* channel pairs */
     __m512i Bt[GROUPS * 64];                              /* Bt[g C + pair][page]; D2 <= 128 */
     for (int gi = 0; gi < ng; gi++)
@@ -169,7 +169,7 @@ static void page_tile(const uint16_t *qt, const uint16_t *bounds, const int64_t 
         float t[FEW][16];
         for (int i = 0; i < n; i++) _mm512_storeu_ps(t[i], acc[gi][i]);
         for (int pp = 0; pp < 16; pp++)
-            for (int l = 0; l < LANES; l++) ub[(16 * gi + pp) * LANES + l] = l < n ? t[l][pp] : 0.f;
+            for (int i = 0; i < n; i++) ub[(16 * gi + pp) * LANES + lane0 + i] = t[i][pp];
     }
 }
 #endif
@@ -206,16 +206,22 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
     int64_t *cp = malloc(sizeof(int64_t) * (size_t)Pp);  /* candidates padded with the first one */
     for (int p = 0; p < Pp; p++) cp[p] = cand[p < P ? p : 0];
     uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
-    float *ub = malloc(sizeof(float) * (size_t)kvh * nb * Pp * LANES);  /* [h][block][page][lane] */
+    /* ub [h][block][page][lane], lane = row; with pages in lanes and kvh n <= 16, one block of
+     * every head's rows (lane h n + row): one softmax pass below instead of kvh mostly idle ones */
+    int passes = kvh * nb, valid_all = 0;
+    float *ub = malloc(sizeof(float) * (size_t)kvh * nb * Pp * LANES);
 #ifdef PS_BF16
     if (n <= FEW && D2 % 32 == 0 && D2 <= 128) {
+        const int packed = kvh * n <= LANES;
+        if (packed) { passes = 1; valid_all = kvh * n; }
+        memset(ub, 0, sizeof(float) * (size_t)passes * Pp * LANES);
         const int groups = Pp / 16, calls = (groups + GROUPS - 1) / GROUPS;
         #pragma omp parallel for schedule(static) if (kvh * calls >= 4)
         for (int w = 0; w < kvh * calls; w++) {
             /* heads innermost: a thread reads its pages' bounds (every head) as one stream */
             const int h = w % kvh, g0 = GROUPS * (w / kvh), ng = groups - g0 < GROUPS ? groups - g0 : GROUPS;
-            page_tile(qt + (size_t)h * D2 * LANES, bounds, cp + (size_t)g0 * 16, ng, kvh, h, D2, n,
-                      ub + ((size_t)h * Pp + (size_t)g0 * 16) * LANES);
+            page_tile(qt + (size_t)h * D2 * LANES, bounds, cp + (size_t)g0 * 16, ng, kvh, h, D2, n, packed ? h * n : 0,
+                      ub + ((size_t)(packed ? 0 : h) * Pp + (size_t)g0 * 16) * LANES);
         }
     } else
 #endif
@@ -229,9 +235,9 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
     }
     }
     float *score = calloc((size_t)P, sizeof(float));
-    for (int hb = 0; hb < kvh * nb; hb++) {
+    for (int hb = 0; hb < passes; hb++) {
         float *u = ub + (size_t)hb * Pp * LANES;
-        int valid = n - (hb % nb) * LANES;
+        int valid = valid_all ? valid_all : n - (hb % nb) * LANES;
         valid = valid < LANES ? valid : LANES;
         float m[LANES], sum[LANES];
         for (int l = 0; l < LANES; l++) { m[l] = -INFINITY; sum[l] = 0.f; }
