@@ -71,7 +71,7 @@ typedef struct {
 } SkModel;
 
 /* phases timed when prof is set: norms and casts, GEMMs, qk-norm + RoPE + KV writes, attention,
- * SiLU, residual adds */
+ * SiLU, residual adds, page selection (streamkv_fwd_sel) */
 enum { P_NORM, P_GEMM, P_ROPE, P_ATTN, P_SILU, P_RESID, P_SEL, PHASES };
 #define TIC(m) double tic_ = (m)->prof ? omp_get_wtime() : 0.0
 #define TOC(m, phase) do { if ((m)->prof) { double t_ = omp_get_wtime(); (m)->prof[phase] += t_ - tic_; tic_ = t_; } } while (0)

@@ -214,7 +214,7 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
     if (n <= FEW && D2 % 32 == 0 && D2 <= 128) {
         const int packed = kvh * n <= LANES;
         if (packed) { passes = 1; valid_all = kvh * n; }
-        memset(ub, 0, sizeof(float) * (size_t)passes * Pp * LANES);
+        memset(ub, 0, sizeof(float) * (size_t)passes * Pp * LANES);   /* the lanes no row fills */
         const int groups = Pp / 16, calls = (groups + GROUPS - 1) / GROUPS;
         #pragma omp parallel for schedule(static) if (kvh * calls >= 4)
         for (int w = 0; w < kvh * calls; w++) {
