@@ -112,11 +112,16 @@ static inline void load_block(const Ctx* cx, const int64_t* slots, int n, int hk
         }
 }
 
-static inline void prefetch_keys(const Ctx* cx, const int64_t* slots, int n, int hk) {
-    for (int i = 0; i < n; i++) {
-        const char* k = (const char*)(cx->kc + (slots[i] * cx->Hk + hk) * cx->D);
-        const char* v = (const char*)(cx->vc + (slots[i] * cx->Hk + hk) * cx->D);
-        for (int o = 0; o < 2 * cx->D; o += 64) { _mm_prefetch(k + o, _MM_HINT_T1); _mm_prefetch(v + o, _MM_HINT_T1); }
+/* Prefetches (into L2) elements [at, at + w) of the K and V cache rows (row = Hk D) of slots
+ * sl[i0, i1): one head's part (run_item(): the next super-block) or the staged heads' part.
+ * run_heads() spreads the next super-block's rows over this block's 16-key blocks and heads, so
+ * they arrive while those compute: otherwise the copy and the compute add up (on the EPYC, for a
+ * 6,000-key decode row, ~190 + ~130 us per layer). One burst per block measured slower: the
+ * prefetches queue. */
+static inline void prefetch_rows(const Ctx* cx, const int64_t* sl, int64_t i0, int64_t i1, int row, int at, int w) {
+    for (int64_t i = i0; i < i1; i++) {
+        const char *k = (const char*)(cx->kc + sl[i] * row + at), *v = (const char*)(cx->vc + sl[i] * row + at);
+        for (int o = 0; o < 2 * w; o += 64) { _mm_prefetch(k + o, _MM_HINT_T1); _mm_prefetch(v + o, _MM_HINT_T1); }
     }
 }
 
@@ -182,7 +187,7 @@ static void run_item(const Item* it, const Ctx* cx) {
                 Kt = Kpre + KS * (k0 / 16);
                 Vp = Kpre + KS * ((L + 15) / 16 + k0 / 16);
             } else {
-                if (k1 < c1) prefetch_keys(cx, cx->slots + off + k1, c1 - k1 < SB ? (int)(c1 - k1) : SB, it->hk);
+                if (k1 < c1) prefetch_rows(cx, cx->slots + off + k1, 0, c1 - k1 < SB ? c1 - k1 : SB, Hk * D, it->hk * D, D);
                 for (int x = 0; x < nb; x++) {
                     const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
                     load_block(cx, cx->slots + off + k0 + 16 * x, n, it->hk, Kloc + x * KS, Vloc + x * KS);
@@ -223,16 +228,6 @@ static inline void stage_rows(const Ctx* cx, const int64_t* sl, int n, int row, 
     for (int i = 0; i < n; i++) memcpy(vd + (size_t)i * w, cx->vc + sl[i] * row + at, (size_t)w * 2);
 }
 
-/* Prefetches (into L2) the K and V cache rows of slots sl[i0, i1). run_heads() spreads the next
- * super-block's rows over this block's 16-key blocks and heads, so they arrive while those
- * compute: otherwise the copy and the compute add up (on the EPYC, for a 6,000-key decode row,
- * ~190 + ~130 us per layer). One burst per block measured slower: the prefetches queue. */
-static inline void prefetch_rows(const Ctx* cx, const int64_t* sl, int64_t i0, int64_t i1, int row, int at, int w) {
-    for (int64_t i = i0; i < i1; i++) {
-        const char *k = (const char*)(cx->kc + sl[i] * row + at), *v = (const char*)(cx->vc + sl[i] * row + at);
-        for (int o = 0; o < 2 * w; o += 64) { _mm_prefetch(k + o, _MM_HINT_T1); _mm_prefetch(v + o, _MM_HINT_T1); }
-    }
-}
 
 /* A split item (it->hk < 0): chunk it->c0 of a few-row sequence, all its nq rows, kv heads
  * [h0, h1), partials out (rows as split_row() numbers them). stage holds SB cache rows of K and
