@@ -56,6 +56,7 @@
 #define NB (SB / 16)
 #define MAXDB 4          /* 32-dim blocks: D <= 128 */
 #define ROWS 48          /* query rows (query, head of the kv group) per item */
+#define PRE_AHEAD 2      /* pretranspose() prefetches the cache rows this many 16-key blocks ahead */
 #define SPLIT_MIN 1      /* a lone few-row sequence with more chunks than this is split one item per chunk */
 /* Few-row sequences (nq H <= ROWS: decode rows, a decode row with its speculative drafts) run as
  * one item per chunk (run_heads) when there are several of them or more than one chunk; a lone
@@ -303,13 +304,17 @@ static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew) {
     for (int b = 0; b < B; b++) {
         if (at[b] < 0) continue;
         const int64_t off = cx->seqs[4 * b + 2], L = cx->seqs[4 * b + 3], nblk = (L + 15) / 16;
+        const int row = cx->Hk * cx->D;
         #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < cx->Hk * nblk; i++) {
-            const int hk = (int)(i / nblk);
-            const int64_t j = i % nblk;
-            __m512i* base = cx->pre + at[b] + (int64_t)hk * 2 * KS * nblk;
+        for (int64_t j = 0; j < nblk; j++) {
+            const int64_t* sl = cx->slots + off + 16 * j;
             const int n = L - 16 * j < 16 ? (int)(L - 16 * j) : 16;
-            load_block(cx, cx->slots + off + 16 * j, n, hk, base + KS * j, base + KS * (nblk + j));
+            const int64_t ahead = 16 * (j + PRE_AHEAD), left = L - ahead;
+            if (left > 0) prefetch_rows(cx, cx->slots + off + ahead, 0, left < 16 ? left : 16, row, 0, row);
+            for (int hk = 0; hk < cx->Hk; hk++) {
+                __m512i* base = cx->pre + at[b] + (int64_t)hk * 2 * KS * nblk;
+                load_block(cx, sl, n, hk, base + KS * j, base + KS * (nblk + j));
+            }
         }
     }
     return at;
