@@ -28,8 +28,9 @@
  * Two blockings of the same arithmetic:
  *   few rows (M < 8):  R rows x P tiles of accumulators in registers, pairs expanded as they
  *                      are used (decode: bound by the weight bytes, 4 tiles in flight);
- *   more rows:         a tile's 16 expanded pairs of a group stay in registers while 8 rows at a
- *                      time stream past them; row blocks of 64 keep x in L2, threads split tiles.
+ *   more rows:         two tiles' pairs are expanded once per block of 96 rows (x stays in L2),
+ *                      then 6 rows at a time stream past them (4 + 3 or 4 + 4 for a remainder of
+ *                      7 or 8: no block of 1-2 rows); threads split the tile pairs.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -241,7 +242,11 @@ static void big_tiles(const Q4* a, int q8, int64_t m0, int64_t m1, int t, int P,
             else group_scale(a, 0, t + i, g, &scz[(g * P + i) * 2], &scz[(g * P + i) * 2 + 1]);
         }
     int64_t m = m0;
-    for (; m + 6 <= m1; m += 6) blk6(a, q8, P, m, t, buf, scz);
+    /* 6 rows at a time; a remainder of 1 or 2 rows joins the last six as 4 + 3 or 4 + 4 (one or
+     * two rows alone keep only 2-4 accumulator chains in flight, latency-bound) */
+    const int64_t n = m1 - m0, six = n >= 6 && n % 6 > 0 && n % 6 < 3 ? n / 6 - 1 : n / 6;
+    for (int64_t i = 0; i < six; i++, m += 6) blk6(a, q8, P, m, t, buf, scz);
+    if (m1 - m >= 7) { blk4(a, q8, P, m, t, buf, scz); m += 4; }
     switch (m1 - m) {
         case 5: blk5(a, q8, P, m, t, buf, scz); break;
         case 4: blk4(a, q8, P, m, t, buf, scz); break;
