@@ -85,10 +85,10 @@ def test_q8_lm_head_reads_exactly_and_splits_exactly_into_two_int4_halves(ckpt):
     assert (out - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 33, 100])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 13, 33, 100])
 def test_native_q8_kernel_is_exact_to_float32_and_row_invariant(m):
     """Random Q8_0 weights: every product exact (int8 and bf16 values), sums in float32; each row's
-    bits equal alone and in the batch (every row blocking: 1-4 rows x 1-4 tiles, 6-row blocks)."""
+    bits equal alone and in the batch (every row blocking: 1-7 rows x 1-4 tiles, 6-row blocks)."""
     from streamkv.models.q4_linear import PackedQ8
     from streamkv.native import q8_gemm
 
@@ -140,8 +140,9 @@ def test_packed_kernels_match_the_dequantized_product(native, m):
 
 
 def test_native_kernel_rows_do_not_depend_on_the_batch():
-    """A row's result is bit-identical alone and inside batches of every blocking (4 / 2 / 1
-    rows, and past 64 rows), so a decode token does not depend on what shares its step."""
+    """A row's result is bit-identical alone and inside batches of every blocking (1-7 rows in one
+    pass, 6-row blocks and their 4 + 3 / 4 + 4 remainders, two 96-row blocks), so a decode token
+    does not depend on what shares its step."""
     from streamkv.native import q4_gemm
 
     if q4_gemm() is None:
@@ -152,7 +153,7 @@ def test_native_kernel_rows_do_not_depend_on_the_batch():
                      torch.rand(n, k // 32, generator=g) * 0.1, torch.randn(n, k // 32, generator=g) * 0.2)
     x = torch.randn(110, k, generator=g).bfloat16()
     alone = torch.cat([layer.forward_f32(x[i:i + 1]) for i in range(110)])
-    for m in (2, 3, 5, 7, 8, 13, 64, 97, 110):  # 97+: two 96-row blocks
+    for m in (2, 3, 5, 6, 7, 8, 13, 64, 97, 110):  # up to 7: one pass of every row; 97+: two 96-row blocks
         assert torch.equal(layer.forward_f32(x[:m]), alone[:m])
 
 

@@ -26,8 +26,8 @@
  * 2r, 2r + 1), d [T][G][16] float32 (the file's f16 scales, exact).
  *
  * Two blockings of the same arithmetic:
- *   few rows (M < 8):  R rows x P tiles of accumulators in registers, pairs expanded as they
- *                      are used (decode: bound by the weight bytes, 4 tiles in flight);
+ *   few rows (M < 8):  all M rows x P tiles of accumulators in registers, pairs expanded as they
+ *                      are used, one pass over the weights (decode: bound by the weight bytes);
  *   more rows:         two tiles' pairs are expanded once per block of 96 rows (x stays in L2),
  *                      then 6 rows at a time stream past them (4 + 3 or 4 + 4 for a remainder of
  *                      7 or 8: no block of 1-2 rows); threads split the tile pairs.
@@ -158,10 +158,10 @@ static inline __mmask16 keep_of(const Q4* a, int t) {
 static inline __attribute__((always_inline)) void small(const Q4* a, const int Q8, const int R, const int P,
                                                         int64_t m0, int t0) {
     const __m512i ctrl = shift_ctrl(), table = q4_table();
-    __m512 o[4][4];
+    __m512 o[7][4];
     for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = _mm512_setzero_ps();
     for (int g = 0; g < a->G; g++) {
-        __m512 s[4][4];
+        __m512 s[7][4];
         for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) s[r][i] = _mm512_setzero_ps();
         for (int p = 0; p < 16; p++) {
             __m512i W[4];
@@ -181,18 +181,22 @@ static inline __attribute__((always_inline)) void small(const Q4* a, const int Q
         for (int i = 0; i < P; i++) store_row(a->out, a->bf16_out, (m0 + r) * a->N + 16 * (t0 + i), keep_of(a, t0 + i), o[r][i]);
 }
 
-/* R (1-4) rows against tiles [t0, t1): up to 4 tiles at once for one row (its 16 dpbf16 chains of
- * a group are dependent: several tiles in flight hide their latency), fewer for more rows */
+/* R (1-7) rows against tiles [t0, t1), all rows in one pass over the weights (5-7 rows used to be
+ * 4 + the rest, two passes): up to 4 tiles at once for one row (its 16 dpbf16 chains of a group are
+ * dependent: several tiles in flight hide their latency), fewer for more rows (R x P accumulators
+ * and as many partial sums fit the registers; 5-7 rows x 1 tile are chains enough) */
 #define SMALL_ROWS(NAME, Q8)                                                                                   \
     static void NAME(const Q4* a, int R, int64_t m0, int t0, int t1) {                                         \
         for (int t = t0; t < t1;) {                                                                            \
-            const int left = t1 - t, P = left >= 4 && R <= 2 ? 4 : left >= 2 ? 2 : 1;                           \
+            const int left = t1 - t, P = left >= 4 && R <= 2 ? 4 : left >= 2 && R <= 4 ? 2 : 1;                \
             switch (R * 8 + P) {                                                                               \
                 case 12: small(a, Q8, 1, 4, m0, t); break;  case 10: small(a, Q8, 1, 2, m0, t); break;         \
                 case 9: small(a, Q8, 1, 1, m0, t); break;   case 20: small(a, Q8, 2, 4, m0, t); break;         \
                 case 18: small(a, Q8, 2, 2, m0, t); break;  case 17: small(a, Q8, 2, 1, m0, t); break;         \
                 case 26: small(a, Q8, 3, 2, m0, t); break;  case 25: small(a, Q8, 3, 1, m0, t); break;         \
-                case 34: small(a, Q8, 4, 2, m0, t); break;  default: small(a, Q8, 4, 1, m0, t); break;         \
+                case 34: small(a, Q8, 4, 2, m0, t); break;  case 33: small(a, Q8, 4, 1, m0, t); break;         \
+                case 41: small(a, Q8, 5, 1, m0, t); break;  case 49: small(a, Q8, 6, 1, m0, t); break;         \
+                default: small(a, Q8, 7, 1, m0, t); break;                                                     \
             }                                                                                                  \
             t += P;                                                                                            \
         }                                                                                                      \
@@ -273,9 +277,7 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
         {
             const int nth = omp_get_num_threads(), id = omp_get_thread_num();
             const int t0 = (int)((int64_t)T * id / nth), t1 = (int)((int64_t)T * (id + 1) / nth);
-            int64_t m = 0;
-            for (; m + 4 <= M; m += 4) small_rows(&a, 4, m, t0, t1);
-            if (M - m) small_rows(&a, (int)(M - m), m, t0, t1);
+            small_rows(&a, M, 0, t0, t1);
         }
     } else {
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
