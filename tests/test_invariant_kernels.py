@@ -3,12 +3,15 @@ bits do not depend on the rows around it, their number, the thread count, or, fo
 on whether the row is a decode or part of a prefill chunk of any split)."""
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 
 from streamkv.models.linear import pack_dense
-from streamkv.native import (invariant_attention, invariant_attention_bf16, invariant_gemm, invariant_gemm_bf16_path,
-                             invariant_isa)
+from streamkv.native import (compile_steps, invariant_attention, invariant_attention_bf16, invariant_gemm,
+                             invariant_gemm_bf16_path, invariant_isa)
 
 gemm, attn, attn_bf16 = invariant_gemm(), invariant_attention(), invariant_attention_bf16()
 pytestmark = pytest.mark.skipif(gemm is None, reason="no C compiler: the native kernels are not built")
@@ -69,6 +72,22 @@ def test_gemm_on_amx_tiles_is_correct_and_row_invariant():
     for m in (1, 3, 17, 33):
         for i in (0, 40 - m):
             assert torch.equal(gemm(x[i:i + m], wp, 300, torch.float32, True), full[i:i + m])
+
+
+def test_the_amx_tile_path_compiles_for_an_amx_cpu(tmp_path):
+    """Built for an AMX CPU (-march=sapphirerapids, the library's own flags otherwise), every kernel
+    source compiles and the GEMM emits tile instructions: the path this machine cannot run (or
+    not compile natively) still builds wherever CI runs."""
+    cc = shutil.which("gcc")
+    probe = subprocess.run([cc, "-march=sapphirerapids", "-dM", "-E", "-"], input="", capture_output=True,
+                           text=True) if cc else None
+    if probe is None or probe.returncode != 0 or "__AMX_BF16__" not in probe.stdout:
+        pytest.skip("no gcc that targets -march=sapphirerapids")
+    for cmd in compile_steps(cc, tmp_path, march="sapphirerapids"):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    dis = subprocess.run(["objdump", "-d", str(tmp_path / "inv_gemm.o")], capture_output=True, text=True, check=True)
+    assert "tdpbf16ps" in dis.stdout and "ldtilecfg" in dis.stdout
 
 
 def test_gemm_tiles_flag_is_ignored_without_amx():

@@ -51,6 +51,19 @@ def build_tag() -> str:
     return hashlib.sha256(source + " ".join([str(_compiler()), *_FLAGS, *_EXACT_FLAGS]).encode()).hexdigest()[:16]
 
 
+def object_files(tmp: Path) -> list[tuple[Path, Path]]:
+    """(source, object file in ``tmp``) of every kernel source."""
+    return [(src, tmp / f"{src.stem}.o") for src in [*_SOURCES, *_EXACT_SOURCES]]
+
+
+def compile_steps(cc: str, tmp: Path, march: str = "native") -> list[list[str]]:
+    """The compiler command of each source, objects into ``tmp``; ``march`` other than native
+    builds for another CPU (a test compiles the AMX paths that this CPU cannot run)."""
+    arch = lambda flags: [f"-march={march}" if f == "-march=native" else f for f in flags]  # noqa: E731
+    return [[cc, *arch(_EXACT_FLAGS if src in _EXACT_SOURCES else _FLAGS), "-c", str(src), "-o", str(obj)]
+            for src, obj in object_files(tmp)]
+
+
 def _build() -> Path | None:
     cc = _compiler()
     if cc is None:
@@ -61,11 +74,9 @@ def _build() -> Path | None:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        steps = [[cc, *_FLAGS, "-c", str(src), "-o", f"{tmp}/{src.stem}.o"] for src in _SOURCES]
-        steps += [[cc, *_EXACT_FLAGS, "-c", str(src), "-o", f"{tmp}/{src.stem}.o"] for src in _EXACT_SOURCES]
         out = Path(tmp) / target.name
-        objs = [f"{tmp}/{src.stem}.o" for src in [*_SOURCES, *_EXACT_SOURCES]]
-        steps.append([cc, "-shared", "-fopenmp", *objs, "-o", str(out), "-lm"])
+        steps = compile_steps(cc, Path(tmp))
+        steps.append([cc, "-shared", "-fopenmp", *(str(o) for _, o in object_files(Path(tmp))), "-o", str(out), "-lm"])
         for cmd in steps:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
