@@ -11,7 +11,7 @@ from streamkv import LLM, SamplingParams
 from streamkv.cli import main as cli_main
 from streamkv.config import RuntimeConfig
 from streamkv.native import invariant_gemm
-from streamkv.native.tuning import KINDS, ModelShapes, choose, parse_kernels, pick, runnable
+from streamkv.native.tuning import ALL_ROWS, KINDS, ModelShapes, choose, crossover, is_exact, parse_kernels, pick, runnable
 from tests.tiny_checkpoints import Q4_LINEARS, make_tiny_gguf, make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(invariant_gemm() is None, reason="no C compiler: the native kernels are not built")
@@ -74,21 +74,45 @@ def test_a_rebuild_keeps_the_machines_choice_through_near_ties(tmp_path, monkeyp
     assert choose(shapes, forced).paths[kind] == "q8"
 
 
-def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
+TINY_F32 = ModelShapes(**{**TINY.__dict__, "bf16": False})
+
+
+@pytest.mark.parametrize("shapes", [TINY, TINY_F32], ids=["bfloat16", "float32"])
+def test_measured_once_then_read_from_the_cache(shapes, tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
-    first = choose(TINY, {})
+    first = choose(shapes, {})
     measured = [k for k, how in first.source.items() if how == "measured"]
-    assert measured, "nothing was measured on this CPU"
-    for kind in measured:  # the first measurement on a machine prefers each kind's first path
-        assert first.paths[kind] == pick(first.timings[kind], prefer=runnable(TINY)[kind][0])
-        assert set(first.timings[kind]) == set(runnable(TINY)[kind])
+    if not measured:
+        assert shapes.bf16, "float32 models measure their packed layers against dense wherever the kernels build"
+        pytest.skip("no kind has two runnable paths for a bfloat16 model on this CPU (no AVX512-BF16)")
+    for kind in measured:
+        assert set(first.timings[kind]) == set(runnable(shapes)[kind])
+        if is_exact(shapes, kind):  # same bits either way: packed up to the measured crossover
+            rows = crossover(first.timings[kind], runnable(shapes)[kind][0])
+            assert first.rows.get(kind) == rows and first.paths[kind] == ("dense" if rows == 0 else "q4" if
+                                                                          kind == "linear" else "q8")
+        else:  # the first measurement on a machine prefers each kind's first path
+            assert first.paths[kind] == pick(first.timings[kind], prefer=runnable(shapes)[kind][0])
     files = [f for f in (tmp_path / "kernels").glob("*.json") if not f.name.startswith("last-")]
     assert len(files) == 1 and json.loads(files[0].read_text())["paths"] == {k: first.paths[k] for k in measured}
-    again = choose(TINY, {})
-    assert again.paths == first.paths and all(again.source[k] == "cached" for k in measured)
+    again = choose(shapes, {})
+    assert again.paths == first.paths and again.rows == first.rows
+    assert all(again.source[k] == "cached" for k in measured)
     files[0].write_text("{not json")  # a damaged cache is measured again, not trusted
-    third = choose(TINY, {})
+    third = choose(shapes, {})
     assert all(third.source[k] == "measured" for k in measured), (third.source, measured)
+
+
+def test_an_exact_kind_switches_at_the_measured_crossover():
+    """Float32 packed weights give the dense bits, so no single winner: the packed path serves steps
+    up to the largest row count from which on (counting up) it stops being faster."""
+    dense = {"decode x1": 1.0, "decode x8": 1.0, "decode x32": 1.0, "prompt x256": 1.0}
+    assert crossover({"q4": {**dense, "decode x1": 0.5, "decode x8": 0.9}, "dense": dense}, "q4") == 8
+    assert crossover({"q4": {sh: 0.5 for sh in dense}, "dense": dense}, "q4") == 256
+    assert crossover({"q4": {**dense, "decode x1": 1.2, "decode x8": 0.5}, "dense": dense}, "q4") == 0
+    assert crossover({"q4": {**dense, "decode x1": 0.5, "decode x32": 0.5}, "dense": dense}, "q4") == 1
+    assert is_exact(TINY_F32, "linear") and is_exact(TINY_F32, "lm_head") and not is_exact(TINY, "linear")
+    assert not is_exact(ModelShapes(**{**TINY_F32.__dict__, "numerics": "fast"}), "linear")
 
 
 def test_forced_paths_are_not_measured_and_impossible_ones_are_refused(tmp_path, monkeypatch):
@@ -99,9 +123,12 @@ def test_forced_paths_are_not_measured_and_impossible_ones_are_refused(tmp_path,
     assert not list((tmp_path / "kernels").glob("*.json"))
     with pytest.raises(ValueError, match="cannot run here"):
         choose(TINY, {"prefill_attention": "native"})  # a fast-numerics kind under invariant numerics
-    f32 = ModelShapes(**{**TINY.__dict__, "bf16": False})
+    f32_fast = ModelShapes(**{**TINY.__dict__, "bf16": False, "numerics": "fast"})
     with pytest.raises(ValueError, match="cannot run here"):
-        choose(f32, {"linear": "q4"})  # 4-bit layers serve bf16 models only
+        choose(f32_fast, {"linear": "q4"})  # fast numerics read 4-bit layers into bf16 models only
+    packed = choose(TINY_F32, {"linear": "q4", "lm_head": "q8"})  # float32: the packed path at every step
+    assert packed.packed_rows("linear") == packed.packed_rows("lm_head") == ALL_ROWS
+    assert choose(TINY_F32, {"linear": "dense", "lm_head": "dense"}).packed_rows("linear") == 0
     if "gemm" not in runnable(TINY) or "amx" not in runnable(TINY)["gemm"]:
         with pytest.raises(ValueError, match="cannot run here"):
             choose(TINY, {"gemm": "amx"})
@@ -114,19 +141,21 @@ def tiny_gguf(tmp_path_factory):
     return str(make_tiny_gguf(path / "q4.gguf", path, {**Q4_LINEARS, "token_embd": "Q8_0"}))
 
 
-def _combos(path: str) -> list[str]:
+def _combos(path: str, bf16: bool = True) -> list[str]:
     """Forced --kernels values that together run every path this model and CPU allow."""
     from streamkv.loading.q4_blocks import quant_summary
 
     q4, q8 = quant_summary(path, tied=True)
-    kinds = runnable(ModelShapes(**{**TINY.__dict__, "q4": q4, "q8_head": q8}))
+    kinds = runnable(ModelShapes(**{**TINY.__dict__, "q4": q4, "q8_head": q8, "bf16": bf16}))
     width = max(len(v) for v in kinds.values())
     return [",".join(f"{k}={v[min(i, len(v) - 1)]}" for k, v in kinds.items()) for i in range(width)]
 
 
-def test_every_path_that_can_run_here_keeps_outputs_invariant(tiny_gguf):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_every_path_that_can_run_here_keeps_outputs_invariant(tiny_gguf, dtype):
     """Each forced path (4-bit or dense layers, int8 or dense head, bf16 or f32 attention, tiles or
-    AVX-512 where AMX exists): alone = batched = chunked = preempted, to the bit."""
+    AVX-512 where AMX exists): alone = batched = chunked = preempted, to the bit. In float32 the
+    packed and dense paths give the same bits, so every combination gives the same outputs."""
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 384, (int(n),), generator=g).tolist() for n in (3, 9, 22, 31)]
@@ -134,21 +163,26 @@ def test_every_path_that_can_run_here_keeps_outputs_invariant(tiny_gguf):
     def run(llm, batch):
         return [(o.token_ids, [(lp.token_id, lp.logprob) for lp in o.logprobs]) for o in llm.generate(batch, params)]
 
-    combos = _combos(tiny_gguf)
+    combos = _combos(tiny_gguf, dtype == "bfloat16")
     assert len(combos) >= 2 or all("=" in c for c in combos)
+    assert dtype == "bfloat16" or len(combos) >= 2  # float32: packed (4-bit, int8) and dense everywhere
+    outputs = []
     for combo in combos:
-        llm = LLM(model=tiny_gguf, dtype="bfloat16", num_blocks=128, block_size=4, kernels=combo)
+        llm = LLM(model=tiny_gguf, dtype=dtype, num_blocks=128, block_size=4, kernels=combo)
         assert set(llm.engine.bundle.kernels.source.values()) <= {"forced"}, combo
         solo = []
         for p in prompts:
             llm.engine.pool.reset_prefix_cache()
             solo += run(llm, [p])
         assert run(llm, prompts) == solo, combo
-        chunked = LLM(model=tiny_gguf, dtype="bfloat16", num_blocks=128, block_size=4, kernels=combo,
+        chunked = LLM(model=tiny_gguf, dtype=dtype, num_blocks=128, block_size=4, kernels=combo,
                       max_chunk_tokens=5)
         assert run(chunked, prompts) == solo, combo
-        tight = LLM(model=tiny_gguf, dtype="bfloat16", num_blocks=24, block_size=4, kernels=combo)
+        tight = LLM(model=tiny_gguf, dtype=dtype, num_blocks=24, block_size=4, kernels=combo)
         assert run(tight, prompts) == solo and tight.engine.scheduler.num_preemptions > 0, combo
+        outputs.append(solo)
+    if dtype == "float32":
+        assert all(o == outputs[0] for o in outputs), combos
 
 
 def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
@@ -157,4 +191,5 @@ def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
     assert "CPU:" in text and "kernel choice:" in text and "linear             dense   (forced)" in text
     assert cli_main(["info", "--model", tiny_gguf, "--json", "--kernels", "linear=dense"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["kernels"]["linear"] == {"path": "dense", "how": "forced"} and report["flags"] is not None
+    assert report["kernels"]["linear"] == {"path": "dense", "how": "forced", "packed_rows": 0}
+    assert report["flags"] is not None

@@ -48,8 +48,10 @@ def test_q4_decode_agrees_with_dense_bf16():
 
 
 def test_q4_rejected_where_it_cannot_apply():
+    """Fast numerics read 4-bit layers into bfloat16 models only (float32 invariant models read them
+    with the dense bits: tests/test_deq_gemm.py)."""
     with pytest.raises(ValueError, match="q4"):
-        LLM(dtype="float32", decode_weights="q4")
+        LLM(dtype="float32", decode_weights="q4", numerics="fast")
 
 
 def test_invariant_numerics_take_4bit_weights_only_through_the_native_kernel():

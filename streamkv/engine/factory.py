@@ -15,6 +15,7 @@ from streamkv.loading.checkpoint import LoadedCheckpoint
 from streamkv.loading.gguf_file import GGUFFile
 from streamkv.loading.q4_blocks import quant_summary
 from streamkv.native.tuning import KernelChoice, ModelShapes, choose, parse_kernels
+from streamkv.models.linear import KernelOptions
 from streamkv.models.registry import model_class
 from streamkv.runner.model_runner import ModelRunner
 from streamkv.sampling.grammar import Grammars
@@ -67,9 +68,9 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
             raise ValueError("kernels and decode_weights choose CPU kernels: use them with device=cpu")
         return KernelChoice()
     arch, bf16 = ckpt.arch, dtype == torch.bfloat16
-    q4, q8 = quant_summary(ckpt.gguf, arch.tie_word_embeddings) if bf16 and ckpt.gguf is not None else (False, False)
+    q4, q8 = quant_summary(ckpt.gguf, arch.tie_word_embeddings) if ckpt.gguf is not None else (False, False)
     if forced.get("linear") == "q4" and not q4:
-        raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, dtype bfloat16, on CPU")
+        raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, on CPU")
     shapes = ModelShapes(arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                          arch.vocab_size, arch.num_layers, config.runtime.numerics, bf16, q4, q8)
     try:
@@ -77,7 +78,8 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
     except ValueError as exc:
         if forced.get("linear") == "q4" and config.runtime.numerics == "invariant":
             raise ValueError("decode_weights=q4 with numerics=invariant needs the native 4-bit kernel "
-                             "(AVX512-BF16 CPUs); use numerics=fast or decode_weights=dense") from exc
+                             "(AVX512-BF16 CPUs for bfloat16; float32 on any CPU with a C compiler); "
+                             "use numerics=fast or decode_weights=dense") from exc
         raise
 
 
@@ -145,8 +147,10 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     kernels = kernel_choice(config, ckpt, dtype, device)
     log.info("kernels: %s", kernels.describe())
     q4 = _packed_weights(kernels, ckpt.gguf, arch)
+    options = KernelOptions(tiles=kernels.get("gemm") == "amx", deq_rows=kernels.packed_rows("linear"),
+                            head_deq_rows=kernels.packed_rows("lm_head"))
     model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics,
-                              tiles=kernels.get("gemm") == "amx").eval()
+                              options=options).eval()
     cc = config.cache
     kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cc.kv_cache_dtype, dtype)
     per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype)

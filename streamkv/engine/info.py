@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from streamkv.config import EngineConfig
+from streamkv.native.tuning import ALL_ROWS
 
 
 def machine_and_kernels(config: EngineConfig, retune: bool = False) -> dict[str, Any]:
@@ -29,7 +30,8 @@ def machine_and_kernels(config: EngineConfig, retune: bool = False) -> dict[str,
                    "bf16 GEMM on": native.invariant_gemm_bf16_path(), "build": native.build_tag()},
         "model": os.path.basename(ckpt.source), "dtype": str(dtype).replace("torch.", ""),
         "numerics": config.runtime.numerics,
-        "kernels": {k: {"path": v, "how": choice.source.get(k)} for k, v in choice.paths.items()},
+        "kernels": {k: {"path": v, "how": choice.source.get(k), "packed_rows": choice.packed_rows(k)}
+                    for k, v in choice.paths.items()},
         "timings_ms": choice.timings,
     }
 
@@ -41,7 +43,9 @@ def render(r: dict[str, Any]) -> str:
               f"(build {r['native']['build']})" if r["native"]["built"] else "not built (no C compiler?)"),
              f"model: {r['model']}, {r['dtype']}, numerics {r['numerics']}", "", "kernel choice:"]
     for kind, c in r["kernels"].items():
-        lines.append(f"  {kind:18s} {c['path']:7s} ({c['how']})")
+        rows = c.get("packed_rows") or 0
+        upto = "" if not rows else ", every step" if rows >= ALL_ROWS else f", steps of <= {rows} rows (then dense)"
+        lines.append(f"  {kind:18s} {c['path']:7s} ({c['how']}{upto})")
     for kind, paths in r["timings_ms"].items():
         shapes = list(next(iter(paths.values())))
         lines += ["", f"{kind} (ms; lower is better):", "  " + f"{'path':8s}" + "".join(f"{sh:>20s}" for sh in shapes)]

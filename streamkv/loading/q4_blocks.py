@@ -7,7 +7,9 @@ GGML blocks cover 32 consecutive input columns of one row::
     Q4_0: d (f16) | 16 bytes (same nibble order),  w = d * (q - 8)
 
 Both are returned as ``w = (q - 8) * scale + zero`` (the layout of torch's int4 CPU kernel):
-Q4_1 -> scale d, zero m + 8d; Q4_0 -> scale d, zero 0.
+Q4_1 -> scale d, zero m + 8d; Q4_0 -> scale d, zero 0; and with the file's own offset ``m``
+(Q4_0: -8d), for which ``w = d * q + m`` is the loader's float32 weight to the bit (``d * q`` is
+exact, so one rounding: ``native/deq_gemm.c``).
 
 A Q8_0 LM head (``d (f16) | 32 x int8``, ``w = d * q``) is kept as int8 + float32 scales for the
 native kernel, or split exactly into two 4-bit matrices for torch's int4 kernel: with
@@ -33,11 +35,20 @@ _Q8_BYTES = 34
 
 @dataclass(frozen=True)
 class Q4Matrix:
-    """q [N, K] int32 in 0..15; scale, zero [N, K // 32] float32."""
+    """q [N, K] int32 in 0..15; scale, zero [N, K // 32] float32; m [N, K // 32] float32, the
+    file's offset (``w = scale * q + m`` in one rounding), where known."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @staticmethod
+    def cat(parts: list[Q4Matrix]) -> Q4Matrix:
+        """The row-concatenation of ``parts`` (fused projections)."""
+        ms = [p.m for p in parts]
+        return Q4Matrix(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.zero for p in parts]), None if any(m is None for m in ms) else torch.cat(ms))
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -70,13 +81,12 @@ def read_q4_matrices(gguf: GGUFFile | str, arch: ArchConfig, permuted_qk: bool) 
         name = canonical_from_gguf(tensor.name)
         if name is None or tensor.type_name not in _BLOCK_BYTES or not name.endswith("proj.weight"):
             continue
-        q, scale, zero = _unpack(np.asarray(tensor.raw), tensor.type_name, tensor.shape)
+        q, scale, zero, m = _unpack(np.asarray(tensor.raw), tensor.type_name, tensor.shape)
         if permuted_qk and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
-            q, scale, zero = (unpermute_qk(a, heads, gguf.path, tensor.name) for a in (q, scale, zero))
-        out[name] = Q4Matrix(torch.from_numpy(np.ascontiguousarray(q)).to(torch.int32),
-                             torch.from_numpy(np.ascontiguousarray(scale)),
-                             torch.from_numpy(np.ascontiguousarray(zero)))
+            q, scale, zero, m = (unpermute_qk(a, heads, gguf.path, tensor.name) for a in (q, scale, zero, m))
+        q, scale, zero, m = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, zero, m))
+        out[name] = Q4Matrix(q.to(torch.int32), scale, zero, m)
     return out
 
 
@@ -95,8 +105,8 @@ class Q8Matrix:
         """Two 4-bit matrices whose sum is exactly this one (see the module docstring)."""
         n, k = self.q.shape
         q = self.q.to(torch.int32) + 128
-        return (Q4Matrix(q >> 4, 16 * self.d, torch.zeros(n, k // GROUP)),
-                Q4Matrix(q & 15, self.d.clone(), 8 * self.d))
+        return (Q4Matrix(q >> 4, 16 * self.d, torch.zeros(n, k // GROUP), -128 * self.d),
+                Q4Matrix(q & 15, self.d.clone(), 8 * self.d, torch.zeros(n, k // GROUP)))
 
 
 def read_q8_lm_head(gguf: GGUFFile | str, tied: bool) -> Q8Matrix | None:
@@ -112,7 +122,9 @@ def read_q8_lm_head(gguf: GGUFFile | str, tied: bool) -> Q8Matrix | None:
     return None
 
 
-def _unpack(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _unpack(raw: np.ndarray, kind: str, shape: tuple[int, ...]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(q [N, K] 0..15, scale d, zero, offset m) of a Q4_0 / Q4_1 tensor; the last three [N, K / 32] float32."""
     n, k = shape
     blocks = raw.reshape(n, k // GROUP, _BLOCK_BYTES[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -123,5 +135,6 @@ def _unpack(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> tuple[np.ndar
     else:
         qs = blocks[..., 2:]
         zero = np.zeros_like(d)
+        m = -8 * d
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-    return q, d, zero
+    return q, d, zero, m

@@ -18,16 +18,39 @@ and output in float32 (never rounded to 16 bits).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from streamkv.loading.q4_blocks import Q8Matrix
+from streamkv.loading.q4_blocks import Q4Matrix, Q8Matrix
+from streamkv.models.deq_linear import DeqWeights
 from streamkv.models.q4_linear import DENSE, PackedQ4, PackedQ8, Q4Halves, RowSplit, split_linear, split_rows
 
 NUMERICS = ("invariant", "fast")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """The measured kernel choice as the layers see it (``native/tuning.py``).
+
+    ``tiles``: dense bf16 GEMMs on AMX tiles. ``deq_rows`` / ``head_deq_rows``: a float32 model's
+    GGUF 4-bit layers / Q8_0 LM head are also kept packed, and steps of at most that many rows read
+    them (``models/deq_linear.py``: the same bits as the dense weights); 0: never.
+    """
+
+    tiles: bool = False
+    deq_rows: int = 0
+    head_deq_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.deq_rows < 0 or self.head_deq_rows < 0:
+            raise ValueError(f"deq rows must be >= 0, got {self.deq_rows} and {self.head_deq_rows}")
+
+
+NO_OPTIONS = KernelOptions()
 
 
 def pack_dense(w: torch.Tensor) -> torch.Tensor:
@@ -85,41 +108,56 @@ class Linear(nn.Module, ABC):
 class SplitLinear(Linear):
     """Fast mode: torch's dense GEMM for prompt rows, the 4-bit kernel for decode rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Matrix | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.q4 = q4
+        self.q4 = None if q4 is None else PackedQ4(q4.q, q4.scale, q4.zero)
 
     def forward(self, x: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
         return split_linear(x, self.weight, self.bias, self.q4, rows)
 
 
 class InvariantLinear(Linear):
-    """Invariant mode: one batch-invariant kernel for every row (4-bit when given, else dense;
-    ``tiles``: dense bf16 on AMX tiles)."""
+    """Invariant mode: one batch-invariant chain per output element for every row.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None,
-                 tiles: bool = False) -> None:
+    bf16 weights with 4-bit blocks (``q4``): the native q4 kernel for every row. float32 weights
+    with 4-bit blocks and ``options.deq_rows``: dense panels plus the packed copy, which steps of at
+    most that many rows read (the same bits). Otherwise the dense panels (``options.tiles``: bf16 on
+    AMX tiles)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Matrix | None,
+                 options: KernelOptions = NO_OPTIONS) -> None:
         super().__init__()
-        if q4 is not None and not q4.native:
-            raise ValueError("numerics=invariant takes 4-bit weights only through the native q4 kernel")
         self.dtype = weight.dtype
-        self.q4 = q4
-        self.dense = DensePanels(weight, tiles) if q4 is None else None
+        self.q4: PackedQ4 | None = None
+        self.deq: DeqWeights | None = None
+        if q4 is not None and weight.dtype == torch.float32:
+            self.deq = DeqWeights.from_q4(q4, options.deq_rows) if options.deq_rows else None
+        elif q4 is not None:
+            self.q4 = PackedQ4(q4.q, q4.scale, q4.zero)
+            if not self.q4.native:
+                raise ValueError("numerics=invariant takes 4-bit bf16 weights only through the native q4 kernel")
+        self.dense = DensePanels(weight, options.tiles) if self.q4 is None else None
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
-        out = self.q4.forward(x) if self.q4 is not None else self.dense.forward(x)
+        if self.q4 is not None:
+            out = self.q4.forward(x)
+        elif self.deq is not None and self.deq.serves(x.shape[0]):
+            out = self.deq.forward(x)
+        else:
+            out = self.dense.forward(x)
         return out if self.bias is None else out + self.bias
 
 
-def make_linear(numerics: str, weight: torch.Tensor, bias: torch.Tensor | None, q4: PackedQ4 | None,
-                tiles: bool = False) -> Linear:
+def make_linear(numerics: str, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Matrix | None,
+                options: KernelOptions = NO_OPTIONS) -> Linear:
+    """``q4``: the GGUF's 4-bit blocks of this (fused) weight, if the kernel choice reads them."""
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
     if numerics == "invariant":
-        return InvariantLinear(weight, bias, q4, tiles)
+        return InvariantLinear(weight, bias, q4, options)
     return SplitLinear(weight, bias, q4)
 
 
@@ -134,13 +172,18 @@ class LogitsHead(nn.Module):
     torch's int4 kernel.
     """
 
-    def __init__(self, weight: torch.Tensor, q8: Q8Matrix | None, numerics: str, tiles: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, q8: Q8Matrix | None, numerics: str,
+                 options: KernelOptions = NO_OPTIONS) -> None:
         super().__init__()
         from streamkv.native import invariant_gemm, q8_gemm
 
         self.numerics = numerics
         self.packed: nn.Module | None = None
-        if q8 is not None and q8_gemm() is not None:
+        self.deq: DeqWeights | None = None
+        if q8 is not None and numerics == "invariant" and weight.dtype == torch.float32:
+            if options.head_deq_rows:  # float32 head: the int8 copy for small steps, the same bits
+                self.deq = DeqWeights.from_q8(q8, options.head_deq_rows)
+        elif q8 is not None and q8_gemm() is not None:
             self.packed = PackedQ8(q8.q, q8.d)
         elif q8 is not None and numerics == "fast":
             self.packed = Q4Halves(q8.halves(), native=False)
@@ -149,11 +192,13 @@ class LogitsHead(nn.Module):
         if numerics == "invariant" and self.packed is not None:
             return
         if numerics == "invariant" or invariant_gemm() is not None:
-            self.dense = DensePanels(weight, tiles)
+            self.dense = DensePanels(weight, options.tiles)
         else:
             self.weight32 = weight.detach().float()
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deq is not None and self.deq.serves(x.shape[0]):
+            return self.deq.forward(x)
         if self.dense is not None:
             return self.dense.forward(x, torch.float32)
         return F.linear(x.float(), self.weight32)

@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 from streamkv.attention.backend import AttentionBackend
 from streamkv.models.config import ArchConfig
-from streamkv.models.linear import Linear, LogitsHead, make_linear
+from streamkv.loading.q4_blocks import Q4Matrix
+from streamkv.models.linear import NO_OPTIONS, KernelOptions, Linear, LogitsHead, make_linear
 from streamkv.models.native_layers import NativeLayers
-from streamkv.models.q4_linear import DENSE, PackedQ4, RowSplit
+from streamkv.models.q4_linear import DENSE, RowSplit
 from streamkv.models.registry import register_model
 from streamkv.models.rope import RotaryEmbedding, apply_rope
 
@@ -52,18 +53,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return out.to(x.dtype)
 
 
-def _pack(q4: dict[str, Any] | None, names: list[str]) -> PackedQ4 | None:
-    """Row-concatenate the Q4 matrices ``names`` (all must be present) into one PackedQ4."""
+def _pack(q4: dict[str, Any] | None, names: list[str]) -> Q4Matrix | None:
+    """Row-concatenate the Q4 matrices ``names`` (all must be present) into one."""
     if not q4 or not all(n in q4 for n in names):
         return None
-    parts = [q4[n] for n in names]
-    return PackedQ4(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                    torch.cat([p.zero for p in parts]))
+    return Q4Matrix.cat([q4[n] for n in names])
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 q4: dict[str, Any] | None = None, numerics: str = "invariant", tiles: bool = False) -> None:
+                 q4: dict[str, Any] | None = None, numerics: str = "invariant",
+                 options: KernelOptions = NO_OPTIONS) -> None:
         super().__init__()
         w = lambda name: weights[prefix + name]  # noqa: E731
 
@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
 
         def linear(names: list[str]) -> Linear:
             packed = _pack(q4, [prefix + n + ".weight" for n in names])
-            return make_linear(numerics, cat(names, "weight"), cat(names, "bias"), packed, tiles)
+            return make_linear(numerics, cat(names, "weight"), cat(names, "bias"), packed, options)
 
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
@@ -117,19 +117,20 @@ class LlamaForCausalLM(nn.Module):
     layer_cls: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 q4: dict[str, Any] | None = None, numerics: str = "invariant", tiles: bool = False) -> None:
+                 q4: dict[str, Any] | None = None, numerics: str = "invariant",
+                 options: KernelOptions = NO_OPTIONS) -> None:
         """``q4``: optional canonical name -> Q4Matrix, and ``lm_head.q8`` -> Q8Matrix
         (``loading/q4_blocks.py``); ``numerics``: ``invariant`` or ``fast`` (see ``models/linear.py``);
-        ``tiles``: dense bf16 GEMMs on AMX tiles (the measured ``gemm`` kernel choice)."""
+        ``options``: the measured kernel choice (AMX tiles, packed float32 weights for small steps)."""
         super().__init__()
         self.arch = arch
         self.numerics = numerics
         self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            self.layer_cls(arch, weights, f"layers.{i}.", q4, numerics, tiles) for i in range(arch.num_layers))
+            self.layer_cls(arch, weights, f"layers.{i}.", q4, numerics, options) for i in range(arch.num_layers))
         self.norm = nn.Parameter(weights["norm.weight"].float(), requires_grad=False)
         head = self.embed if arch.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = LogitsHead(head, (q4 or {}).get("lm_head.q8"), numerics, tiles)
+        self.lm_head = LogitsHead(head, (q4 or {}).get("lm_head.q8"), numerics, options)
         self.rope = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, max_positions,
                                     device=self.embed.device)
         self.native: NativeLayers | None = None

@@ -24,7 +24,8 @@ from streamkv.attention.backend import KVCache
 
 class SkLinear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("N", ctypes.c_int), ("K", ctypes.c_int), ("wbf16", ctypes.c_int),
-                ("tiles", ctypes.c_int), ("w", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+                ("tiles", ctypes.c_int), ("w", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("deq", ctypes.c_void_p), ("deq_dm", ctypes.c_void_p), ("deq_rows", ctypes.c_int)]
 
 
 class SkLayer(ctypes.Structure):
@@ -102,7 +103,9 @@ class NativeLayers:
         panels = lin.dense.panels
         wbf16 = panels.dtype == torch.bfloat16
         k = panels.shape[1] * (2 if wbf16 else 1)
-        return SkLinear(0, lin.dense.out_features, k, int(wbf16), int(lin.dense.tiles), panels.data_ptr(), None, bias)
+        deq = lin.deq  # same bits as the panels: small steps read it (native/deq_gemm.c)
+        return SkLinear(0, lin.dense.out_features, k, int(wbf16), int(lin.dense.tiles), panels.data_ptr(), None, bias,
+                        _ptr(deq.packed) if deq else None, _ptr(deq.dm) if deq else None, deq.max_rows if deq else 0)
 
     def profile(self, on: bool) -> torch.Tensor | None:
         """Start (zeroed) or stop timing the native phases; returns the float64 [len(PHASES)]

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from streamkv.models.config import ArchConfig
+from streamkv.models.linear import NO_OPTIONS, KernelOptions
 from streamkv.models.llama import DecoderLayer, LlamaForCausalLM, rms_norm
 from streamkv.models.registry import register_model
 
@@ -18,8 +19,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3DecoderLayer(DecoderLayer):
     def __init__(self, arch: ArchConfig, weights: dict[str, torch.Tensor], prefix: str,
-                 q4: dict[str, Any] | None = None, numerics: str = "invariant", tiles: bool = False) -> None:
-        super().__init__(arch, weights, prefix, q4, numerics, tiles)
+                 q4: dict[str, Any] | None = None, numerics: str = "invariant",
+                 options: KernelOptions = NO_OPTIONS) -> None:
+        super().__init__(arch, weights, prefix, q4, numerics, options)
         q_norm, k_norm = weights[prefix + "q_norm.weight"], weights[prefix + "k_norm.weight"]
         # one weight row per head of the joint q|k tensor: [H + Hkv, D]
         self.qk_norm = nn.Parameter(torch.cat([q_norm.expand(self.num_heads, -1),

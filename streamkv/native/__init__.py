@@ -25,8 +25,8 @@ _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c")]
 # The batch-invariant kernels are compiled without -ffast-math: each output element's chain of
 # roundings is written out in the source and the compiler may not reassociate or contract it.
-_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "layer.c",
-                                      "kv_move.c")]
+_EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "deq_gemm.c",
+                                      "layer.c", "kv_move.c")]
 _HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h", "attn_bf16_rows.h")]
 # STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
 # CPU that would not take it; tests do this in a subprocess with their own cache directory)
@@ -126,6 +126,10 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    fn = lib.streamkv_deq_gemm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.streamkv_inv_gemm_bf16_dot.restype = ctypes.c_int
     lib.streamkv_inv_gemm_bf16_path.restype = ctypes.c_char_p
     fn = lib.streamkv_inv_attn
@@ -370,6 +374,40 @@ def invariant_gemm() -> Callable[..., torch.Tensor] | None:
     return None if lib is None else functools.partial(_inv_gemm, lib.streamkv_inv_gemm)
 
 
+def _gemm_out(x: torch.Tensor, n: int, out_dtype: torch.dtype, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x contiguous and the [M, n] output of a GEMM writing ``out_dtype`` (float32 or bfloat16)."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"{what} writes float32 or bfloat16, not {out_dtype}")
+    x = x.contiguous()
+    return x, torch.empty(x.shape[0], n, dtype=out_dtype)
+
+
+def deq_gemm() -> Callable[..., torch.Tensor] | None:
+    """The float32 GEMM over packed 4-bit / 8-bit GGUF weights with the dense float32 GEMM's bits
+    (``deq_gemm.c``), or None without the native kernels."""
+    lib = _library()
+    return None if lib is None else functools.partial(_deq_gemm, lib.streamkv_deq_gemm)
+
+
+def _deq_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor, n: int,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] float32 @ the packed [n, K] weight (``models/q4_linear.py: pack_deq``; 4-bit when q is
+    uint8, 8-bit when int8) -> [M, n] in ``out_dtype`` (float32 or bfloat16)."""
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise TypeError(f"deq GEMM needs a 2-D float32 input, got {x.dtype} {tuple(x.shape)}")
+    if q.dtype not in (torch.uint8, torch.int8) or dm.dtype != torch.float16:
+        raise TypeError(f"deq GEMM needs uint8 / int8 values and float16 scales, got {q.dtype}, {dm.dtype}")
+    x, out = _gemm_out(x, n, out_dtype, "deq GEMM")
+    m, k = x.shape
+    if m == 0:
+        return out
+    rc = fn(x.data_ptr(), m, k, q.data_ptr(), dm.data_ptr(), 4 if q.dtype == torch.uint8 else 8, n, out.data_ptr(),
+            int(out_dtype == torch.bfloat16))
+    if rc != 0:
+        raise ValueError(f"deq GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    return out
+
+
 def invariant_gemm_uses_bf16_dot() -> bool:
     lib = _library()
     return lib is not None and bool(lib.streamkv_inv_gemm_bf16_dot())
@@ -393,11 +431,8 @@ def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,
     if x.dim() != 2 or x.dtype != wp.dtype or wp.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"invariant GEMM needs 2-D input in the weights' dtype {wp.dtype}, got {x.dtype} "
                         f"{tuple(x.shape)}")
-    if out_dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"invariant GEMM writes float32 or bfloat16, not {out_dtype}")
-    x = x.contiguous()
+    x, out = _gemm_out(x, n, out_dtype, "invariant GEMM")
     m, k = x.shape
-    out = torch.empty(m, n, dtype=out_dtype)
     if m == 0:
         return out
     rc = fn(x.data_ptr(), m, k, wp.data_ptr(), int(wbf16), n, out.data_ptr(), int(out_dtype == torch.bfloat16),

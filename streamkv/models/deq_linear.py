@@ -1,0 +1,107 @@
+"""A float32 model's GGUF-quantized weights, read packed with the dense GEMM's bits (``native/deq_gemm.c``).
+
+A float32 model loaded from a GGUF holds each weight as gguf dequantizes it: ``d * q + m`` in
+float32 (Q4_1; Q4_0: ``d * (q - 8)``; Q8_0: ``d * q``), d and m the block's float16 values.
+``d * q`` is exact in float32, so that is one rounding, and the kernel rebuilds every weight
+bit for bit (``fma(d, q, m)``) before the dense GEMM's own chain. So the packed copy and the dense
+panels give the same output bits at every row count: a step takes whichever is faster for its
+number of rows (``max_rows``, measured at first start by ``native/tuning.py``), and the outputs
+stay batch-invariant. Decode reads 0.625 (4-bit) or 1.06 (8-bit) bytes per weight instead of 4.
+
+::
+
+    pack_deq:   q [T, G, 32, 8] uint8    byte b of row k = q[16t + b, 32g + k] | q[16t + b + 8, 32g + k] << 4
+                dm [T, G, 2, 16] float16 d, m of the panel's 16 columns
+    pack_deq8:  q [T, G, 32, 16] int8    q[16t + c, 32g + k]
+                dm [T, G, 1, 16] float16 d
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from streamkv.loading.q4_blocks import Q4Matrix, Q8Matrix
+
+GROUP = 32
+
+
+def _half(a: torch.Tensor, what: str) -> torch.Tensor:
+    """float32 values that are float16 values, as float16 (ValueError if one is not: then the
+    packed weights could not reproduce the dense ones)."""
+    h = a.to(torch.float16)
+    if not torch.equal(h.float(), a.float()):
+        raise ValueError(f"{what} is not exactly a float16 value: the packed weights would not equal the dense ones")
+    return h
+
+
+def _panels(a: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, G] -> [T, G, 16] (columns of each 16-wide panel last; padding zero)."""
+    t = -(-n // 16)
+    out = torch.zeros(t * 16, a.shape[1], dtype=a.dtype)
+    out[:n] = a
+    return out.view(t, 16, -1).permute(0, 2, 1)
+
+
+def _groups(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [N, K] -> [T, G, 32, 16] in ``dtype`` (k within the group, then the panel's columns)."""
+    n, k = q.shape
+    if k % GROUP:
+        raise ValueError(f"packed weights need a multiple of {GROUP} input features, got {k}")
+    t = -(-n // 16)
+    qp = torch.zeros(t * 16, k, dtype=dtype)
+    qp[:n] = q.to(dtype)
+    return qp.view(t, 16, k // GROUP, GROUP).permute(0, 2, 3, 1)
+
+
+def pack_deq(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] in 0..15, d and m [N, K / 32] (float16 values) -> the 4-bit layout above."""
+    g = _groups(q, torch.int32)
+    qp = (g[..., :8] | (g[..., 8:] << 4)).to(torch.uint8).contiguous()
+    dm = torch.stack([_panels(_half(d, "a scale"), q.shape[0]), _panels(_half(m, "an offset"), q.shape[0])], dim=2)
+    return qp, dm.contiguous()
+
+
+def pack_deq8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, d [N, K / 32] (float16 values) -> the 8-bit layout above."""
+    qp = _groups(q, torch.int8).contiguous()
+    return qp, _panels(_half(d, "a scale"), q.shape[0]).unsqueeze(2).contiguous()
+
+
+class DeqWeights(nn.Module):
+    """One GGUF matrix packed for ``deq_gemm.c``: x [M, K] float32 -> [M, N] with the bits of the
+    dense float32 GEMM over the loader's weights; serves steps of at most ``max_rows`` rows."""
+
+    def __init__(self, packed: torch.Tensor, dm: torch.Tensor, out_features: int, max_rows: int) -> None:
+        super().__init__()
+        from streamkv.native import deq_gemm
+
+        kernel = deq_gemm()
+        if kernel is None:
+            raise RuntimeError("packed float32 weights need the native kernels (a C compiler)")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        self.kernel = kernel
+        self.out_features = out_features
+        self.max_rows = max_rows
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("dm", dm, persistent=False)
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.packed.dtype == torch.uint8 else 8
+
+    @classmethod
+    def from_q4(cls, w: Q4Matrix, max_rows: int) -> DeqWeights:
+        if w.m is None:
+            raise ValueError("this 4-bit matrix has no stored offset (m): it cannot reproduce the dense weights")
+        return cls(*pack_deq(w.q, w.scale, w.m), w.q.shape[0], max_rows)
+
+    @classmethod
+    def from_q8(cls, w: Q8Matrix, max_rows: int) -> DeqWeights:
+        return cls(*pack_deq8(w.q, w.d), w.q.shape[0], max_rows)
+
+    def serves(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.kernel(x.float(), self.packed, self.dm, self.out_features, out_dtype)
