@@ -204,7 +204,8 @@ def test_random_changes_preemption_and_pressure_keep_output_and_pool_invariants(
     recompute or swap, in a small pool) ends with the fresh request's output and clean
     device and host pools."""
     rng = random.Random(seed)
-    engine, _ = slot_engine(num_blocks=14, block_size=4, budget=rng.choice([3, 8, 64]), queue_policy=policy,
+    pool = {"num_blocks": 14, "block_size": 4}
+    engine, _ = slot_engine(**pool, budget=rng.choice([3, 8, 64]), queue_policy=policy,
                             preemption=preemption, swap_blocks=swap_blocks)
     text, done = "ab", {}
     engine.inputs.open("s", prompt=text, params=GREEDY)
@@ -236,7 +237,7 @@ def test_random_changes_preemption_and_pressure_keep_output_and_pool_invariants(
     assert set(done) == {"s", *(f"o{i}" for i in range(others))}
     # the same pool: a prompt over 49 tokens leaves room for fewer than 8 outputs, and a fresh
     # request there stops at the same token (finished, "needs more KV than the whole pool")
-    assert done["s"].token_ids == _fresh(text, num_blocks=14, block_size=4)
+    assert done["s"].token_ids == _fresh(text, **pool)
     engine.check_integrity()
     assert engine.pool.num_used == 0 and engine.inputs.get_state("s") == "finished"
     assert engine.kv.host.num_used == 0
