@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from streamkv.errors import ModelLoadError
+from streamkv.loading.gguf_parse import GGUFFormatError, parse_gguf
 
 #: Tensor types streamkv is tested with; any other type ``gguf.quants`` can dequantize
 #: (e.g. the IQ* types) loads too, anything else raises :class:`ModelLoadError`.
@@ -25,7 +26,7 @@ class GGUFTensor:
     type_name: str
     shape: tuple[int, ...]  # numpy order (GGML order reversed)
     raw: np.ndarray
-    type_id: Any
+    type_id: Any  # gguf.GGMLQuantizationType
 
 
 class GGUFFile:
@@ -34,27 +35,19 @@ class GGUFFile:
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            from gguf import GGUFReader
-
-            self._reader = GGUFReader(path, "r")
-        except Exception as exc:  # gguf raises ValueError, IndexError, struct errors...
+            self._parsed = parse_gguf(path)
+        except (GGUFFormatError, OSError) as exc:
             raise ModelLoadError(
                 f"{path}: not a readable GGUF file (corrupt or truncated?): "
                 f"{type(exc).__name__}: {exc}") from exc
 
     def has(self, key: str) -> bool:
         """Whether the metadata key ``key`` is present."""
-        return key in self._reader.fields
+        return key in self._parsed.metadata
 
     def get(self, key: str, default: Any = None) -> Any:
         """Metadata value of ``key`` (str, int, float, bool or list), or ``default``."""
-        field = self._reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return _field_value(field)
-        except Exception as exc:
-            raise ModelLoadError(f"{self.path}: cannot read metadata {key!r}: {exc}") from exc
+        return self._parsed.metadata.get(key, default)
 
     def require(self, key: str) -> Any:
         """Metadata value of ``key``; :class:`ModelLoadError` if it is missing."""
@@ -64,20 +57,17 @@ class GGUFFile:
 
     def tensor_names(self) -> list[str]:
         """Names of every tensor in file order."""
-        return [t.name for t in self._reader.tensors]
+        return [t.name for t in self._parsed.tensors]
 
     def tensors(self) -> Iterator[GGUFTensor]:
         """Iterate over the tensor entries (raw data, not dequantized)."""
-        for t in self._reader.tensors:
-            shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-            yield GGUFTensor(t.name, t.tensor_type.name, shape, t.data, t.tensor_type)
+        for t in self._parsed.tensors:
+            yield GGUFTensor(t.name, t.type_name, tuple(reversed(t.dims)), t.data, t.type_id)
 
     def dequantize(self, tensor: GGUFTensor) -> np.ndarray:
-        """Float32 numpy array of ``tensor`` in numpy (row-major) shape."""
-        from gguf.quants import dequantize
-
+        """Float32 numpy array of ``tensor`` in numpy (row-major) shape (gguf-py's bits)."""
         try:
-            values = dequantize(tensor.raw, tensor.type_id)
+            values = _dequantize(tensor.raw, tensor.type_name)
         except NotImplementedError as exc:
             raise ModelLoadError(
                 f"{self.path}: tensor {tensor.name!r} has unsupported GGML type {tensor.type_name}; "
@@ -97,21 +87,27 @@ class GGUFFile:
             f"{tensor.shape}); the file is corrupt or truncated: {exc}")
 
 
-def _field_value(field: Any) -> Any:
-    """Decode one ``gguf.ReaderField`` into plain Python values."""
-    from gguf import GGUFValueType
+def _dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """gguf-py's decoder of ``type_name`` over groups of whole rows (flat float32).
 
-    main = field.types[0]
-    if main == GGUFValueType.ARRAY:
-        sub = field.types[-1]
-        if sub == GGUFValueType.STRING:
-            return [_to_str(field.parts[i]) for i in field.data]
-        return [v for i in field.data for v in field.parts[i].tolist()]
-    if main == GGUFValueType.STRING:
-        return _to_str(field.parts[-1])
-    return field.parts[-1].tolist()[0]
+    ``gguf.quants.dequantize`` runs its numpy decoder 16 rows at a time; the decoders are
+    blockwise, so larger groups give the same bits with far less Python overhead.
+    """
+    import gguf.quants
+
+    if type_name == "F32":
+        return raw.view(np.float32)
+    if type_name == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    decoder = getattr(gguf.quants, type_name, None)
+    if decoder is None or not hasattr(decoder, "dequantize_rows"):
+        raise NotImplementedError(type_name)
+    decoder.init_grid()
+    rows = raw.reshape(-1, raw.shape[-1])
+    group = max(1, _GROUP_BYTES // max(1, rows.shape[1]))
+    return np.concatenate([decoder.dequantize_rows(rows[i:i + group]).ravel()
+                           for i in range(0, rows.shape[0], group)])
 
 
-def _to_str(part: np.ndarray) -> str:
-    """Decode a GGUF string payload (invalid UTF-8 is replaced, never fatal)."""
-    return part.tobytes().decode("utf-8", errors="replace")
+#: Raw bytes decoded per call of a gguf-py decoder (bounds the temporaries at a few MB).
+_GROUP_BYTES = 1 << 20
