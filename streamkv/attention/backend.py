@@ -7,6 +7,8 @@ plug in here with the same two methods.
 from __future__ import annotations
 
 import inspect
+import math
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -80,6 +82,19 @@ class Observation:
             o.into[layer, o.offset:o.offset + o.n] = q[o.q_row:o.q_row + o.n].float()
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor; on the CPU backed by anonymous pages the OS zero-fills on first touch.
+
+    ``torch.zeros`` writes every byte of a GB-sized pool at start (about 1 s on a 2-core
+    machine); here only the pages a sequence reaches are ever touched.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * dtype.itemsize
+    raw = torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=torch.uint8)[:n]  # mmap of 0 bytes fails
+    return raw.view(dtype).view(shape)
+
+
 class KVCache:
     """Paged K/V tensors, one flat slot axis per layer.
 
@@ -90,8 +105,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = lazy_zeros(shape, dtype, device)
+        self.v = lazy_zeros(shape, dtype, device)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.bounds: PageBounds | None = None  # made on first use by a page-selecting read policy

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from streamkv.errors import ModelLoadError
+from streamkv.loading.gguf_decode import dequantize
 from streamkv.loading.gguf_parse import GGUFFormatError, parse_gguf
 
 #: Tensor types streamkv is tested with; any other type ``gguf.quants`` can dequantize
@@ -67,7 +68,7 @@ class GGUFFile:
     def dequantize(self, tensor: GGUFTensor) -> np.ndarray:
         """Float32 numpy array of ``tensor`` in numpy (row-major) shape (gguf-py's bits)."""
         try:
-            values = _dequantize(tensor.raw, tensor.type_name)
+            values = dequantize(tensor.raw, tensor.type_name)
         except NotImplementedError as exc:
             raise ModelLoadError(
                 f"{self.path}: tensor {tensor.name!r} has unsupported GGML type {tensor.type_name}; "
@@ -85,29 +86,3 @@ class GGUFFile:
         return ModelLoadError(
             f"{self.path}: cannot decode tensor {tensor.name!r} ({tensor.type_name}, shape "
             f"{tensor.shape}); the file is corrupt or truncated: {exc}")
-
-
-def _dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
-    """gguf-py's decoder of ``type_name`` over groups of whole rows (flat float32).
-
-    ``gguf.quants.dequantize`` runs its numpy decoder 16 rows at a time; the decoders are
-    blockwise, so larger groups give the same bits with far less Python overhead.
-    """
-    import gguf.quants
-
-    if type_name == "F32":
-        return raw.view(np.float32)
-    if type_name == "F16":
-        return raw.view(np.float16).astype(np.float32)
-    decoder = getattr(gguf.quants, type_name, None)
-    if decoder is None or not hasattr(decoder, "dequantize_rows"):
-        raise NotImplementedError(type_name)
-    decoder.init_grid()
-    rows = raw.reshape(-1, raw.shape[-1])
-    group = max(1, _GROUP_BYTES // max(1, rows.shape[1]))
-    return np.concatenate([decoder.dequantize_rows(rows[i:i + group]).ravel()
-                           for i in range(0, rows.shape[0], group)])
-
-
-#: Raw bytes decoded per call of a gguf-py decoder (bounds the temporaries at a few MB).
-_GROUP_BYTES = 1 << 20

@@ -1,0 +1,65 @@
+"""Float32 values of a GGUF tensor's raw data, bit-identical to ``gguf.quants.dequantize``.
+
+The common block types are decoded with torch (multi-threaded): every product ``d * q`` of a
+Q4_0 / Q4_1 / Q8_0 block is exact in float32 (an f16 scale times a small integer), so
+``d * q`` and ``d * q + m`` round exactly as gguf-py's numpy code does. Every other type runs
+gguf-py's own decoder, over row groups of ``GROUP_BYTES`` (its ``dequantize`` takes 16 rows at
+a time; the decoders are blockwise, so larger groups give the same bits with less overhead).
+
+Block layouts (32 weights)::
+
+    Q8_0: d f16 | 32 x int8                    w = d * q
+    Q4_0: d f16 | 16 bytes, j low / j+16 high  w = d * (q - 8)
+    Q4_1: d f16 | m f16 | 16 bytes             w = d * q + m
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: Raw bytes decoded per call (bounds the temporaries at a few times this).
+GROUP_BYTES = 1 << 22
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """Flat float32 values of ``raw`` (a tensor's data as ``parse_gguf`` types it).
+
+    Raises ``NotImplementedError`` for a type gguf-py cannot decode either.
+    """
+    if type_name == "F32":
+        return raw.view(np.float32).reshape(-1)
+    if type_name == "F16":
+        return raw.view(np.float16).astype(np.float32).reshape(-1)
+    rows = raw.reshape(-1, raw.shape[-1])
+    group = max(1, GROUP_BYTES // max(1, rows.shape[1]))
+    decode = _torch_decoder(type_name) if type_name in _BLOCK_BYTES else _gguf_decoder(type_name)
+    return np.concatenate([decode(rows[i:i + group]) for i in range(0, rows.shape[0], group)])
+
+
+def _torch_decoder(type_name: str):  # noqa: ANN202 - a closure over the block size
+    size = _BLOCK_BYTES[type_name]
+
+    def decode(rows: np.ndarray) -> np.ndarray:
+        blocks = torch.from_numpy(rows.reshape(-1, size).copy())  # [n, size] uint8, writable
+        d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
+        if type_name == "Q8_0":
+            return (d * blocks[:, 2:].contiguous().view(torch.int8).float()).numpy().reshape(-1)
+        qs = blocks[:, size - 16:]
+        q = torch.cat([qs & 15, qs >> 4], 1).float()  # [n, 32], element j then j + 16
+        if type_name == "Q4_0":
+            return (d * (q - 8)).numpy().reshape(-1)
+        m = blocks[:, 2:4].contiguous().view(torch.float16).float()
+        return (d * q + m).numpy().reshape(-1)
+
+    return decode
+
+
+def _gguf_decoder(type_name: str):  # noqa: ANN202
+    import gguf.quants
+
+    decoder = getattr(gguf.quants, type_name, None)
+    if decoder is None or not hasattr(decoder, "dequantize_rows"):
+        raise NotImplementedError(type_name)
+    decoder.init_grid()
+    return lambda rows: decoder.dequantize_rows(rows).reshape(-1)
