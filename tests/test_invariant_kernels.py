@@ -11,7 +11,7 @@ import torch
 
 from streamkv.models.linear import pack_dense
 from streamkv.native import (compile_steps, invariant_attention, invariant_attention_bf16, invariant_gemm,
-                             invariant_gemm_bf16_path, invariant_isa)
+                             invariant_gemm_bf16_path, invariant_isa, run_all)
 
 gemm, attn, attn_bf16 = invariant_gemm(), invariant_attention(), invariant_attention_bf16()
 pytestmark = pytest.mark.skipif(gemm is None, reason="no C compiler: the native kernels are not built")
@@ -83,8 +83,7 @@ def test_the_amx_tile_path_compiles_for_an_amx_cpu(tmp_path):
                            text=True) if cc else None
     if probe is None or probe.returncode != 0 or "__AMX_BF16__" not in probe.stdout:
         pytest.skip("no gcc that targets -march=sapphirerapids")
-    for cmd in compile_steps(cc, tmp_path, march="sapphirerapids"):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+    for proc in run_all(compile_steps(cc, tmp_path, march="sapphirerapids")):
         assert proc.returncode == 0, proc.stderr[-2000:]
     dis = subprocess.run(["objdump", "-d", str(tmp_path / "inv_gemm.o")], capture_output=True, text=True, check=True)
     assert "tdpbf16ps" in dis.stdout and "ldtilecfg" in dis.stdout

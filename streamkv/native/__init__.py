@@ -1,6 +1,6 @@
 """Small C kernels for CPU hot spots (attention over the paged cache, 4-bit GEMM), compiled on first use (gcc, OpenMP) and loaded with ctypes.
 
-Only a C compiler is needed (no torch headers, so a build takes about a second). The
+Only a C compiler is needed (no torch headers; the sources compile in parallel, a few seconds). The
 library links the process' ``libgomp.so.1`` (the one torch already loaded), so its threads
 are torch's threads. Anything missing or failing -> :func:`decode_attention` is None and
 callers use the pure-PyTorch path. ``STREAMKV_NATIVE=0`` disables the kernels.
@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -75,15 +76,19 @@ def _build() -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        steps = compile_steps(cc, Path(tmp))
-        steps.append([cc, "-shared", "-fopenmp", *(str(o) for _, o in object_files(Path(tmp))), "-o", str(out), "-lm"])
-        for cmd in steps:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+        link = [cc, "-shared", "-fopenmp", *(str(o) for _, o in object_files(Path(tmp))), "-o", str(out), "-lm"]
+        for proc in [*run_all(compile_steps(cc, Path(tmp))), *run_all([link])]:
             if proc.returncode != 0:
                 log.warning("building the native kernels failed; using PyTorch:\n%s", proc.stderr[-2000:])
                 return None
         os.replace(out, target)
     return target
+
+
+def run_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
+    """Run independent commands (the per-source compiles), one per CPU at a time."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), commands))
 
 
 @functools.lru_cache(maxsize=1)
