@@ -19,7 +19,8 @@ import torch
 
 #: Raw bytes decoded per call (bounds the temporaries at a few times this).
 GROUP_BYTES = 1 << 22
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+#: Bytes per 32-weight block of the types decoded here.
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
 def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
@@ -33,26 +34,28 @@ def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
         return raw.view(np.float16).astype(np.float32).reshape(-1)
     rows = raw.reshape(-1, raw.shape[-1])
     group = max(1, GROUP_BYTES // max(1, rows.shape[1]))
-    decode = _torch_decoder(type_name) if type_name in _BLOCK_BYTES else _gguf_decoder(type_name)
-    return np.concatenate([decode(rows[i:i + group]) for i in range(0, rows.shape[0], group)])
+    decode = _decode_blocks if type_name in BLOCK_BYTES else _gguf_decoder(type_name)
+    return np.concatenate([decode(rows[i:i + group], type_name) for i in range(0, rows.shape[0], group)])
 
 
-def _torch_decoder(type_name: str):  # noqa: ANN202 - a closure over the block size
-    size = _BLOCK_BYTES[type_name]
+def split_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Q8_0 / Q4_0 / Q4_1 bytes (any shape, whole blocks) -> per block, in order:
+    d [B, 1] float32, m [B, 1] float32 (Q4_1; else None), q [B, 32] (int8 for Q8_0, uint8 0..15
+    for the 4-bit types, element j then j + 16)."""
+    size = BLOCK_BYTES[type_name]
+    blocks = torch.from_numpy(raw.reshape(-1, size).copy())  # [B, size] uint8, writable
+    d = blocks[:, 0:2].contiguous().view(torch.float16).float()
+    if type_name == "Q8_0":
+        return d, None, blocks[:, 2:].contiguous().view(torch.int8)
+    qs = blocks[:, size - 16:]
+    m = blocks[:, 2:4].contiguous().view(torch.float16).float() if type_name == "Q4_1" else None
+    return d, m, torch.cat([qs & 15, qs >> 4], 1)
 
-    def decode(rows: np.ndarray) -> np.ndarray:
-        blocks = torch.from_numpy(rows.reshape(-1, size).copy())  # [n, size] uint8, writable
-        d = blocks[:, 0:2].contiguous().view(torch.float16).float()  # [n, 1]
-        if type_name == "Q8_0":
-            return (d * blocks[:, 2:].contiguous().view(torch.int8).float()).numpy().reshape(-1)
-        qs = blocks[:, size - 16:]
-        q = torch.cat([qs & 15, qs >> 4], 1).float()  # [n, 32], element j then j + 16
-        if type_name == "Q4_0":
-            return (d * (q - 8)).numpy().reshape(-1)
-        m = blocks[:, 2:4].contiguous().view(torch.float16).float()
-        return (d * q + m).numpy().reshape(-1)
 
-    return decode
+def _decode_blocks(rows: np.ndarray, type_name: str) -> np.ndarray:
+    d, m, q = split_blocks(rows, type_name)
+    w = d * (q.float() - 8) if type_name == "Q4_0" else d * q.float()
+    return (w if m is None else w + m).numpy().reshape(-1)
 
 
 def _gguf_decoder(type_name: str):  # noqa: ANN202
@@ -62,4 +65,4 @@ def _gguf_decoder(type_name: str):  # noqa: ANN202
     if decoder is None or not hasattr(decoder, "dequantize_rows"):
         raise NotImplementedError(type_name)
     decoder.init_grid()
-    return lambda rows: decoder.dequantize_rows(rows).reshape(-1)
+    return lambda rows, _: decoder.dequantize_rows(rows).reshape(-1)

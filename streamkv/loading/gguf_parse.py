@@ -16,6 +16,7 @@ Layout (little-endian, GGUF v2/v3)::
 """
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -174,11 +175,11 @@ def _tensor(buf: Any, start: int, name: str, dims: tuple[int, ...], type_id: int
     except ValueError as exc:
         raise GGUFFormatError(f"tensor {name!r} has unknown GGML type {type_id}") from exc
     block, type_size = GGML_QUANT_SIZES[kind]
-    shape = tuple(reversed(dims))
-    elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
     if not dims or dims[0] % block:
         raise GGUFFormatError(f"tensor {name!r}: row of {dims[:1]} values is not a whole number "
                               f"of {kind.name} blocks ({block})")
+    shape = tuple(reversed(dims))
+    elements = math.prod(dims)
     n_bytes = elements // block * type_size
     if start + offset + n_bytes > len(buf):
         raise GGUFFormatError(f"tensor {name!r} ({n_bytes} bytes at {start + offset}) runs past "

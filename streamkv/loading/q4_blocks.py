@@ -23,14 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from streamkv.loading.gguf_decode import split_blocks
 from streamkv.loading.gguf_file import GGUFFile
 from streamkv.loading.gguf_loader import unpermute_qk
 from streamkv.loading.names import canonical_from_gguf
 from streamkv.models.config import ArchConfig
 
 GROUP = 32
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
-_Q8_BYTES = 34
+_Q4_TYPES = ("Q4_0", "Q4_1")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def quant_summary(gguf: GGUFFile | str, tied: bool) -> tuple[bool, bool]:
     q4 = q8 = False
     for tensor in _parsed(gguf).tensors():
         name = canonical_from_gguf(tensor.name)
-        q4 = q4 or (tensor.type_name in _BLOCK_BYTES and name is not None and name.endswith("proj.weight"))
+        q4 = q4 or (tensor.type_name in _Q4_TYPES and name is not None and name.endswith("proj.weight"))
         q8 = q8 or (tensor.name == head and tensor.type_name == "Q8_0")
     return q4, q8
 
@@ -79,13 +79,13 @@ def read_q4_matrices(gguf: GGUFFile | str, arch: ArchConfig, permuted_qk: bool) 
     out: dict[str, Q4Matrix] = {}
     for tensor in gguf.tensors():
         name = canonical_from_gguf(tensor.name)
-        if name is None or tensor.type_name not in _BLOCK_BYTES or not name.endswith("proj.weight"):
+        if name is None or tensor.type_name not in _Q4_TYPES or not name.endswith("proj.weight"):
             continue
-        q, scale, zero, m = _unpack(np.asarray(tensor.raw), tensor.type_name, tensor.shape)
+        q, scale, zero, m = _unpack(tensor.raw, tensor.type_name, tensor.shape)
         if permuted_qk and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
             q, scale, zero, m = (unpermute_qk(a, heads, gguf.path, tensor.name) for a in (q, scale, zero, m))
-        q, scale, zero, m = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, scale, zero, m))
+        q, scale, zero, m = (a.contiguous() for a in (q, scale, zero, m))
         out[name] = Q4Matrix(q.to(torch.int32), scale, zero, m)
     return out
 
@@ -115,26 +115,18 @@ def read_q8_lm_head(gguf: GGUFFile | str, tied: bool) -> Q8Matrix | None:
     for tensor in _parsed(gguf).tensors():
         if tensor.name == wanted and tensor.type_name == "Q8_0":
             n, k = tensor.shape
-            blocks = np.asarray(tensor.raw).reshape(n, k // GROUP, _Q8_BYTES)
-            d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-            q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-            return Q8Matrix(torch.from_numpy(q), torch.from_numpy(d))
+            d, _, q = split_blocks(tensor.raw, "Q8_0")
+            return Q8Matrix(q.reshape(n, k), d.reshape(n, k // GROUP))
     return None
 
 
 def _unpack(raw: np.ndarray, kind: str, shape: tuple[int, ...]
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [N, K] 0..15, scale d, zero, offset m) of a Q4_0 / Q4_1 tensor; the last three [N, K / 32] float32."""
     n, k = shape
-    blocks = raw.reshape(n, k // GROUP, _BLOCK_BYTES[kind])
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = blocks[..., 4:]
-        zero = m + 8 * d
-    else:
-        qs = blocks[..., 2:]
-        zero = np.zeros_like(d)
-        m = -8 * d
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-    return q, d, zero, m
+    d, m, q = split_blocks(raw, kind)
+    d = d.reshape(n, k // GROUP)
+    if m is None:  # Q4_0
+        return q.reshape(n, k), d, torch.zeros_like(d), -8 * d
+    m = m.reshape(n, k // GROUP)
+    return q.reshape(n, k), d, m + 8 * d, m

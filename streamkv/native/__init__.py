@@ -77,9 +77,10 @@ def _build() -> Path | None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         link = [cc, "-shared", "-fopenmp", *(str(o) for _, o in object_files(Path(tmp))), "-o", str(out), "-lm"]
-        for proc in [*run_all(compile_steps(cc, Path(tmp))), *run_all([link])]:
-            if proc.returncode != 0:
-                log.warning("building the native kernels failed; using PyTorch:\n%s", proc.stderr[-2000:])
+        for step in (compile_steps(cc, Path(tmp)), [link]):  # the link only after every compile succeeded
+            failed = [proc for proc in run_all(step) if proc.returncode != 0]
+            if failed:
+                log.warning("building the native kernels failed; using PyTorch:\n%s", failed[0].stderr[-2000:])
                 return None
         os.replace(out, target)
     return target
