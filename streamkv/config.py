@@ -183,7 +183,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    threads: int | None = field(default=None, metadata={"unit": "THREADS", "help": "torch CPU threads (default: all cores)"})
+    threads: int | None = field(default=None, metadata={"unit": "THREADS", "help": "torch CPU threads (default: the cores this process may run on, its CPU affinity)"})
     device: str = field(default="cpu", metadata={"help": "cpu | cuda"})
     attention_backend: str = field(default="auto", metadata={
         "help": "auto | torch | cpu: cpu = native C kernels over the paged cache (built with gcc on "

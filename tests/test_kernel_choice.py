@@ -3,6 +3,9 @@ forced choices, and that every path that can run here keeps the outputs invarian
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -193,3 +196,17 @@ def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["kernels"]["linear"] == {"path": "dense", "how": "forced", "packed_rows": 0}
     assert report["flags"] is not None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a CPU affinity API and at least 2 usable cores")
+def test_the_default_thread_count_follows_the_cpu_affinity(tiny_gguf):
+    """Under `taskset -c N` (or a container's cpuset) the engine uses the cores it may run on, not
+    every core of the machine: 16 threads pinned to 2 cores would oversubscribe them."""
+    one = min(os.sched_getaffinity(0))
+    code = ("import json, sys; from streamkv.cli import main; "
+            "sys.exit(main(['info', '--json', '--model', sys.argv[1], '--kernels', 'linear=dense']))")
+    out = subprocess.run([sys.executable, "-c", code, tiny_gguf], capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {one}), check=True).stdout
+    report = json.loads(out)
+    assert (report["cores"], report["threads"]) == (1, 1)

@@ -14,6 +14,7 @@ from streamkv.engine.dtype import resolve_dtype
 from streamkv.loading.checkpoint import LoadedCheckpoint
 from streamkv.loading.gguf_file import GGUFFile
 from streamkv.loading.q4_blocks import quant_summary
+from streamkv.native.cpu import usable_cores
 from streamkv.native.tuning import KernelChoice, ModelShapes, choose, parse_kernels
 from streamkv.models.linear import KernelOptions
 from streamkv.models.registry import model_class
@@ -133,7 +134,7 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     from streamkv.loading import load_checkpoint
 
     device = torch.device(config.runtime.device)
-    torch.set_num_threads(config.runtime.threads or os.cpu_count() or 1)
+    torch.set_num_threads(config.runtime.threads or usable_cores())
     dtype = resolve_dtype(config.model.dtype, device)
     ckpt = load_checkpoint(config.model.model, dtype=dtype, show_progress=show_progress)
     arch = ckpt.arch

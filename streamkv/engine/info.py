@@ -16,15 +16,15 @@ def machine_and_kernels(config: EngineConfig, retune: bool = False) -> dict[str,
     from streamkv.engine.dtype import resolve_dtype
     from streamkv.engine.factory import kernel_choice
     from streamkv.loading import load_checkpoint
-    from streamkv.native.cpu import cpu_flags, cpu_model
+    from streamkv.native.cpu import cpu_flags, cpu_model, usable_cores
 
     device = torch.device(config.runtime.device)
-    torch.set_num_threads(config.runtime.threads or os.cpu_count() or 1)
+    torch.set_num_threads(config.runtime.threads or usable_cores())
     dtype = resolve_dtype(config.model.dtype, device)
     ckpt = load_checkpoint(config.model.model, dtype=dtype)
     choice = kernel_choice(config, ckpt, dtype, device, retune=retune)
     return {
-        "cpu": cpu_model(), "flags": cpu_flags(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "cpu": cpu_model(), "flags": cpu_flags(), "cores": usable_cores(), "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "native": {"built": native.invariant_gemm() is not None, "isa": native.invariant_isa(),
                    "bf16 GEMM on": native.invariant_gemm_bf16_path(), "build": native.build_tag()},

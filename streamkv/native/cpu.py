@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vbmi", "avx512_bf16", "avx512_vnni", "amx_tile",
@@ -38,3 +39,12 @@ def cpu_flags() -> list[str]:
 
 def has_flag(flag: str) -> bool:
     return flag in _cpuinfo()[1]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (``taskset``, a container's cpuset),
+    not every core of the machine as ``os.cpu_count()`` says; the default thread count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (not Linux)
+        return os.cpu_count() or 1
