@@ -237,7 +237,10 @@ def test_k_quants_decode_like_transformers(tmp_path: Path, qtype: str) -> None:
     (tensor,) = list(gguf_file.tensors())
     ours = gguf_file.dequantize(tensor)
     assert ours.shape == (4, 256) and tensor.type_name == qtype
-    expected = reference(torch.from_numpy(raw.reshape(-1)), int(gguf.GGMLQuantizationType[qtype]))
+    try:
+        expected = reference(torch.from_numpy(raw.reshape(-1)), int(gguf.GGMLQuantizationType[qtype]))
+    except ValueError as e:  # older transformers decode fewer K-quants (5.17: not Q2_K, Q3_K)
+        pytest.skip(f"this transformers cannot decode {qtype}, the reference: {e}")
     np.testing.assert_allclose(ours.reshape(-1), expected.numpy(), rtol=1e-5, atol=1e-6)
 
 
