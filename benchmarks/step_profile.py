@@ -1,4 +1,4 @@
-"""Where the time of one engine step goes: batch-1 decode, 32 concurrent decodes, a 2048-token prefill.
+"""Where the time of one engine step goes: batch-1 decode, 32 concurrent decodes, the last chunk of a 2048-token prefill.
 
     .venv/bin/python benchmarks/step_profile.py                    # the default engine
     .venv/bin/python benchmarks/step_profile.py --torch-layers     # the layers as torch ops (before native/layer.c)
@@ -64,7 +64,7 @@ class _TimedCall:
 
 def profile(llm, prompts: list[list[int]], max_tokens: int, native_ok: bool) -> dict[str, float]:
     """Run the prompts together; returns median ms per step of every recorded part, over the
-    steps where every sequence decodes (or the single prefill step when max_tokens == 1)."""
+    steps where every sequence decodes (or the prefill's last step when max_tokens == 1)."""
     from streamkv import SamplingParams
 
     engine = llm.engine
@@ -90,7 +90,8 @@ def profile(llm, prompts: list[list[int]], max_tokens: int, native_ok: bool) -> 
         phases.append(timings.clone() if timings is not None else None)
         if native is not None:
             native.profile(False)
-    # the measured steps: all decoding (skip the prefill steps), or the prefill itself
+    # the measured steps: all decoding (skip the prefill steps), or the prefill's last step: adaptive
+    # chunking makes a 2,048-token prompt two 1,024-token chunks, the second over all 2,048 keys
     n = len(steps)
     keep = list(range(n - max_tokens + 2, n)) if max_tokens > 1 else [n - 1]
     # the 20th percentile: this machine's neighbours slow whole runs down by 10-30% at random;
@@ -143,7 +144,7 @@ def main() -> int:
     prompt = lambda n: [1000 + (next(g) * 7919 + i) % 40000 for i in range(n)]  # noqa: E731
     profile(llm, [prompt(64)], 4, True)  # warm-up
     cases = {"decode b1 (ctx 512)": ([prompt(512)], 64), "decode b32 (ctx 128)": ([prompt(128) for _ in range(32)], 32),
-             "prefill 2048": ([prompt(2048)], 1)}
+             "prefill 2048, last chunk": ([prompt(2048)], 1)}
     rows, keys = {}, []
     for name, (prompts, n) in cases.items():
         rows[name] = _best(llm, prompts, n, args.repeat)
