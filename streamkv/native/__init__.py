@@ -87,8 +87,10 @@ def _build() -> Path | None:
 
 
 def run_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
-    """Run independent commands (the per-source compiles), one per CPU at a time."""
-    with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+    """Run independent commands (the per-source compiles), one per usable core at a time."""
+    from streamkv.native.cpu import usable_cores
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(commands), usable_cores()))) as pool:
         return list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), commands))
 
 
