@@ -1,4 +1,5 @@
-"""Where the time of one engine step goes: batch-1 decode, 32 concurrent decodes, the last chunk of a 2048-token prefill.
+"""Where the time of one engine step goes: batch-1 decode, 32 concurrent decodes, the last chunk
+of a 2048-token prefill.
 
     .venv/bin/python benchmarks/step_profile.py                    # the default engine
     .venv/bin/python benchmarks/step_profile.py --torch-layers     # the layers as torch ops (before native/layer.c)

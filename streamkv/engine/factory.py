@@ -130,11 +130,16 @@ def _backend_options(kernels: KernelChoice) -> dict[str, Any]:
     return {}
 
 
+def set_threads(config: EngineConfig) -> None:
+    """torch's thread count: ``--threads``, else the cores this process may run on."""
+    torch.set_num_threads(config.runtime.threads or usable_cores())
+
+
 def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBundle:
     from streamkv.loading import load_checkpoint
 
     device = torch.device(config.runtime.device)
-    torch.set_num_threads(config.runtime.threads or usable_cores())
+    set_threads(config)
     dtype = resolve_dtype(config.model.dtype, device)
     ckpt = load_checkpoint(config.model.model, dtype=dtype, show_progress=show_progress)
     arch = ckpt.arch

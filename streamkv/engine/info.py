@@ -14,12 +14,12 @@ def machine_and_kernels(config: EngineConfig, retune: bool = False) -> dict[str,
     """A JSON-able report; measures the kernel candidates if this machine has no cached choice."""
     from streamkv import native
     from streamkv.engine.dtype import resolve_dtype
-    from streamkv.engine.factory import kernel_choice
+    from streamkv.engine.factory import kernel_choice, set_threads
     from streamkv.loading import load_checkpoint
     from streamkv.native.cpu import cpu_flags, cpu_model, usable_cores
 
     device = torch.device(config.runtime.device)
-    torch.set_num_threads(config.runtime.threads or usable_cores())
+    set_threads(config)
     dtype = resolve_dtype(config.model.dtype, device)
     ckpt = load_checkpoint(config.model.model, dtype=dtype)
     choice = kernel_choice(config, ckpt, dtype, device, retune=retune)

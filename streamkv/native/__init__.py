@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from streamkv.native.cpu import usable_cores
+
 log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
 _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c")]
@@ -88,8 +90,6 @@ def _build() -> Path | None:
 
 def run_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess[str]]:
     """Run independent commands (the per-source compiles), one per usable core at a time."""
-    from streamkv.native.cpu import usable_cores
-
     with ThreadPoolExecutor(max_workers=max(1, min(len(commands), usable_cores()))) as pool:
         return list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), commands))
 
