@@ -28,11 +28,10 @@ def _chat_ids(llm: LLM, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf_model(smol_path):
-    transformers = pytest.importorskip("transformers")
-    path = Path(smol_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
+    pytest.importorskip("transformers")
+    from tests import hf_gguf
+
+    return hf_gguf.model(smol_path, torch.float32)
 
 
 def test_greedy_matches_transformers_on_gguf(smol_fp32, hf_model):

@@ -1,5 +1,5 @@
 """Grouped prefill on the embedded model: a burst of chats that share a long system prompt
-computes it once, and every answer is bit-identical to the ungrouped run's."""
+computes it once, and every answer is bit-identical to the same chat's answer alone."""
 from __future__ import annotations
 
 from streamkv import LLM
@@ -12,16 +12,18 @@ QUESTIONS = ["Which station is warmest?", "Is s3 humid?", "What does s10 report?
              "Summarise the data in one sentence.", "Which station reports 45% humidity?"]
 
 
-def _burst(llm: LLM, params: SamplingParams):
-    return llm.chat([[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS],
+def _burst(llm: LLM, params: SamplingParams, questions: list[str] = QUESTIONS):
+    return llm.chat([[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions],
                     params)
 
 
 def test_a_burst_sharing_a_system_prompt_aliases_it_and_answers_alike():
+    """The reference runs each chat alone (the system prompt computed once, then prefix-cache
+    hits: the cheap way to an ungrouped answer, equal to an ungrouped burst's by batch invariance)."""
     plain, grouped = LLM(grouped_prefill=False), LLM()
     for params in (SamplingParams(max_tokens=24, temperature=0.0),
                    SamplingParams(max_tokens=24, temperature=0.7, seed=5)):
-        want = _burst(plain, params)
+        want = [_burst(plain, params, [q])[0] for q in QUESTIONS]
         got = _burst(grouped, params)
         for w, g in zip(want, got):
             assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)

@@ -178,7 +178,7 @@ def test_a_streaming_input_applies_its_policies_at_finish(llm, kv):
     """Appends (prefilled as they arrive, past the observed rows) and an update, then finish:
     the same answer and report as a fresh request with the same policies on the final prompt."""
     engine = llm.engine
-    text = _doc(7, words=500)
+    text = _doc(7, words=300)
     cuts = [0, 300, 800, 1400, len(text)]
     h = llm.open_input(text[:cuts[1]], PARAMS, **kv)
     h.advance()

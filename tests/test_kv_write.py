@@ -17,7 +17,7 @@ SNAP = {"policy": "snapstream", "budget_tokens": 128, "sink_tokens": 16, "window
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
-def _doc(i: int, words: int = 300) -> str:
+def _doc(i: int, words: int = 200) -> str:
     return f"Record {i}. " + " ".join(f"item{(i * 7 + j) % 97} weighs {j % 13} kg;" for j in range(words // 4)) + \
         "\nWhich item weighs the most?"
 

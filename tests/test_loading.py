@@ -60,10 +60,10 @@ def smollm() -> LoadedCheckpoint:
 @pytest.fixture(scope="module")
 def smollm_reference() -> Any:
     """transformers' own tokenizer for the embedded GGUF."""
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                      gguf_file=os.path.basename(path))
+    pytest.importorskip("transformers")
+    from tests import hf_gguf
+
+    return hf_gguf.tokenizer(default_model_path())
 
 
 def _reference_state(directory: Path) -> dict[str, torch.Tensor]:

@@ -198,7 +198,7 @@ def test_session_questions_under_a_read_policy(smol_fp32):
 
     engine = smol_fp32.engine
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
-    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(120)]
+    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)]
     narrow_policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64}
     specs = {"exact": None, "wide": {"policy": "quest", "budget_tokens": 8192}, "narrow": narrow_policy}
     sessions = {k: engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000,
@@ -208,7 +208,7 @@ def test_session_questions_under_a_read_policy(smol_fp32):
     for s in sessions.values():
         engine.sessions.push(s.id, records)
     _drain(engine)
-    assert sessions["narrow"].data.snapshot_len() > 1500
+    assert sessions["narrow"].data.snapshot_len() > 1000  # about 4x the narrow budget
     answers = {}
     for name, s in sessions.items():
         engine.sessions.query(s.id, f"q-{name}", question, params)
