@@ -102,6 +102,48 @@ def test_native_selection_equals_the_torch_definition(rows, kv_heads, group, dim
     assert torch.equal(picked, ref) and torch.equal(compact, slots.gather(ref))
 
 
+def _page_scorers(tmp_path, builds: dict[str, list[str]]) -> dict:
+    """``page_select.c`` alone, built (in parallel) with the native flags plus each build's
+    flags, as scorers like ``native.page_select()``."""
+    import ctypes
+    import functools
+    import subprocess
+
+    from streamkv import native
+
+    src, built = native._HERE / "page_select.c", native._library().streamkv_page_select
+    procs = {name: subprocess.Popen([native._compiler(), *native._FLAGS, *flags, "-shared", str(src), "-o",
+                                     str(tmp_path / f"{name}.so"), "-lm"]) for name, flags in builds.items()}
+    out = {}
+    for name, proc in procs.items():
+        assert proc.wait(timeout=120) == 0, name
+        fn = ctypes.CDLL(str(tmp_path / f"{name}.so")).streamkv_page_select
+        fn.restype, fn.argtypes = built.restype, built.argtypes
+        out[name] = functools.partial(native._select, fn)
+    return out
+
+
+@pytest.mark.skipif(page_select() is None, reason="no C compiler: native page selection not built")
+def test_the_avx2_and_scalar_page_scorers_rank_every_page_alike(tmp_path):
+    """Without AVX512-BF16 each (page, row) bound is one float32 fma chain over the channels in
+    order, written for AVX2 (pages in lanes up to 4 rows, rows in lanes above) and in scalar C:
+    both builds must rank every candidate page the same (each keep = 1 .. P picks alike)."""
+    from streamkv.native.cpu import has_flag
+
+    if not (has_flag("avx2") and has_flag("fma")):
+        pytest.skip("needs an AVX2 + FMA CPU to build both the AVX2 and the scalar scorer")
+    scorers = _page_scorers(tmp_path, {"avx2": ["-mno-avx512bf16"], "scalar": ["-mno-avx2", "-mno-fma"]})
+    avx2, scalar = scorers["avx2"], scorers["scalar"]
+    for rows, kv_heads, group, dim in [(1, 3, 3, 64), (1, 3, 1, 32), (6, 3, 3, 64), (1, 6, 3, 64)]:
+        g = torch.Generator().manual_seed(rows * 100 + kv_heads * 10 + dim)
+        bounds = _bounds(120, kv_heads, dim, g)
+        candidates = torch.randperm(120, generator=g)[:70].sort().values
+        q = torch.randn(rows, kv_heads, group, dim, generator=g)
+        for keep in range(1, 71):
+            want = scalar(q, bounds, candidates, keep, 0.125)[0]
+            assert torch.equal(avx2(q, bounds, candidates, keep, 0.125)[0], want), (rows, kv_heads, group, dim, keep)
+
+
 def test_quest_reads_the_page_that_holds_the_matching_keys():
     """A 'needle' page whose keys align with the query wins over 99 random pages."""
     g = torch.Generator().manual_seed(7)

@@ -19,6 +19,14 @@
  * A decode row has n = g rows (3 here), so 13 of 16 lanes would idle: up to FEW rows, 16 pages
  * go in the lanes instead (page_tile(): bounds transposed, one query pair broadcast per row),
  * with the same bits.
+ *
+ * Without AVX512-BF16 (an AVX2 CPU, or none) the bounds and queries are widened to float32 and
+ * every (page, row) is one fma chain over the 2D channels in order, c = 0 .. 2D - 1:
+ *
+ *     ub = fma(q[2D-1], b[2D-1], ... fma(q[1], b[1], fma(q[0], b[0], 0)))
+ *
+ * written out for AVX2 both ways round (rows in lanes: tile(); pages in lanes: page_tile()) and
+ * for the scalar build, so the three give the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,6 +35,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define PS_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PS_AVX2 1
 #endif
 
 #define LANES 16  /* query rows per tile */
@@ -108,13 +119,36 @@ static void tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, i
         }
     }
     for (int pp = 0; pp < PT; pp++) _mm512_storeu_ps(ub + pp * LANES, acc[pp]);
+#elif defined(PS_AVX2)
+    /* a 32-bit lane of qt holds one row's channel pair: low half channel 2cp, high half 2cp + 1 */
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int p0 = 0; p0 < PT; p0 += 4) {
+        __m256 acc[4][2];
+        for (int pp = 0; pp < 4; pp++) acc[pp][0] = acc[pp][1] = _mm256_setzero_ps();
+        for (int cp = 0; cp < D2 / 2; cp++) {
+            __m256 qe[2], qo[2];
+            for (int hf = 0; hf < 2; hf++) {              /* rows 8 hf .. 8 hf + 7 */
+                __m256i x = _mm256_loadu_si256((const __m256i *)(qt + ((size_t)cp * LANES + 8 * hf) * 2));
+                qe[hf] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+                qo[hf] = _mm256_castsi256_ps(_mm256_and_si256(x, high));
+            }
+            for (int pp = 0; pp < 4; pp++) {
+                const __m256 be = _mm256_set1_ps(bf16_to_f32(b[p0 + pp][2 * cp]));
+                const __m256 bo = _mm256_set1_ps(bf16_to_f32(b[p0 + pp][2 * cp + 1]));
+                for (int hf = 0; hf < 2; hf++)
+                    acc[pp][hf] = _mm256_fmadd_ps(qo[hf], bo, _mm256_fmadd_ps(qe[hf], be, acc[pp][hf]));
+            }
+        }
+        for (int pp = 0; pp < 4; pp++)
+            for (int hf = 0; hf < 2; hf++) _mm256_storeu_ps(ub + (p0 + pp) * LANES + 8 * hf, acc[pp][hf]);
+    }
 #else
     for (int pp = 0; pp < PT; pp++)
         for (int l = 0; l < LANES; l++) {
             float s = 0.f;
             for (int cp = 0; cp < D2 / 2; cp++)
                 for (int e = 0; e < 2; e++)
-                    s += bf16_to_f32(qt[((size_t)cp * LANES + l) * 2 + e]) * bf16_to_f32(b[pp][2 * cp + e]);
+                    s = fmaf(bf16_to_f32(qt[((size_t)cp * LANES + l) * 2 + e]), bf16_to_f32(b[pp][2 * cp + e]), s);
             ub[pp * LANES + l] = s;
         }
 #endif
@@ -172,6 +206,76 @@ static void page_tile(const uint16_t *qt, const uint16_t *bounds, const int64_t 
             for (int i = 0; i < n; i++) ub[(16 * gi + pp) * LANES + lane0 + i] = t[i][pp];
     }
 }
+#elif defined(PS_AVX2)
+#define FEW 4      /* rows (n = R g) up to which the pages go in lanes */
+#define GROUPS 4   /* 16-page groups per call */
+
+/* rows r[pp] = 8 channels of page pp -> r[j] = channel j of the 8 pages */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* 16 pages (two groups of 8 lanes, two independent chains per row) against NR rows: the
+ * bounds of 8 channels of 8 pages are widened and transposed, then each row's channel is
+ * broadcast; per (page, row) the channels are added in order */
+static inline __attribute__((always_inline)) void page_chains(const int NR, const uint16_t *const *b, int D2,
+                                                               const float *qf, __m256 acc[2][FEW]) {
+    for (int gi = 0; gi < 2; gi++)
+        for (int i = 0; i < NR; i++) acc[gi][i] = _mm256_setzero_ps();
+    for (int d0 = 0; d0 < D2; d0 += 8) {
+        __m256 r[2][8];
+        for (int gi = 0; gi < 2; gi++) {
+            for (int pp = 0; pp < 8; pp++) {
+                const __m128i h = _mm_loadu_si128((const __m128i *)(b[8 * gi + pp] + d0));
+                r[gi][pp] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            }
+            transpose8(r[gi]);
+        }
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < NR; i++) {
+                const __m256 qb = _mm256_set1_ps(qf[i * D2 + d0 + j]);
+                for (int gi = 0; gi < 2; gi++) acc[gi][i] = _mm256_fmadd_ps(qb, r[gi][j], acc[gi][i]);
+            }
+    }
+}
+
+/* The same ub as tile() for FEW rows, pages in lanes; writes lanes [lane0, lane0 + n) of ub. */
+static void page_tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, int ng, int kvh, int h, int D2,
+                      int n, int lane0, float *ub) {
+    float qf[FEW * 128];                                  /* the rows' queries, widened: qf[i][channel] */
+    for (int i = 0; i < n; i++)
+        for (int d = 0; d < D2; d++) qf[i * D2 + d] = bf16_to_f32(qt[((size_t)(d / 2) * LANES + i) * 2 + d % 2]);
+    for (int gi = 0; gi < ng; gi++) {
+        const uint16_t *b[16];
+        for (int pp = 0; pp < 16; pp++) b[pp] = bounds + ((size_t)c[16 * gi + pp] * kvh + h) * D2;
+        __m256 acc[2][FEW];
+        switch (n) {                                      /* constant row counts: accumulators in registers */
+        case 1: page_chains(1, b, D2, qf, acc); break;
+        case 2: page_chains(2, b, D2, qf, acc); break;
+        case 3: page_chains(3, b, D2, qf, acc); break;
+        default: page_chains(4, b, D2, qf, acc); break;
+        }
+        float t[2][FEW][8];
+        for (int hf = 0; hf < 2; hf++)
+            for (int i = 0; i < n; i++) _mm256_storeu_ps(t[hf][i], acc[hf][i]);
+        for (int pp = 0; pp < 16; pp++)
+            for (int i = 0; i < n; i++) ub[(16 * gi + pp) * LANES + lane0 + i] = t[pp / 8][i][pp % 8];
+    }
+}
 #endif
 
 /* qt [kvh][blocks][2D/2][LANES][2] bf16: row i of head h = lane i % 16 of block i / 16,
@@ -210,7 +314,7 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
      * every head's rows (lane h n + row): one softmax pass below instead of kvh mostly idle ones */
     int passes = kvh * nb, valid_all = 0;
     float *ub = malloc(sizeof(float) * (size_t)kvh * nb * Pp * LANES);
-#ifdef PS_BF16
+#if defined(PS_BF16) || defined(PS_AVX2)
     if (n <= FEW && D2 % 32 == 0 && D2 <= 128) {
         const int packed = kvh * n <= LANES;
         if (packed) { passes = 1; valid_all = kvh * n; }
