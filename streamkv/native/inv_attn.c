@@ -94,10 +94,21 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
             const int end = nvalid[x] - j0 < nb ? nvalid[x] - j0 : nb;
             float* s = sb + (size_t)x * (CHUNK + 16) + j0;
             const float* qx = qs + x * D;
+            v16 qv[MAXD / 16];                            /* the query stays in registers over its keys */
+            for (int d = 0; d < nd; d++) qv[d] = v_load(qx + 16 * d);
             int j = 0;
-            for (; j + 4 <= end; j += 4)
-                v_hsum4(dot_v(qx, vb + (size_t)j * D, nd), dot_v(qx, vb + (size_t)(j + 1) * D, nd),
-                        dot_v(qx, vb + (size_t)(j + 2) * D, nd), dot_v(qx, vb + (size_t)(j + 3) * D, nd), s + j);
+            for (; j + 4 <= end; j += 4) {
+                const float* kj = vb + (size_t)j * D;
+                v16 a0 = v_mul(qv[0], v_load(kj)), a1 = v_mul(qv[0], v_load(kj + D));
+                v16 a2 = v_mul(qv[0], v_load(kj + 2 * D)), a3 = v_mul(qv[0], v_load(kj + 3 * D));
+                for (int d = 1; d < nd; d++) {            /* dot_v's chain per key, four keys abreast */
+                    a0 = v_fma(qv[d], v_load(kj + 16 * d), a0);
+                    a1 = v_fma(qv[d], v_load(kj + D + 16 * d), a1);
+                    a2 = v_fma(qv[d], v_load(kj + 2 * D + 16 * d), a2);
+                    a3 = v_fma(qv[d], v_load(kj + 3 * D + 16 * d), a3);
+                }
+                v_hsum4(a0, a1, a2, a3, s + j);
+            }
             for (; j < end; j++) s[j] = v_hsum(dot_v(qx, vb + (size_t)j * D, nd));
         }
     }
