@@ -26,7 +26,9 @@
  *     ub = fma(q[2D-1], b[2D-1], ... fma(q[1], b[1], fma(q[0], b[0], 0)))
  *
  * written out for AVX2 both ways round (rows in lanes: tile(); pages in lanes: page_tile()) and
- * for the scalar build, so the three give the same bits.
+ * for the scalar build: the same operations in the same order. (This file is built with
+ * -ffast-math, which leaves the compiler free to reorder the scalar loop; the test builds both
+ * and checks that they rank every page alike.)
  */
 #include <math.h>
 #include <stdint.h>
@@ -154,6 +156,9 @@ static void tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, i
 #endif
 }
 
+#define FEW 4      /* rows (n = R g) up to which the pages go in lanes (page_tile()) */
+#define GROUPS 4   /* 16-page groups per page_tile() call */
+
 #ifdef PS_BF16
 #include "transpose16.h"
 
@@ -163,10 +168,8 @@ static void tile(const uint16_t *qt, const uint16_t *bounds, const int64_t *c, i
  * vdpbf16ps over c = 0 .. D2/2 - 1 with the same products (the instruction multiplies its two
  * bf16 sources lane by lane, so which one holds the query does not matter): the same bits as
  * tile(), with 16 / n times fewer instructions when n rows would fill 16 lanes. It writes lanes
- * [lane0, lane0 + n) of ub (the caller zeroes the rest, as tile() gets them from zero queries). */
-#define FEW 4      /* rows (n = R g) up to which the pages go in lanes */
-#define GROUPS 4   /* 16-page groups per call: GROUPS n independent vdpbf16ps chains */
-
+ * [lane0, lane0 + n) of ub (the caller zeroes the rest, as tile() gets them from zero queries).
+ * A call runs GROUPS n independent vdpbf16ps chains. */
 static inline __attribute__((always_inline)) void page_chains(const int NR, int ng, int C, const __m512i *Bt,
                                                                const uint16_t *qt, __m512 acc[GROUPS][FEW]) {
     for (int gi = 0; gi < ng; gi++)
@@ -207,9 +210,6 @@ static void page_tile(const uint16_t *qt, const uint16_t *bounds, const int64_t 
     }
 }
 #elif defined(PS_AVX2)
-#define FEW 4      /* rows (n = R g) up to which the pages go in lanes */
-#define GROUPS 4   /* 16-page groups per call */
-
 /* rows r[pp] = 8 channels of page pp -> r[j] = channel j of the 8 pages */
 static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
     __m256 t[8], u[8];
