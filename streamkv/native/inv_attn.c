@@ -82,6 +82,33 @@ static inline __attribute__((always_inline)) v16 dot_v(const float* q, const flo
     return a;
 }
 
+/* o0 += sum_{j < e0} p0_j v_j and o1 += sum_{j < e1} p1_j v_j for two query vectors, 32 dims at a
+ * time, each element one fma chain in key order (as for one vector): the vectors share every V
+ * load (one vector's 8 fmas per key needed 9 loads on AVX2, over its two 256-bit loads a cycle). */
+static inline __attribute__((always_inline)) void pv_pair(const float* p0, const float* p1, int e0, int e1,
+                                                          const float* const* vr, const int nd, float* o0, float* o1) {
+    const int both = e0 < e1 ? e0 : e1;
+    for (int d0 = 0; d0 < nd; d0 += 2) {
+        const int w = nd - d0 < 2 ? nd - d0 : 2;
+        v16 a0[2], a1[2];
+        for (int d = 0; d < w; d++) { a0[d] = v_load(o0 + 16 * (d0 + d)); a1[d] = v_load(o1 + 16 * (d0 + d)); }
+        int j = 0;
+        for (; j < both; j++) {
+            const v16 b0 = v_set1(p0[j]), b1 = v_set1(p1[j]);
+            for (int d = 0; d < w; d++) {
+                const v16 v = v_load(vr[j] + 16 * (d0 + d));
+                a0[d] = v_fma(b0, v, a0[d]);
+                a1[d] = v_fma(b1, v, a1[d]);
+            }
+        }
+        for (int k = j; k < e0; k++)                      /* a causal tile's later row sees more keys */
+            for (int d = 0; d < w; d++) a0[d] = v_fma(v_set1(p0[k]), v_load(vr[k] + 16 * (d0 + d)), a0[d]);
+        for (int k = j; k < e1; k++)
+            for (int d = 0; d < w; d++) a1[d] = v_fma(v_set1(p1[k]), v_load(vr[k] + 16 * (d0 + d)), a1[d]);
+        for (int d = 0; d < w; d++) { v_store(o0 + 16 * (d0 + d), a0[d]); v_store(o1 + 16 * (d0 + d), a1[d]); }
+    }
+}
+
 /* One item: rows [i0, i1) of sequence b (context indices L - nq + i), kv head hk, chunk c;
  * nd = D / 16 is a compile-time constant in each specialisation (see item() below). */
 static inline __attribute__((always_inline)) void item_nd(const Item* it, const float* q, const void* kc,
@@ -161,7 +188,13 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
         const int nb = n_all - j0 < VB ? n_all - j0 : VB;
         const float* vr[VB];
         block_rows(vc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk, nd, vb, vr);
-        for (int x = 0; x < nv; x++) {
+        int x = 0;
+        for (; !direct && x + 2 <= nv; x += 2) {          /* two vectors share each V load (from L1) */
+            const int e0 = nvalid[x] - j0 < nb ? nvalid[x] - j0 : nb, e1 = nvalid[x + 1] - j0 < nb ? nvalid[x + 1] - j0 : nb;
+            const float* s0 = sb + (size_t)x * (CHUNK + 16) + j0;
+            pv_pair(s0, s0 + CHUNK + 16, e0 < 0 ? 0 : e0, e1 < 0 ? 0 : e1, vr, nd, dst[x] + 2, dst[x + 1] + 2);
+        }
+        for (; x < nv; x++) {
             const int end = nvalid[x] - j0 < nb ? nvalid[x] - j0 : nb;
             if (end <= 0) continue;
             const float* s = sb + (size_t)x * (CHUNK + 16) + j0;
