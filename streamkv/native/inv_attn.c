@@ -75,6 +75,9 @@ static inline __attribute__((always_inline)) void block_rows(const void* cache, 
     }
 }
 
+/* keys of the block [j0, j0 + nb) that a query vector seeing the chunk's first n keys attends to */
+static inline int block_keys(int n, int j0, int nb) { return n - j0 < 0 ? 0 : n - j0 < nb ? n - j0 : nb; }
+
 /* the 16 partial sums of q . k (lane l sums d = l, l + 16, ...); the score is their v_hsum */
 static inline __attribute__((always_inline)) v16 dot_v(const float* q, const float* k, const int nd) {
     v16 a = v_mul(v_load(q), v_load(k));
@@ -140,7 +143,7 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
         const float* kr[VB];                              /* each key's D floats */
         block_rows(kc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk, nd, vb, kr);
         for (int x = 0; x < nv; x++) {
-            const int end = nvalid[x] - j0 < nb ? nvalid[x] - j0 : nb;
+            const int end = block_keys(nvalid[x], j0, nb);
             float* s = sb + (size_t)x * (CHUNK + 16) + j0;
             const float* qx = qs + x * D;
             v16 qv[MAXD / 16];                            /* the query stays in registers over its keys */
@@ -190,13 +193,13 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
         block_rows(vc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk, nd, vb, vr);
         int x = 0;
         for (; !direct && x + 2 <= nv; x += 2) {          /* two vectors share each V load (from L1) */
-            const int e0 = nvalid[x] - j0 < nb ? nvalid[x] - j0 : nb, e1 = nvalid[x + 1] - j0 < nb ? nvalid[x + 1] - j0 : nb;
             const float* s0 = sb + (size_t)x * (CHUNK + 16) + j0;
-            pv_pair(s0, s0 + CHUNK + 16, e0 < 0 ? 0 : e0, e1 < 0 ? 0 : e1, vr, nd, dst[x] + 2, dst[x + 1] + 2);
+            pv_pair(s0, s0 + CHUNK + 16, block_keys(nvalid[x], j0, nb), block_keys(nvalid[x + 1], j0, nb), vr, nd,
+                    dst[x] + 2, dst[x + 1] + 2);
         }
         for (; x < nv; x++) {
-            const int end = nvalid[x] - j0 < nb ? nvalid[x] - j0 : nb;
-            if (end <= 0) continue;
+            const int end = block_keys(nvalid[x], j0, nb);
+            if (end == 0) continue;
             const float* s = sb + (size_t)x * (CHUNK + 16) + j0;
             v16 o[MAXD / 16];
             for (int d = 0; d < nd; d++) o[d] = v_load(dst[x] + 2 + 16 * d);
