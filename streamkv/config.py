@@ -197,7 +197,7 @@ class RuntimeConfig:
     kernels: str = field(default="auto", metadata={"unit": "KIND=PATH,...", 
         "help": "auto | KIND=PATH,...: kernels are chosen by measurement at first start and cached per CPU "
                 "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense, gemm=amx|avx512, "
-                "lm_head=q8|dense, attention=bf16|f32, prefill_attention=native|sdpa"})
+                "lm_head=q8|dense, attention=bf16|f32|amx, prefill_attention=native|sdpa"})
 
     def __post_init__(self) -> None:
         from streamkv.native.tuning import parse_kernels

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from streamkv.models.linear import pack_dense
-from streamkv.native import (compile_steps, invariant_attention, invariant_attention_bf16, invariant_gemm,
+from streamkv.native import (compile_steps, invariant_attention, invariant_attention_amx, invariant_attention_bf16,
+                             invariant_gemm,
                              invariant_gemm_bf16_path, invariant_isa, run_all)
 
-gemm, attn, attn_bf16 = invariant_gemm(), invariant_attention(), invariant_attention_bf16()
+gemm, attn, attn_bf16, attn_amx = invariant_gemm(), invariant_attention(), invariant_attention_bf16(), \
+    invariant_attention_amx()
 pytestmark = pytest.mark.skipif(gemm is None, reason="no C compiler: the native kernels are not built")
 
 
@@ -85,8 +87,9 @@ def test_the_amx_tile_path_compiles_for_an_amx_cpu(tmp_path):
         pytest.skip("no gcc that targets -march=sapphirerapids")
     for proc in run_all(compile_steps(cc, tmp_path, march="sapphirerapids")):
         assert proc.returncode == 0, proc.stderr[-2000:]
-    dis = subprocess.run(["objdump", "-d", str(tmp_path / "inv_gemm.o")], capture_output=True, text=True, check=True)
-    assert "tdpbf16ps" in dis.stdout and "ldtilecfg" in dis.stdout
+    for obj in ("inv_gemm.o", "inv_attn_bf16.o"):  # the tile GEMM and the tile attention
+        dis = subprocess.run(["objdump", "-d", str(tmp_path / obj)], capture_output=True, text=True, check=True)
+        assert "tdpbf16ps" in dis.stdout and "ldtilecfg" in dis.stdout, obj
 
 
 def test_gemm_tiles_flag_is_ignored_without_amx():
@@ -139,7 +142,10 @@ KERNELS = [pytest.param((attn, torch.float32, 1e-5), id="f32-float32"),
            pytest.param((attn, torch.bfloat16, 1e-5), id="f32-bfloat16"),
            pytest.param((attn_bf16, torch.bfloat16, 2e-2), id="bf16-bfloat16",
                         marks=pytest.mark.skipif(attn_bf16 is None, reason="no AVX512-BF16: the bf16 kernel "
-                                                                            "is not built on this CPU"))]
+                                                                            "is not built on this CPU")),
+           pytest.param((attn_amx, torch.bfloat16, 2e-2), id="amx-bfloat16",
+                        marks=pytest.mark.skipif(attn_amx is None, reason="no AMX on this CPU: the tile attention "
+                                                                           "is not compiled"))]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -195,6 +201,18 @@ def test_bf16_attention_rejects_what_it_cannot_serve():
     q, kc, vc, seqs, slots = _step([(2, 4)], 4, 2, 16, torch.bfloat16, seed=8)
     with pytest.raises(TypeError):
         attn_bf16(q, kc.float(), vc.float(), seqs, slots, 0.25)
+
+
+def test_the_amx_attention_path_is_refused_where_it_cannot_run():
+    """Without AMX (or without the bf16 kernel) asking the backend for tiles is a clear error,
+    never a silent fallback to another path's bits."""
+    if attn_amx is not None:
+        pytest.skip("AMX CPU: the tile path runs here (tested above)")
+    from streamkv.attention.backend import KVCache, make_backend
+
+    cache = KVCache(1, 4, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="AMX"):
+        make_backend("cpu_invariant", cache, 0.125, bf16=attn_bf16 is not None, tiles=True)
 
 
 def test_attention_rejects_shapes_it_cannot_serve():

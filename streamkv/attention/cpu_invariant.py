@@ -33,11 +33,12 @@ class InvariantMeta(RefMeta):
 class InvariantCpuBackend(TorchReferenceBackend):
     meta_type = InvariantMeta
 
-    def __init__(self, cache: KVCache, scale: float, bf16: bool | None = None) -> None:
+    def __init__(self, cache: KVCache, scale: float, bf16: bool | None = None, tiles: bool = False) -> None:
         """``bf16``: the bf16 dot-product kernel (the measured ``attention`` choice); None = it
-        wherever it fits (bf16 cache, head_dim a multiple of 16 up to 128, AVX512-BF16)."""
+        wherever it fits (bf16 cache, head_dim a multiple of 16 up to 128, AVX512-BF16).
+        ``tiles``: that kernel on AMX tiles (the ``amx`` path; its own bits)."""
         super().__init__(cache, scale)
-        from streamkv.native import invariant_attention, invariant_attention_bf16
+        from streamkv.native import invariant_attention, invariant_attention_amx, invariant_attention_bf16
 
         kernel, bf16_kernel = invariant_attention(), invariant_attention_bf16()
         if kernel is None:
@@ -49,6 +50,12 @@ class InvariantCpuBackend(TorchReferenceBackend):
                              "and an AVX512-BF16 CPU")
         self.bf16 = fits if bf16 is None else bf16
         self.kernel = bf16_kernel if self.bf16 else kernel
+        if tiles:
+            amx = invariant_attention_amx()
+            if not self.bf16 or amx is None:
+                raise ValueError("the amx attention path needs what the bf16 kernel needs and a CPU with AMX")
+            self.kernel = amx
+        self.path = "amx" if tiles else "bf16" if self.bf16 else "f32"  # the native layers take the same
 
     def _build(self, spans: list[SeqSpan], slots: list[torch.Tensor], mapping: torch.Tensor) -> InvariantMeta:
         offsets = accumulate((span.ctx_len for span in spans), initial=0)

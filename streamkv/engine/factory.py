@@ -124,7 +124,8 @@ def _backend_name(config: EngineConfig, device: torch.device) -> str:
 def _backend_options(kernels: KernelChoice) -> dict[str, Any]:
     """The attention kernels the choice names, as backend constructor options."""
     if "attention" in kernels.paths:
-        return {"bf16": kernels.paths["attention"] == "bf16"}
+        path = kernels.paths["attention"]
+        return {"bf16": path in ("bf16", "amx"), "tiles": path == "amx"}
     if "prefill_attention" in kernels.paths:
         return {"paged": kernels.paths["prefill_attention"] == "native"}
     return {}

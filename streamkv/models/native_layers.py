@@ -47,6 +47,7 @@ class SkModel(ctypes.Structure):
                 ("cos_t", ctypes.c_void_p), ("sin_t", ctypes.c_void_p), ("layers", ctypes.POINTER(SkLayer)),
                 ("prof", ctypes.c_void_p)]
 
+ATTENTION_MODES = {"f32": 0, "bf16": 1, "amx": 2}  # SkModel.attn_bf16 (native/layer.c)
 PHASES = ("norm", "gemm", "rope_kv", "attention", "silu", "residual", "select")  # native/layer.c's timed phases
 
 
@@ -57,11 +58,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class NativeLayers:
     """Every decoder layer of ``model`` over ``cache``: hidden states in, hidden states out.
 
-    ``attn_bf16`` picks the attention kernel (``inv_attn_bf16.c`` vs ``inv_attn.c``), the same one
+    ``attention`` picks the attention kernel (``f32``: ``inv_attn.c``; ``bf16``: ``inv_attn_bf16.c``;
+    ``amx``: that one on AMX tiles), the same one
     the attention backend uses, so both paths agree with the backend's own ``forward``.
     """
 
-    def __init__(self, lib: ctypes.CDLL, model: Any, cache: KVCache, scale: float, attn_bf16: bool) -> None:
+    def __init__(self, lib: ctypes.CDLL, model: Any, cache: KVCache, scale: float, attention: str) -> None:
         arch = model.arch
         d, inter = arch.hidden_size, arch.intermediate_size
         h, hk, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -78,7 +80,7 @@ class NativeLayers:
         bf16 = model.dtype == torch.bfloat16
         rope = model.rope
         self.model = SkModel(len(model.layers), d, h, hk, hd, inter, int(bf16), int(cache.k.dtype == torch.bfloat16),
-                             int(attn_bf16), arch.rms_norm_eps, scale, self._f32(rope.cos_table),
+                             ATTENTION_MODES[attention], arch.rms_norm_eps, scale, self._f32(rope.cos_table),
                              self._f32(rope.sin_table), layers, None)
         self.layers = layers
         self.embed = model.embed

@@ -30,7 +30,7 @@ _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c"
 # roundings is written out in the source and the compiler may not reassociate or contract it.
 _EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "deq_gemm.c",
                                       "layer.c", "kv_move.c")]
-_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h", "attn_bf16_rows.h")]
+_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h", "attn_bf16_rows.h", "attn_amx_rows.h", "amx.h")]
 # STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
 # CPU that would not take it; tests do this in a subprocess with their own cache directory)
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", *os.environ.get("STREAMKV_NATIVE_FLAGS", "").split()]
@@ -147,8 +147,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.streamkv_inv_attn_bf16
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                           ctypes.c_float, ctypes.c_void_p]
+                                           ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     lib.streamkv_inv_attn_bf16_available.restype = ctypes.c_int
+    lib.streamkv_inv_attn_amx_available.restype = ctypes.c_int
     lib.streamkv_inv_isa.restype = ctypes.c_char_p
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {  # native/layer.c (the model struct is passed by reference)
@@ -492,15 +493,25 @@ def invariant_attention_bf16() -> Callable[..., torch.Tensor] | None:
     return functools.partial(_inv_attn_bf16, lib.streamkv_inv_attn_bf16)
 
 
+def invariant_attention_amx() -> Callable[..., torch.Tensor] | None:
+    """The same kernel with every dot product on AMX tiles (``attn_amx_rows.h``; its own bits,
+    a separate path), or None where the CPU or the build has no AMX."""
+    lib = _library()
+    if lib is None or not lib.streamkv_inv_attn_bf16_available() or not lib.streamkv_inv_attn_amx_available():
+        return None
+    return functools.partial(_inv_attn_bf16, lib.streamkv_inv_attn_bf16, tiles=True)
+
+
 def _inv_attn_bf16(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: torch.Tensor,
-                   slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D] -> out [T, H, D] float32 over a bf16 cache (contract of ``inv_attn_bf16.c``)."""
+                   slots: torch.Tensor, scale: float, tiles: bool = False) -> torch.Tensor:
+    """q [T, H, D] -> out [T, H, D] float32 over a bf16 cache (contract of ``inv_attn_bf16.c``;
+    ``tiles``: on AMX tiles, only where ``invariant_attention_amx()`` exists)."""
     if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16:
         raise TypeError(f"bf16 invariant attention needs a bfloat16 cache, got {kc.dtype}")
     q, seqs, slots, out = _attn_args(q, kc, vc, seqs, slots)
     t, h, d = q.shape
     rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), seqs.data_ptr(), seqs.shape[0], slots.data_ptr(), h,
-            kc.shape[1], d, float(scale), out.data_ptr())
+            kc.shape[1], d, float(scale), out.data_ptr(), int(tiles))
     if rc != 0:
         raise ValueError(f"bf16 invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
     return out

@@ -40,6 +40,11 @@
  * (fewer than 2 per thread) gives each kv head its own item instead, copying that head's part.
  * A row skips super-blocks where it sees no key and, in a partly visible block, key pairs it does
  * not see at all, so a prompt row runs exactly the operations its own decode would.
+ *
+ * With tiles (the "amx" attention path, AMX CPUs only) every super-block of every item, decode or
+ * prompt, runs on AMX tiles instead (attn_amx_rows.h): the same layouts, softmax and chains per
+ * element, the dot products as TDPBF16PS. Whether those give vdpbf16ps's bits is the hardware's
+ * business, so the two paths are separate choices: one of them serves every row.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -48,6 +53,7 @@
 
 #include "vec16.h"
 #include "transpose16.h"
+#include "amx.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
@@ -83,6 +89,7 @@ typedef struct {
     float scale;
     __m512i* pre;             /* prompts' blocks transposed once per call (pre_at[b] >= 0), or NULL */
     const int64_t* pre_at;    /* per sequence: offset of its blocks in pre, in vectors, or -1 */
+    int tiles;                /* every super-block on AMX tiles (attn_amx_rows.h) */
 } Ctx;
 
 /* 32 bf16 of one key row at dims [32h, 32h + 32), zeros past D */
@@ -139,6 +146,39 @@ static inline void merge(float* M, float* L, v16* O, float m, float l, const v16
 }
 
 #include "attn_bf16_rows.h"
+#include "attn_amx_rows.h"
+
+/* one super-block of rows [0, R) on the item's path */
+static inline void rows_block(const Ctx* cx, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
+                              const __m512i* Kt, const __m512i* Vp, RowState* st) {
+#ifdef AMX
+    if (cx->tiles) { super_block_amx(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st); return; }
+#endif
+    super_block(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st);
+}
+
+/* q pairs of one row (bf16, low half the even dim), zero past D/2 up to whole 32-dim blocks */
+static inline void q_pairs(const float* src, int D, int DB, uint32_t* qp) {
+    int p = 0;
+    for (; p < D / 2; p++) qp[p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
+    for (; p < 16 * DB; p++) qp[p] = 0;
+}
+
+static inline void tiles_begin(const Ctx* cx) {
+#ifdef AMX
+    if (cx->tiles) amx_configure();
+#else
+    (void)cx;
+#endif
+}
+
+static inline void tiles_end(const Ctx* cx) {
+#ifdef AMX
+    if (cx->tiles) _tile_release();
+#else
+    (void)cx;
+#endif
+}
 
 static void store_out(const Ctx* cx, float* dst, const RowState* s) {
     float t[16];
@@ -161,14 +201,13 @@ static void run_item(const Item* it, const Ctx* cx) {
     RowState st[ROWS], run[ROWS];
     for (int r = 0; r < R; r++) {
         const int j = it->q0 + r / G, h = it->hk * G + r % G;
-        const float* src = cx->q + ((row0 + j) * H + h) * D;
-        for (int p = 0; p < D / 2; p++)
-            qp[r][p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
+        q_pairs(cx->q + ((row0 + j) * H + h) * D, D, cx->DB, qp[r]);
         ctx[r] = start + j;
         run[r].m = -INFINITY; run[r].l = 0.f;
         for (int i = 0; i < nv; i++) run[r].o[i] = v_zero();
     }
     const int64_t end = start + it->q1;               /* the tile sees context [0, end) */
+    tiles_begin(cx);
     const int KS = 16 * cx->DB;
     __m512i Kloc[NB * 16 * MAXDB], Vloc[NB * 16 * MAXDB];
     const __m512i* Kpre = NULL;                       /* this kv head's pre-transposed blocks */
@@ -195,12 +234,13 @@ static void run_item(const Item* it, const Ctx* cx) {
                 }
             }
             for (int r = 0; r < R; r++) rel[r] = ctx[r] - k0;
-            super_block(cx->D, cx->scale, (const uint32_t (*)[64])qp, rel, R, nk, Kt, Vp, st);
+            rows_block(cx, (const uint32_t (*)[64])qp, rel, R, nk, Kt, Vp, st);
         }
         for (int r = 0; r < R; r++)
             if (st[r].m != -INFINITY)                     /* else the row sees nothing of this chunk */
                 merge(&run[r].m, &run[r].l, run[r].o, st[r].m, st[r].l, st[r].o, nv);
     }
+    tiles_end(cx);
     for (int r = 0; r < R; r++) {
         const int j = it->q0 + r / G, h = it->hk * G + r % G;
         store_out(cx, cx->out + ((row0 + j) * H + h) * D, &run[r]);
@@ -244,9 +284,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     for (int r = h0 * R; r < h1 * R; r++) {
         int j, h;
         split_row(r, R, G, &j, &h);
-        const float* src = cx->q + ((row0 + j) * H + h) * D;
-        for (int p = 0; p < D / 2; p++)
-            qp[r][p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
+        q_pairs(cx->q + ((row0 + j) * H + h) * D, D, cx->DB, qp[r]);
         st[r].m = -INFINITY; st[r].l = 0.f;
         for (int i = 0; i < nv; i++) st[r].o[i] = v_zero();
     }
@@ -256,6 +294,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     const int64_t c0 = (int64_t)it->c0 * CHUNK, c1 = c0 + CHUNK < L ? c0 + CHUNK : L;
     const int KS = 16 * cx->DB;
     __m512i Kt[NB * 16 * MAXDB], Vp[NB * 16 * MAXDB];
+    tiles_begin(cx);
     for (int64_t k0 = c0; k0 < c1; k0 += SB) {
         const int nk = c1 - k0 < SB ? (int)(c1 - k0) : SB, nb = (nk + 15) / 16;
         const int64_t* sl = cx->slots + off + k0;
@@ -269,9 +308,10 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
                 const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
                 load_block(&sc, iota + 16 * x, n, hk - h0, Kt + x * KS, Vp + x * KS);
             }
-            super_block(cx->D, cx->scale, (const uint32_t (*)[64])qp[hk * R], rel, R, nk, Kt, Vp, st + hk * R);
+            rows_block(cx, (const uint32_t (*)[64])qp[hk * R], rel, R, nk, Kt, Vp, st + hk * R);
         }
     }
+    tiles_end(cx);
     /* partials at part + ((j H + h) nc + c) W; a row that sees nothing of the chunk (a draft's
      * keys past an earlier row) leaves m = -inf, which the merge skips */
     const int64_t nc = (L + CHUNK - 1) / CHUNK;
@@ -320,11 +360,18 @@ static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew) {
     return at;
 }
 
+/* tiles: every row on AMX tiles where this build and CPU have them (else ignored: check
+ * streamkv_inv_attn_amx_available()) */
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
-                           const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
+                           const int64_t* slots, int H, int Hk, int D, float scale, float* out, int tiles) {
     if (D % 16 != 0 || D > 32 * MAXDB || Hk <= 0 || H % Hk != 0 || H / Hk > ROWS || B <= 0) return 1;
     const int G = H / Hk, TQ = ROWS / G, nv = 2 * ((D + 31) / 32), W = 2 + 16 * nv;
-    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL};
+    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL, 0};
+#ifdef AMX
+    cx.tiles = tiles && amx_enabled();
+#else
+    (void)tiles;
+#endif
     int64_t nitems = 0, npart = 0, nsplit = 0;
     int nfew = 0;
     for (int b = 0; b < B; b++) nfew += FEW(seqs[4 * b + 1]);
@@ -409,10 +456,20 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
 int streamkv_inv_attn_bf16_available(void) { return 1; }
 #else
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
-                           const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
+                           const int64_t* slots, int H, int Hk, int D, float scale, float* out, int tiles) {
     (void)q; (void)kc; (void)vc; (void)seqs; (void)B; (void)slots; (void)H; (void)Hk; (void)D; (void)scale; (void)out;
+    (void)tiles;
     return 3;
 }
 
 int streamkv_inv_attn_bf16_available(void) { return 0; }
 #endif
+
+/* whether tiles = 1 runs on AMX tiles here (built for AMX, and the kernel allows tile data) */
+int streamkv_inv_attn_amx_available(void) {
+#ifdef AMX
+    return amx_enabled();
+#else
+    return 0;
+#endif
+}

@@ -29,11 +29,7 @@
 
 #include "vec16.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 #define MB 96
 #define UP 8
@@ -168,32 +164,6 @@ static void unit(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
 
 
 #ifdef AMX
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* AMX tile data allowed for this process (asked once, before any parallel region; the kernel's
- * answer never changes afterwards) */
-static int amx_enabled(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* tiles 0-3: C (16 x 16 float32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 pairs x 16 columns) */
-static void amx_configure(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) { c.rows[i] = 16; c.colsb[i] = 64; }
-    _tile_loadconfig(&c);
-}
-
 /* C[32 x 32] (cbuf, row stride 32 floats) = rows x[0..32) (row stride ldx bytes) against panels
  * wp[0], wp[1]; nr row tiles and np panels (1 or 2 each) are used. */
 #define AMX_BLOCK(NR, NP)                                                                        \

@@ -195,9 +195,10 @@ ATTENTION_CASES = {"prompt 512": [(512, 512)], "decode ctx 2048": [(1, 2048)], "
 
 
 def _attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
-    from streamkv.native import invariant_attention, invariant_attention_bf16
+    from streamkv.native import invariant_attention, invariant_attention_amx, invariant_attention_bf16
 
-    kernels = {"bf16": invariant_attention_bf16(), "f32": invariant_attention()}
+    found = {"bf16": invariant_attention_bf16(), "f32": invariant_attention(), "amx": invariant_attention_amx()}
+    kernels = {path: fn for path, fn in found.items() if fn is not None}
     out: dict[str, dict[str, float]] = {p: {} for p in kernels}
     for label, rows in ATTENTION_CASES.items():
         q, kc, vc, seqs, slots = _attention_case(s, rows)

@@ -7,7 +7,7 @@ Kinds and their paths (a kind only exists where more than one path can run):
     linear             q4 | dense       GGUF 4-bit layers: the 4-bit kernel or dense weights
     gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on the vector units (AMX CPUs only)
     lm_head            q8 | dense       a Q8_0 LM head read as int8, or dense
-    attention          bf16 | f32       invariant attention: bf16 dot products or float32
+    attention          bf16 | f32 | amx invariant attention: bf16 dot products, float32, or bf16 on AMX tiles
     prefill_attention  native | sdpa    fast numerics: the paged prefill kernel or torch's SDPA
 
 With the default invariant numerics one path serves every row of every step (a row's bits must
@@ -47,7 +47,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "linear": ("q4", "dense"),
     "gemm": ("amx", "avx512"),
     "lm_head": ("q8", "dense"),
-    "attention": ("bf16", "f32"),
+    "attention": ("bf16", "f32", "amx"),
     "prefill_attention": ("native", "sdpa"),
 }
 CACHE_VERSION = 3  # 2: the near-tie rule (MARGIN); 3: float32 models' exact kinds and their row thresholds
@@ -133,6 +133,7 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
         ("lm_head", "dense"): True,
         ("attention", "bf16"): not fast and fits and native.invariant_attention_bf16() is not None,
         ("attention", "f32"): not fast,
+        ("attention", "amx"): not fast and fits and native.invariant_attention_amx() is not None,
         ("prefill_attention", "native"): fast and s.bf16 and s.head_dim == 64 and native.paged_attention() is not None,
         ("prefill_attention", "sdpa"): fast,
     }

@@ -1,0 +1,157 @@
+/* One super-block of query rows on AMX tiles, for inv_attn_bf16.c (attention path "amx").
+ *
+ * Included by inv_attn_bf16.c after attn_bf16_rows.h, inside its AVX512-BF16 section, where AMX
+ * is compiled (amx.h). The same steps as super_block() there, 16 rows at a time, with every dot
+ * product on tiles; the key blocks' layouts are already the tiles' VNNI B layout:
+ *
+ *   Q tile   A[r][p]     = q pair p of row r (32 dims = 16 pairs per tile, dim block h)
+ *   Kt       B[p][key]   = dim pair p of 16 keys           (Kt + KS x + 16 h, 64-byte rows)
+ *   scores   S[r][16 x + i] = sum over h of TDPBF16PS(Q_h, Kt_{x,h})      (unscaled; C tiles 0-3)
+ *   softmax  per row, as super_block(): scale, mask, m' = max(m, block max), a = exp(m - m'),
+ *            P = bf16(exp(s - m')) (zero where the row sees no key), l = l a + sum P
+ *   P tile   A[r][kp]    = P pair kp of row r over a 32-key group t (keys 32 t .. 32 t + 31)
+ *   Vp       B[kp][lane] = V pair kp of lane block j          (Vp + 16 t nv + j, nv-vector rows)
+ *   P V      O[r][j] = o a, then += TDPBF16PS(P_t, Vp_{t,j}) over t in order  (C tiles 0-3)
+ *
+ * Per element: scores are one chain of bf16 pair products over the dim pairs in order, P V one
+ * chain over the key pairs in order starting from o a, as on the vector path; a row's tile row
+ * depends on nothing but the row. Key pairs a row does not see add exact zeros (P = 0 there, and
+ * the padding of a last odd 16-key block is a zero V copy), so a prompt row and its own decode,
+ * whose context ends at that key, give the same bits.
+ *
+ * tiles: 0-3 C, 4 A, 5-6 B (amx_configure(): every tile 16 rows x 64 bytes; done per work item).
+ */
+#ifndef STREAMKV_ATTN_AMX_ROWS_H
+#define STREAMKV_ATTN_AMX_ROWS_H
+#ifdef AMX
+
+/* scores of 16 rows (qa: 64-dword rows, pairs past D/2 zero) against the nb key blocks: S[r][16x + i] */
+static inline void tile_scores(int DB, int nb, const uint32_t (*qa)[64], const __m512i* Kt, float S[16][SB]) {
+    const int KS = 16 * DB;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int h = 0; h < DB; h++) {
+        _tile_loadd(4, qa[0] + 16 * h, 256);
+        _tile_loadd(5, Kt + 16 * h, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nb > 1) { _tile_loadd(6, Kt + KS + 16 * h, 64); _tile_dpbf16ps(1, 4, 6); }
+        if (nb > 2) { _tile_loadd(5, Kt + 2 * KS + 16 * h, 64); _tile_dpbf16ps(2, 4, 5); }
+        if (nb > 3) { _tile_loadd(6, Kt + 3 * KS + 16 * h, 64); _tile_dpbf16ps(3, 4, 6); }
+    }
+    _tile_stored(0, S[0], SB * 4);
+    if (nb > 1) _tile_stored(1, S[0] + 16, SB * 4);
+    if (nb > 2) _tile_stored(2, S[0] + 32, SB * 4);
+    if (nb > 3) _tile_stored(3, S[0] + 48, SB * 4);
+}
+
+/* O += P V over the ng 32-key groups for lane blocks [j0, j0 + nj), nj <= 4 (O: row r, lane
+ * block j at O + 16 (nv r + j)); group t's V rows at vb[t] + j, nv vectors apart */
+static inline void tile_pv(int nv, int ng, int j0, int nj, uint16_t Pb[16][SB], const __m512i* const* vb, float* O) {
+    const int ld = 64 * nv;
+    _tile_loadd(0, O + 16 * j0, ld);
+    if (nj > 1) _tile_loadd(1, O + 16 * (j0 + 1), ld);
+    if (nj > 2) _tile_loadd(2, O + 16 * (j0 + 2), ld);
+    if (nj > 3) _tile_loadd(3, O + 16 * (j0 + 3), ld);
+    for (int t = 0; t < ng; t++) {
+        _tile_loadd(4, Pb[0] + 32 * t, SB * 2);
+        _tile_loadd(5, vb[t] + j0, ld);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nj > 1) { _tile_loadd(6, vb[t] + j0 + 1, ld); _tile_dpbf16ps(1, 4, 6); }
+        if (nj > 2) { _tile_loadd(5, vb[t] + j0 + 2, ld); _tile_dpbf16ps(2, 4, 5); }
+        if (nj > 3) { _tile_loadd(6, vb[t] + j0 + 3, ld); _tile_dpbf16ps(3, 4, 6); }
+    }
+    _tile_stored(0, O + 16 * j0, ld);
+    if (nj > 1) _tile_stored(1, O + 16 * (j0 + 1), ld);
+    if (nj > 2) _tile_stored(2, O + 16 * (j0 + 2), ld);
+    if (nj > 3) _tile_stored(3, O + 16 * (j0 + 3), ld);
+}
+
+/* the online-softmax update of rows [0, rn) from their unscaled scores S (in place: scaled and
+ * masked), writing P (bf16, zero where a row sees no key, whole rows of zeros past rn) and each
+ * row's rescale factor a; lims[r]: keys of the super-block row r sees */
+static inline void tile_softmax(float scale, const int64_t* pos, int rn, int nk, float S[16][SB],
+                                uint16_t Pb[16][SB], float* a, int* lims, RowState* st) {
+    const __m512 vscale = v_set1(scale);
+    float d[16] = {0}, mn[16], ea[16];
+    memset(Pb, 0, sizeof(uint16_t) * 16 * SB);
+    for (int r = 0; r < rn; r++) {
+        const int64_t vis = pos[r] + 1;
+        const int lim = vis <= 0 ? 0 : vis < nk ? (int)vis : nk;
+        lims[r] = lim;
+        if (lim == 0) continue;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int x = 0; x < (lim + 15) / 16; x++) {
+            const int left = lim - 16 * x;
+            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(S[r] + 16 * x), vscale);
+            if (left < 16) s = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), _mm512_set1_ps(-INFINITY), s);
+            _mm512_storeu_ps(S[r] + 16 * x, s);
+            mx = _mm512_max_ps(mx, s);
+        }
+        const float bm = v_hmax(mx);
+        mn[r] = bm > st[r].m ? bm : st[r].m;
+        d[r] = st[r].m - mn[r];
+    }
+    v_store(ea, v_exp(v_load(d)));               /* lane r equals s_exp(d[r]) */
+    for (int r = 0; r < rn; r++) {
+        const int lim = lims[r];
+        if (lim == 0) continue;
+        a[r] = st[r].m == -INFINITY ? 0.f : ea[r];
+        __m512 tot = _mm512_setzero_ps();
+        for (int x = 0; x < (lim + 15) / 16; x++) {
+            const int left = lim - 16 * x;
+            __m512 pr = v_exp(_mm512_sub_ps(_mm512_loadu_ps(S[r] + 16 * x), _mm512_set1_ps(mn[r])));
+            if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
+            tot = _mm512_add_ps(tot, pr);
+            _mm256_storeu_si256((__m256i*)(Pb[r] + 16 * x), (__m256i)_mm512_cvtneps_pbh(pr));
+        }
+        st[r].l = st[r].l * a[r] + v_hsum(tot);
+        st[r].m = mn[r];
+    }
+}
+
+/* Rows [0, rn), rn <= 16, of one super-block on tiles (qp rows 64 dwords, pairs past D/2 zero). */
+static void tile_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int rn, int nk,
+                      const __m512i* Kt, const __m512i* Vp, RowState* st) {
+    const int DB = (D + 31) / 32, nv = 2 * DB, nb = (nk + 15) / 16, ng = (nb + 1) / 2;
+    float S[16][SB] __attribute__((aligned(64)));
+    uint16_t Pb[16][SB] __attribute__((aligned(64)));
+    float O[16 * 16 * 2 * MAXDB] __attribute__((aligned(64)));   /* row r at O + 16 nv r */
+    uint32_t qloc[16][64] __attribute__((aligned(64)));
+    __m512i vtail[16 * 2 * MAXDB];
+    const uint32_t (*qa)[64] = qp;
+    if (rn < 16) {                                /* a last partial tile: zero rows past rn */
+        memset(qloc, 0, sizeof qloc);
+        for (int r = 0; r < rn; r++) memcpy(qloc[r], qp[r], sizeof(uint32_t) * 16 * DB);
+        qa = (const uint32_t (*)[64])qloc;
+    }
+    tile_scores(DB, nb, qa, Kt, S);
+    float a[16];
+    int lims[16];
+    tile_softmax(scale, pos, rn, nk, S, Pb, a, lims, st);
+    const __m512i* vb[NB / 2];
+    for (int t = 0; t < ng; t++) vb[t] = Vp + 16 * t * nv;
+    if (nb % 2) {                                 /* the last group's second block: zeros */
+        memcpy(vtail, vb[ng - 1], sizeof(__m512i) * 8 * nv);
+        memset(vtail + 8 * nv, 0, sizeof(__m512i) * 8 * nv);
+        vb[ng - 1] = vtail;
+    }
+    for (int r = 0; r < 16; r++) {                /* o a; zeros for rows that take no part */
+        if (r < rn && lims[r] > 0)
+            for (int j = 0; j < nv; j++) _mm512_storeu_ps(O + 16 * (nv * r + j), _mm512_mul_ps(st[r].o[j], v_set1(a[r])));
+        else
+            memset(O + 16 * nv * r, 0, sizeof(float) * 16 * nv);
+    }
+    for (int j0 = 0; j0 < nv; j0 += 4) tile_pv(nv, ng, j0, nv - j0 < 4 ? nv - j0 : 4, Pb, vb, O);
+    for (int r = 0; r < rn; r++)
+        if (lims[r] > 0)
+            for (int j = 0; j < nv; j++) st[r].o[j] = _mm512_loadu_ps(O + 16 * (nv * r + j));
+}
+
+/* super_block() on tiles: rows [0, R) sixteen at a time */
+static void super_block_amx(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
+                            const __m512i* Kt, const __m512i* Vp, RowState* st) {
+    for (int r0 = 0; r0 < R; r0 += 16)
+        tile_rows(D, scale, qp + r0, pos + r0, R - r0 < 16 ? R - r0 : 16, nk, Kt, Vp, st + r0);
+}
+
+#endif
+#endif
