@@ -27,14 +27,17 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* this thread's tiles 0-7, each 16 rows x 64 bytes: a C tile holds 16 x 16 float32, an A tile 16
- * rows x 32 bf16, a B tile 16 bf16 pairs (VNNI rows) x 16 columns */
-static inline void amx_configure(void) {
+/* this thread's tiles 0-7, 64 bytes a row: tiles 0-4 (C: m x 16 float32; A: m rows x 32 bf16) m
+ * rows, 5-7 (B: 16 bf16 pairs, VNNI rows, x 16 columns) 16 rows. Each C element is computed from
+ * its own A row alone, so m never changes a row's bits, only the work on rows nobody reads. */
+static inline void amx_configure_rows(int m) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int i = 0; i < 8; i++) { c.rows[i] = 16; c.colsb[i] = 64; }
+    for (int i = 0; i < 8; i++) { c.rows[i] = i < 5 ? (uint8_t)m : 16; c.colsb[i] = 64; }
     _tile_loadconfig(&c);
 }
+
+static inline void amx_configure(void) { amx_configure_rows(16); }
 #endif
 #endif

@@ -19,7 +19,8 @@
  * the padding of a last odd 16-key block is a zero V copy), so a prompt row and its own decode,
  * whose context ends at that key, give the same bits.
  *
- * tiles: 0-3 C, 4 A, 5-6 B (amx_configure(): every tile 16 rows x 64 bytes; done per work item).
+ * tiles: 0-3 C, 4 A, 5-6 B (amx_configure_rows(tr) per work item: tr = 16 row tiles, or a
+ * few-row item's own row count, so a decode's kv group of 3 runs 3-row tiles).
  */
 #ifndef STREAMKV_ATTN_AMX_ROWS_H
 #define STREAMKV_ATTN_AMX_ROWS_H
@@ -66,13 +67,13 @@ static inline void tile_pv(int nv, int ng, int j0, int nj, uint16_t Pb[16][SB], 
 }
 
 /* the online-softmax update of rows [0, rn) from their unscaled scores S (in place: scaled and
- * masked), writing P (bf16, zero where a row sees no key, whole rows of zeros past rn) and each
- * row's rescale factor a; lims[r]: keys of the super-block row r sees */
-static inline void tile_softmax(float scale, const int64_t* pos, int rn, int nk, float S[16][SB],
+ * masked), writing P over the 16 ng keys the tiles read (bf16, zero where a row sees no key, rows
+ * [rn, tr) all zero) and each row's rescale factor a; lims[r]: keys of the super-block row r sees */
+static inline void tile_softmax(float scale, const int64_t* pos, int rn, int tr, int nk, int ng, float S[16][SB],
                                 uint16_t Pb[16][SB], float* a, int* lims, RowState* st) {
     const __m512 vscale = v_set1(scale);
     float d[16] = {0}, mn[16], ea[16];
-    memset(Pb, 0, sizeof(uint16_t) * 16 * SB);
+    for (int r = rn; r < tr; r++) memset(Pb[r], 0, sizeof(uint16_t) * 32 * ng);
     for (int r = 0; r < rn; r++) {
         const int64_t vis = pos[r] + 1;
         const int lim = vis <= 0 ? 0 : vis < nk ? (int)vis : nk;
@@ -92,11 +93,12 @@ static inline void tile_softmax(float scale, const int64_t* pos, int rn, int nk,
     }
     v_store(ea, v_exp(v_load(d)));               /* lane r equals s_exp(d[r]) */
     for (int r = 0; r < rn; r++) {
-        const int lim = lims[r];
+        const int lim = lims[r], rb = (lim + 15) / 16;
+        memset(Pb[r] + 16 * rb, 0, sizeof(uint16_t) * 16 * (2 * ng - rb));
         if (lim == 0) continue;
         a[r] = st[r].m == -INFINITY ? 0.f : ea[r];
         __m512 tot = _mm512_setzero_ps();
-        for (int x = 0; x < (lim + 15) / 16; x++) {
+        for (int x = 0; x < rb; x++) {
             const int left = lim - 16 * x;
             __m512 pr = v_exp(_mm512_sub_ps(_mm512_loadu_ps(S[r] + 16 * x), _mm512_set1_ps(mn[r])));
             if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
@@ -108,9 +110,10 @@ static inline void tile_softmax(float scale, const int64_t* pos, int rn, int nk,
     }
 }
 
-/* Rows [0, rn), rn <= 16, of one super-block on tiles (qp rows 64 dwords, pairs past D/2 zero). */
-static void tile_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int rn, int nk,
-                      const __m512i* Kt, const __m512i* Vp, RowState* st) {
+/* Rows [0, rn) of one super-block on tiles of tr rows, rn <= tr <= 16 (qp rows 64 dwords, pairs
+ * past D/2 zero; with padded, rows [rn, tr) of qp are readable zeros too). */
+static void tile_rows(int D, float scale, const uint32_t (*qp)[64], int padded, const int64_t* pos, int rn, int tr,
+                      int nk, const __m512i* Kt, const __m512i* Vp, RowState* st) {
     const int DB = (D + 31) / 32, nv = 2 * DB, nb = (nk + 15) / 16, ng = (nb + 1) / 2;
     float S[16][SB] __attribute__((aligned(64)));
     uint16_t Pb[16][SB] __attribute__((aligned(64)));
@@ -118,7 +121,7 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], const int64_
     uint32_t qloc[16][64] __attribute__((aligned(64)));
     __m512i vtail[16 * 2 * MAXDB];
     const uint32_t (*qa)[64] = qp;
-    if (rn < 16) {                                /* a last partial tile: zero rows past rn */
+    if (rn < tr && !padded) {                     /* a last partial tile: zero rows past rn */
         memset(qloc, 0, sizeof qloc);
         for (int r = 0; r < rn; r++) memcpy(qloc[r], qp[r], sizeof(uint32_t) * 16 * DB);
         qa = (const uint32_t (*)[64])qloc;
@@ -126,7 +129,7 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], const int64_
     tile_scores(DB, nb, qa, Kt, S);
     float a[16];
     int lims[16];
-    tile_softmax(scale, pos, rn, nk, S, Pb, a, lims, st);
+    tile_softmax(scale, pos, rn, tr, nk, ng, S, Pb, a, lims, st);
     const __m512i* vb[NB / 2];
     for (int t = 0; t < ng; t++) vb[t] = Vp + 16 * t * nv;
     if (nb % 2) {                                 /* the last group's second block: zeros */
@@ -134,7 +137,7 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], const int64_
         memset(vtail + 8 * nv, 0, sizeof(__m512i) * 8 * nv);
         vb[ng - 1] = vtail;
     }
-    for (int r = 0; r < 16; r++) {                /* o a; zeros for rows that take no part */
+    for (int r = 0; r < tr; r++) {                /* o a; zeros for rows that take no part */
         if (r < rn && lims[r] > 0)
             for (int j = 0; j < nv; j++) _mm512_storeu_ps(O + 16 * (nv * r + j), _mm512_mul_ps(st[r].o[j], v_set1(a[r])));
         else
@@ -146,12 +149,15 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], const int64_
             for (int j = 0; j < nv; j++) st[r].o[j] = _mm512_loadu_ps(O + 16 * (nv * r + j));
 }
 
-/* super_block() on tiles: rows [0, R) sixteen at a time */
-static void super_block_amx(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
-                            const __m512i* Kt, const __m512i* Vp, RowState* st) {
-    for (int r0 = 0; r0 < R; r0 += 16)
-        tile_rows(D, scale, qp + r0, pos + r0, R - r0 < 16 ? R - r0 : 16, nk, Kt, Vp, st + r0);
+/* super_block() on tiles of tr rows (tiles_rows()): rows [0, R) tr at a time */
+static void super_block_amx(int D, float scale, const uint32_t (*qp)[64], int padded, const int64_t* pos, int R,
+                            int tr, int nk, const __m512i* Kt, const __m512i* Vp, RowState* st) {
+    for (int r0 = 0; r0 < R; r0 += tr)
+        tile_rows(D, scale, qp + r0, padded, pos + r0, R - r0 < tr ? R - r0 : tr, tr, nk, Kt, Vp, st + r0);
 }
+
+/* the tile rows for an item of R rows: whole 16-row tiles, or a few-row item's own count */
+static inline int tiles_rows(int R) { return R < 16 ? R : 16; }
 
 #endif
 #endif

@@ -148,11 +148,14 @@ static inline void merge(float* M, float* L, v16* O, float m, float l, const v16
 #include "attn_bf16_rows.h"
 #include "attn_amx_rows.h"
 
-/* one super-block of rows [0, R) on the item's path */
-static inline void rows_block(const Ctx* cx, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
-                              const __m512i* Kt, const __m512i* Vp, RowState* st) {
+/* one super-block of rows [0, R) on the item's path (tiles: tr rows a tile; padded: qp's rows up
+ * to the last tile's end are readable, zero past R) */
+static inline void rows_block(const Ctx* cx, const uint32_t (*qp)[64], int padded, const int64_t* pos, int R,
+                              int tr, int nk, const __m512i* Kt, const __m512i* Vp, RowState* st) {
 #ifdef AMX
-    if (cx->tiles) { super_block_amx(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st); return; }
+    if (cx->tiles) { super_block_amx(cx->D, cx->scale, qp, padded, pos, R, tr, nk, Kt, Vp, st); return; }
+#else
+    (void)padded; (void)tr;
 #endif
     super_block(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st);
 }
@@ -164,11 +167,15 @@ static inline void q_pairs(const float* src, int D, int DB, uint32_t* qp) {
     for (; p < 16 * DB; p++) qp[p] = 0;
 }
 
-static inline void tiles_begin(const Ctx* cx) {
+/* an item's tile rows for R rows (16, or fewer for a few-row item); configures them on tiles */
+static inline int tiles_begin(const Ctx* cx, int R) {
 #ifdef AMX
-    if (cx->tiles) amx_configure();
+    const int tr = tiles_rows(R);
+    if (cx->tiles) amx_configure_rows(tr);
+    return tr;
 #else
     (void)cx;
+    return R < 16 ? R : 16;
 #endif
 }
 
@@ -207,7 +214,8 @@ static void run_item(const Item* it, const Ctx* cx) {
         for (int i = 0; i < nv; i++) run[r].o[i] = v_zero();
     }
     const int64_t end = start + it->q1;               /* the tile sees context [0, end) */
-    tiles_begin(cx);
+    const int tr = tiles_begin(cx, 16);
+    if (cx->tiles) memset(qp[R], 0, sizeof(uint32_t) * 64 * (ROWS - R));   /* whole tiles read zeros */
     const int KS = 16 * cx->DB;
     __m512i Kloc[NB * 16 * MAXDB], Vloc[NB * 16 * MAXDB];
     const __m512i* Kpre = NULL;                       /* this kv head's pre-transposed blocks */
@@ -234,7 +242,7 @@ static void run_item(const Item* it, const Ctx* cx) {
                 }
             }
             for (int r = 0; r < R; r++) rel[r] = ctx[r] - k0;
-            rows_block(cx, (const uint32_t (*)[64])qp, rel, R, nk, Kt, Vp, st);
+            rows_block(cx, (const uint32_t (*)[64])qp, 1, rel, R, tr, nk, Kt, Vp, st);
         }
         for (int r = 0; r < R; r++)
             if (st[r].m != -INFINITY)                     /* else the row sees nothing of this chunk */
@@ -294,7 +302,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     const int64_t c0 = (int64_t)it->c0 * CHUNK, c1 = c0 + CHUNK < L ? c0 + CHUNK : L;
     const int KS = 16 * cx->DB;
     __m512i Kt[NB * 16 * MAXDB], Vp[NB * 16 * MAXDB];
-    tiles_begin(cx);
+    const int tr = tiles_begin(cx, R);
     for (int64_t k0 = c0; k0 < c1; k0 += SB) {
         const int nk = c1 - k0 < SB ? (int)(c1 - k0) : SB, nb = (nk + 15) / 16;
         const int64_t* sl = cx->slots + off + k0;
@@ -308,7 +316,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
                 const int n = nk - 16 * x < 16 ? nk - 16 * x : 16;
                 load_block(&sc, iota + 16 * x, n, hk - h0, Kt + x * KS, Vp + x * KS);
             }
-            rows_block(cx, (const uint32_t (*)[64])qp[hk * R], rel, R, nk, Kt, Vp, st + hk * R);
+            rows_block(cx, (const uint32_t (*)[64])qp[hk * R], 0, rel, R, tr, nk, Kt, Vp, st + hk * R);
         }
     }
     tiles_end(cx);

@@ -32,6 +32,11 @@
 #include "amx.h"
 
 #define MB 96
+/* rows per block on tiles: each block streams every weight panel once, and 96-row blocks read a
+ * prompt chunk's weights ~11 times per 1,024 rows; 256 rows of x (K <= 1,536: <= 768 KB) and a unit's
+ * 8 panels (<= 384 KB) still share a core's 2 MB L2 on the AMX Xeons. Fewer rows keep 96-row blocks
+ * (more items for the threads). Only the work split changes: every element keeps its chain. */
+#define MB_AMX 256
 #define UP 8
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -244,10 +249,10 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
     /* one parallel loop over (row block, panel unit), row block outer: a thread's items run row
      * block by row block, so its x rows stay in L2 while its units' panels pass; with few units
      * (N = 576: 5) a loop per row block left one of two threads idle a third of the time */
-    const int64_t NMB = (M + MB - 1) / MB;
+    const int64_t mb = tiles && M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;  /* >= 2 row blocks */
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < NMB * U; i++) {
-        const int64_t m0 = i / U * MB, m1 = m0 + MB < M ? m0 + MB : M;
+        const int64_t m0 = i / U * mb, m1 = m0 + mb < M ? m0 + mb : M;
         const int u = (int)(i % U), t1 = (u + 1) * UP < T ? (u + 1) * UP : T;
 #ifdef AMX
         if (tiles) { unit_amx(&g, m0, m1, u * UP, t1); continue; }
