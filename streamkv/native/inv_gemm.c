@@ -169,10 +169,10 @@ static void unit(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
 
 
 #ifdef AMX
-/* C[32 x 32] (cbuf, row stride 32 floats) = rows x[0..32) (row stride ldx bytes) against panels
+/* C[32 x 32] (at c, row stride ldc bytes) = rows x[0..32) (row stride ldx bytes) against panels
  * wp[0], wp[1]; nr row tiles and np panels (1 or 2 each) are used. */
 #define AMX_BLOCK(NR, NP)                                                                        \
-static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, int K, float* cbuf) { \
+static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, int K, float* c, int64_t ldc) { \
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                                  \
     for (int k = 0; k < K; k += 32) {                                                            \
         _tile_loadd(4, x + k, ldx);                                                              \
@@ -184,10 +184,10 @@ static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, int
         if (NR == 2) _tile_dpbf16ps(2, 5, 6);                                                    \
         if (NR == 2 && NP == 2) _tile_dpbf16ps(3, 5, 7);                                         \
     }                                                                                            \
-    _tile_stored(0, cbuf, 128);                                                                  \
-    if (NP == 2) _tile_stored(1, cbuf + 16, 128);                                                \
-    if (NR == 2) _tile_stored(2, cbuf + 16 * 32, 128);                                           \
-    if (NR == 2 && NP == 2) _tile_stored(3, cbuf + 16 * 32 + 16, 128);                          \
+    _tile_stored(0, c, ldc);                                                                     \
+    if (NP == 2) _tile_stored(1, c + 16, ldc);                                                   \
+    if (NR == 2) _tile_stored(2, (char*)c + 16 * ldc, ldc);                                      \
+    if (NR == 2 && NP == 2) _tile_stored(3, (char*)c + 16 * ldc + 64, ldc);                     \
 }
 AMX_BLOCK(1, 1) AMX_BLOCK(1, 2) AMX_BLOCK(2, 1) AMX_BLOCK(2, 2)
 
@@ -210,8 +210,13 @@ static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
         for (int t = t0; t < t1; t += 2) {
             const int np = t1 - t >= 2 ? 2 : 1;
             const uint16_t* wp = (const uint16_t*)g->wp + (int64_t)t * K * 16;
-            if (nr == 2) { if (np == 2) amx_22(x, ldx, wp, K, cbuf); else amx_21(x, ldx, wp, K, cbuf); }
-            else { if (np == 2) amx_12(x, ldx, wp, K, cbuf); else amx_11(x, ldx, wp, K, cbuf); }
+            /* whole tiles of float32 output go straight to it; the rest through cbuf */
+            const int direct = !g->out_bf16 && rows % 16 == 0 && 16 * (t + np) <= g->N;
+            float* c = direct ? (float*)g->out + m * g->N + 16 * t : cbuf;
+            const int64_t ldc = direct ? (int64_t)g->N * 4 : 128;
+            if (nr == 2) { if (np == 2) amx_22(x, ldx, wp, K, c, ldc); else amx_21(x, ldx, wp, K, c, ldc); }
+            else { if (np == 2) amx_12(x, ldx, wp, K, c, ldc); else amx_11(x, ldx, wp, K, c, ldc); }
+            if (direct) continue;
             for (int r = 0; r < rows; r++)
                 for (int p = 0; p < np; p++) {
                     int col = 16 * (t + p), ncols = g->N - col < 16 ? g->N - col : 16;
