@@ -1,8 +1,9 @@
 /* One super-block of query rows on AMX tiles, for inv_attn_bf16.c (attention path "amx").
  *
- * Included by inv_attn_bf16.c after attn_bf16_rows.h, inside its AVX512-BF16 section, where AMX
- * is compiled (amx.h). The same steps as super_block() there, 16 rows at a time, with every dot
- * product on tiles; the key blocks' layouts are already the tiles' VNNI B layout:
+ * Included by inv_attn_bf16.c after attn_bf16_rows.h, inside its AVX512-BF16 section; the tile
+ * code only where AMX is compiled (amx.h), the dispatch at the end (rows_block()) everywhere.
+ * The same steps as super_block() there, 16 rows at a time, with every dot product on tiles; the
+ * key blocks' layouts are already the tiles' VNNI B layout:
  *
  *   Q tile   A[r][p]     = q pair p of row r (32 dims = 16 pairs per tile, dim block h)
  *   Kt       B[p][key]   = dim pair p of 16 keys           (Kt + KS x + 16 h, 64-byte rows)
@@ -160,4 +161,46 @@ static void super_block_amx(int D, float scale, const uint32_t (*qp)[64], int pa
 static inline int tiles_rows(int R) { return R < 16 ? R : 16; }
 
 #endif
+
+/* The item's path, in every build (Ctx is inv_attn_bf16.c's, defined before this header). */
+
+/* one super-block of rows [0, R) on the item's path (tiles: tr rows a tile; padded: qp's rows up
+ * to the last tile's end are readable, zero past R) */
+static inline void rows_block(const Ctx* cx, const uint32_t (*qp)[64], int padded, const int64_t* pos, int R,
+                              int tr, int nk, const __m512i* Kt, const __m512i* Vp, RowState* st) {
+#ifdef AMX
+    if (cx->tiles) { super_block_amx(cx->D, cx->scale, qp, padded, pos, R, tr, nk, Kt, Vp, st); return; }
+#else
+    (void)padded; (void)tr;
+#endif
+    super_block(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st);
+}
+
+/* q pairs of one row (bf16, low half the even dim), zero past D/2 up to whole 32-dim blocks */
+static inline void q_pairs(const float* src, int D, int DB, uint32_t* qp) {
+    int p = 0;
+    for (; p < D / 2; p++) qp[p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
+    for (; p < 16 * DB; p++) qp[p] = 0;
+}
+
+/* an item's tile rows for R rows (16, or fewer for a few-row item); configures them on tiles */
+static inline int tiles_begin(const Ctx* cx, int R) {
+#ifdef AMX
+    const int tr = tiles_rows(R);
+    if (cx->tiles) amx_configure_rows(tr);
+    return tr;
+#else
+    (void)cx;
+    return R < 16 ? R : 16;
+#endif
+}
+
+static inline void tiles_end(const Ctx* cx) {
+#ifdef AMX
+    if (cx->tiles) _tile_release();
+#else
+    (void)cx;
+#endif
+}
+
 #endif

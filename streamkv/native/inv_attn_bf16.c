@@ -148,45 +148,6 @@ static inline void merge(float* M, float* L, v16* O, float m, float l, const v16
 #include "attn_bf16_rows.h"
 #include "attn_amx_rows.h"
 
-/* one super-block of rows [0, R) on the item's path (tiles: tr rows a tile; padded: qp's rows up
- * to the last tile's end are readable, zero past R) */
-static inline void rows_block(const Ctx* cx, const uint32_t (*qp)[64], int padded, const int64_t* pos, int R,
-                              int tr, int nk, const __m512i* Kt, const __m512i* Vp, RowState* st) {
-#ifdef AMX
-    if (cx->tiles) { super_block_amx(cx->D, cx->scale, qp, padded, pos, R, tr, nk, Kt, Vp, st); return; }
-#else
-    (void)padded; (void)tr;
-#endif
-    super_block(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st);
-}
-
-/* q pairs of one row (bf16, low half the even dim), zero past D/2 up to whole 32-dim blocks */
-static inline void q_pairs(const float* src, int D, int DB, uint32_t* qp) {
-    int p = 0;
-    for (; p < D / 2; p++) qp[p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
-    for (; p < 16 * DB; p++) qp[p] = 0;
-}
-
-/* an item's tile rows for R rows (16, or fewer for a few-row item); configures them on tiles */
-static inline int tiles_begin(const Ctx* cx, int R) {
-#ifdef AMX
-    const int tr = tiles_rows(R);
-    if (cx->tiles) amx_configure_rows(tr);
-    return tr;
-#else
-    (void)cx;
-    return R < 16 ? R : 16;
-#endif
-}
-
-static inline void tiles_end(const Ctx* cx) {
-#ifdef AMX
-    if (cx->tiles) _tile_release();
-#else
-    (void)cx;
-#endif
-}
-
 static void store_out(const Ctx* cx, float* dst, const RowState* s) {
     float t[16];
     for (int j = 0; j < 2 * cx->DB; j++) {
