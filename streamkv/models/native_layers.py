@@ -59,8 +59,8 @@ class NativeLayers:
     """Every decoder layer of ``model`` over ``cache``: hidden states in, hidden states out.
 
     ``attention`` picks the attention kernel (``f32``: ``inv_attn.c``; ``bf16``: ``inv_attn_bf16.c``;
-    ``amx``: that one on AMX tiles), the same one
-    the attention backend uses, so both paths agree with the backend's own ``forward``.
+    ``amx``: that one on AMX tiles), the same one the attention backend uses, so both paths agree
+    with the backend's own ``forward``.
     """
 
     def __init__(self, lib: ctypes.CDLL, model: Any, cache: KVCache, scale: float, attention: str) -> None:
