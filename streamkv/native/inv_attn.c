@@ -19,13 +19,15 @@
  *             lane-wise in order);  o = sum_j p_j v_j, j in order (one fma chain per element)
  *   merge:    chunks 0, 1, 2, ... in order (flash-decoding's log-sum-exp merge), out = O / L
  *
- * Work items are (sequence, tile of QT rows, kv head, chunk); each writes per-(row, head, chunk)
- * partials (m, l, o[D]), merged in a second pass. Parallel with OpenMP. Inside an item, VB keys
+ * Work items are (sequence, tile of QT rows, kv head, chunk), or every kv head for a few-row tile
+ * over a float32 cache (ALL_HEADS below); each writes per-(row, head, chunk) partials (m, l, o[D]),
+ * merged in a second pass. Parallel with OpenMP. Inside an item, VB keys
  * of K (then of V) are gathered and widened once into an L1 buffer that serves every query
  * vector of the tile, each cache row prefetched PFD keys ahead, or, for a float32 cache and a
  * few query vectors, read in place (block_rows); none of this changes any element's order of
  * operations.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -38,7 +40,8 @@
 #define DIRECT_MAX 12  /* at most this many query vectors read a float32 cache in place (block_rows) */
 #define PFD 16   /* the K / V gathers prefetch the cache row this many keys ahead */
 
-typedef struct { int b, i0, i1, hk, c; } Item;
+/* rows [i0, i1) of sequence b, kv heads [hk, h1), chunk c */
+typedef struct { int b, i0, i1, hk, h1, c; } Item;
 
 static inline __attribute__((always_inline)) void load_key(const void* base, int bf16, int64_t at, const int nd, v16* k) {
     if (bf16) for (int d = 0; d < nd; d++) k[d] = v_load_bf16((const uint16_t*)base + at + 16 * d);
@@ -74,6 +77,10 @@ static inline __attribute__((always_inline)) void block_rows(const void* cache, 
         rows[j] = vb + (size_t)j * D;
     }
 }
+
+/* the query head of an item's vector x: vectors run per kv head (nvh each), row-major, then by
+ * the G query heads of the kv head */
+static inline int vec_head(const Item* it, int x, int nvh, int G) { return (it->hk + x / nvh) * G + x % G; }
 
 /* keys of the block [j0, j0 + nb) that a query vector seeing the chunk's first n keys attends to */
 static inline int block_keys(int n, int j0, int nb) { return n - j0 < 0 ? 0 : n - j0 < nb ? n - j0 : nb; }
@@ -123,26 +130,26 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
     const int64_t c0 = (int64_t)it->c * CHUNK;
     const int64_t last = L - nq + it->i1;                 /* the tile's largest context limit */
     const int n_all = (int)((last < c0 + CHUNK ? last : c0 + CHUNK) - c0);
-    const int nv = (it->i1 - it->i0) * G;
+    const int nh = it->h1 - it->hk, nvh = (it->i1 - it->i0) * G, nv = nvh * nh;   /* vectors: per head, nvh */
     const int direct = !bf16 && nv <= DIRECT_MAX;
     float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16) + (size_t)VB * D));
     float* sb = qs + (size_t)nv * D;                      /* scores, then weights, per query vector */
     float* vb = sb + (size_t)nv * (CHUNK + 16);           /* VB rows of V, widened */
     int nvalid[QT * 32];
     for (int x = 0; x < nv; x++) {
-        const int i = it->i0 + x / G, g = x % G;
-        const float* src = q + ((row0 + i) * H + it->hk * G + g) * D;
+        const int i = it->i0 + x % nvh / G;
+        const float* src = q + ((row0 + i) * H + vec_head(it, x, nvh, G)) * D;
         for (int d = 0; d < D; d += 16) v_store(qs + x * D + d, v_mul(v_load(src + d), v_set1(scale)));
         const int64_t lim = L - nq + i + 1 - c0;          /* keys of this chunk the row sees */
         nvalid[x] = lim <= 0 ? 0 : lim < n_all ? (int)lim : n_all;
     }
     /* scores: VB keys of K at a time (block_rows) serve every query vector from L1; four keys
      * share one reduction network (v_hsum4 == v_hsum per key) */
-    for (int j0 = 0; j0 < n_all; j0 += VB) {
+    for (int j0 = 0; j0 < n_all; j0 += VB) for (int hl = 0; hl < nh; hl++) {
         const int nb = n_all - j0 < VB ? n_all - j0 : VB;
         const float* kr[VB];                              /* each key's D floats */
-        block_rows(kc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk, nd, vb, kr);
-        for (int x = 0; x < nv; x++) {
+        block_rows(kc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk + hl, nd, vb, kr);
+        for (int x = hl * nvh; x < (hl + 1) * nvh; x++) {
             const int end = block_keys(nvalid[x], j0, nb);
             float* s = sb + (size_t)x * (CHUNK + 16) + j0;
             const float* qx = qs + x * D;
@@ -166,8 +173,8 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
     }
     float* dst[QT * 32];
     for (int x = 0; x < nv; x++) {                        /* softmax weights, m and l */
-        const int i = it->i0 + x / G, g = x % G, n = nvalid[x];
-        dst[x] = part + (part_off[it->b] + ((int64_t)i * H + it->hk * G + g) * nc + it->c) * W;
+        const int i = it->i0 + x % nvh / G, n = nvalid[x];
+        dst[x] = part + (part_off[it->b] + ((int64_t)i * H + vec_head(it, x, nvh, G)) * nc + it->c) * W;
         for (int d = 0; d < nd; d++) v_store(dst[x] + 2 + 16 * d, v_zero());
         if (n == 0) { dst[x][0] = -INFINITY; dst[x][1] = 0.f; continue; }
         float* s = sb + (size_t)x * (CHUNK + 16);
@@ -187,17 +194,17 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
     }
     /* o = sum_j p_j v_j, one fma chain per element in key order; VB keys of V at a time
      * (block_rows) serve every query vector from L1. */
-    for (int j0 = 0; j0 < n_all; j0 += VB) {
-        const int nb = n_all - j0 < VB ? n_all - j0 : VB;
+    for (int j0 = 0; j0 < n_all; j0 += VB) for (int hl = 0; hl < nh; hl++) {
+        const int nb = n_all - j0 < VB ? n_all - j0 : VB, xe = (hl + 1) * nvh;
         const float* vr[VB];
-        block_rows(vc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk, nd, vb, vr);
-        int x = 0;
-        for (; !direct && x + 2 <= nv; x += 2) {          /* two vectors share each V load (from L1) */
+        block_rows(vc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk + hl, nd, vb, vr);
+        int x = hl * nvh;
+        for (; !direct && x + 2 <= xe; x += 2) {          /* two vectors share each V load (from L1) */
             const float* s0 = sb + (size_t)x * (CHUNK + 16) + j0;
             pv_pair(s0, s0 + CHUNK + 16, block_keys(nvalid[x], j0, nb), block_keys(nvalid[x + 1], j0, nb), vr, nd,
                     dst[x] + 2, dst[x + 1] + 2);
         }
-        for (; x < nv; x++) {
+        for (; x < xe; x++) {
             const int end = block_keys(nvalid[x], j0, nb);
             if (end == 0) continue;
             const float* s = sb + (size_t)x * (CHUNK + 16) + j0;
@@ -223,12 +230,19 @@ static void item(const Item* it, const float* q, const void* kc, const void* vc,
     }
 }
 
+/* A tile whose query vectors over every kv head still read a float32 cache in place (decode and
+ * short verify rows: (i1 - i0) H <= DIRECT_MAX) may run all kv heads in one item per chunk, block
+ * by block: the heads' parts of each cache row are then read together, one sequential stream,
+ * where a per-head item reads 1 of every Hk parts of each row. Only the work split changes: each
+ * vector runs the same operations. Used when the step still has at least 2 items per thread. */
+#define ALL_HEADS(i0, i1) (!bf16 && ((i1) - (i0)) * H <= DIRECT_MAX)
+
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
                       const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
     if (D % 16 != 0 || D > MAXD || Hk <= 0 || H % Hk != 0 || H / Hk > 32 || B <= 0) return 1;
     const int W = D + 2;
     int64_t* part_off = malloc(sizeof(int64_t) * (B + 1));
-    int64_t nitems = 0;
+    int64_t nitems = 0, grouped = 0;                  /* items per head, and with all-heads items */
     part_off[0] = 0;
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
@@ -236,19 +250,22 @@ int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, 
         const int64_t nc = (L + CHUNK - 1) / CHUNK;
         part_off[b + 1] = part_off[b] + nq * H * nc;
         for (int64_t i0 = 0; i0 < nq; i0 += QT) {
-            const int64_t i1 = i0 + QT < nq ? i0 + QT : nq;
-            nitems += Hk * ((L - nq + i1 + CHUNK - 1) / CHUNK);
+            const int64_t i1 = i0 + QT < nq ? i0 + QT : nq, ncs = (L - nq + i1 + CHUNK - 1) / CHUNK;
+            nitems += Hk * ncs;
+            grouped += ALL_HEADS(i0, i1) ? ncs : Hk * ncs;
         }
     }
+    const int group = Hk > 1 && grouped < nitems && grouped >= 2 * omp_get_max_threads();
+    if (group) nitems = grouped;
     Item* items = malloc(sizeof(Item) * nitems);
     int64_t n = 0;
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         for (int64_t i0 = 0; i0 < nq; i0 += QT) {
             const int64_t i1 = i0 + QT < nq ? i0 + QT : nq;
-            const int ncs = (int)((L - nq + i1 + CHUNK - 1) / CHUNK);
-            for (int hk = 0; hk < Hk; hk++)
-                for (int c = 0; c < ncs; c++) items[n++] = (Item){b, (int)i0, (int)i1, hk, c};
+            const int ncs = (int)((L - nq + i1 + CHUNK - 1) / CHUNK), all = group && ALL_HEADS(i0, i1);
+            for (int hk = 0; hk < Hk; hk += all ? Hk : 1)
+                for (int c = 0; c < ncs; c++) items[n++] = (Item){b, (int)i0, (int)i1, hk, all ? Hk : hk + 1, c};
         }
     }
     float* part = malloc(sizeof(float) * (size_t)part_off[B] * W);
