@@ -159,11 +159,12 @@ def test_attention_is_correct_and_every_row_equals_its_decode(kernel, heads):
     chunk) one item per chunk over every kv head and a lone short decode one item per kv head
     (64 heads: per kv head always), so this also checks that the work split never changes a bit.
     Split items copy a super-block's cache rows (kv heads x head_dim) in whole vectors, or with
-    memcpy when a row is not a multiple of 32 (3 x 16 here)."""
+    memcpy when a row is not a multiple of 32 (3 x 16 here). On AMX tiles a split item of 8 rows x 3
+    heads (6/2/48) runs a 16-row tile and a partial one."""
     fn, dtype, tol = kernel
     h, hk, d = heads
     shapes = [(1, 1), (1, 37), (5, 5), (17, 17), (40, 900), (1, 1025), (1, 1600), (3, 512), (30, 540),
-              (4, 1026), (2, 1700)]
+              (4, 1026), (2, 1700), (8, 700)]
     q, kc, vc, seqs, slots = _step(shapes, h, hk, d, dtype, seed=d)
     out = fn(q, kc, vc, seqs, slots, d ** -0.5)
     torch.testing.assert_close(out.double(), _reference(q, kc, vc, seqs, slots, d ** -0.5), atol=tol, rtol=tol)
