@@ -157,9 +157,10 @@ def _combos(path: str, bf16: bool = True) -> list[str]:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_every_path_that_can_run_here_keeps_outputs_invariant(tiny_gguf, dtype):
-    """Each forced path (4-bit or dense layers, int8 or dense head, bf16 or f32 attention, tiles or
-    AVX-512 where AMX exists): alone = batched = chunked = preempted, to the bit. In float32 the
-    packed and dense paths give the same bits, so every combination gives the same outputs."""
+    """Each forced path (4-bit or dense layers, int8 or dense head, bf16, f32 or AMX attention, tiles
+    or AVX-512 where AMX exists): alone = prefix hit = batched = chunked = preempted, to the bit. In
+    float32 the packed and dense paths give the same bits, so every combination gives the same
+    outputs."""
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 384, (int(n),), generator=g).tolist() for n in (3, 9, 22, 31)]
@@ -178,6 +179,8 @@ def test_every_path_that_can_run_here_keeps_outputs_invariant(tiny_gguf, dtype):
         for p in prompts:
             llm.engine.pool.reset_prefix_cache()
             solo += run(llm, [p])
+        hits = llm.engine.pool.prefix_hits  # the last prompt again: its blocks come from the prefix cache
+        assert run(llm, prompts[-1:]) == solo[-1:] and llm.engine.pool.prefix_hits > hits, combo
         assert run(llm, prompts) == solo, combo
         chunked = LLM(model=tiny_gguf, dtype=dtype, num_blocks=128, block_size=4, kernels=combo,
                       max_chunk_tokens=5)
