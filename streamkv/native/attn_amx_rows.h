@@ -68,7 +68,7 @@ static inline void tile_pv(int nv, int ng, int j0, int nj, uint16_t Pb[16][SB], 
 }
 
 /* the online-softmax update of rows [0, rn) from their unscaled scores S (in place: scaled and
- * masked), writing P over the 16 ng keys the tiles read (bf16, zero where a row sees no key, rows
+ * masked), writing P over the 32 ng keys the tiles read (bf16, zero where a row sees no key, rows
  * [rn, tr) all zero) and each row's rescale factor a; lims[r]: keys of the super-block row r sees */
 static inline void tile_softmax(float scale, const int64_t* pos, int rn, int tr, int nk, int ng, float S[16][SB],
                                 uint16_t Pb[16][SB], float* a, int* lims, RowState* st) {
@@ -150,15 +150,12 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], int padded, 
             for (int j = 0; j < nv; j++) st[r].o[j] = _mm512_loadu_ps(O + 16 * (nv * r + j));
 }
 
-/* super_block() on tiles of tr rows (tiles_rows()): rows [0, R) tr at a time */
+/* super_block() on tiles of tr rows (tiles_begin()): rows [0, R) tr at a time */
 static void super_block_amx(int D, float scale, const uint32_t (*qp)[64], int padded, const int64_t* pos, int R,
                             int tr, int nk, const __m512i* Kt, const __m512i* Vp, RowState* st) {
     for (int r0 = 0; r0 < R; r0 += tr)
         tile_rows(D, scale, qp + r0, padded, pos + r0, R - r0 < tr ? R - r0 : tr, tr, nk, Kt, Vp, st + r0);
 }
-
-/* the tile rows for an item of R rows: whole 16-row tiles, or a few-row item's own count */
-static inline int tiles_rows(int R) { return R < 16 ? R : 16; }
 
 #endif
 
@@ -183,16 +180,16 @@ static inline void q_pairs(const float* src, int D, int DB, uint32_t* qp) {
     for (; p < 16 * DB; p++) qp[p] = 0;
 }
 
-/* an item's tile rows for R rows (16, or fewer for a few-row item); configures them on tiles */
+/* an item's tile rows for R rows: whole 16-row tiles, or a few-row item's own count; configures
+ * them on tiles */
 static inline int tiles_begin(const Ctx* cx, int R) {
+    const int tr = R < 16 ? R : 16;
 #ifdef AMX
-    const int tr = tiles_rows(R);
     if (cx->tiles) amx_configure_rows(tr);
-    return tr;
 #else
     (void)cx;
-    return R < 16 ? R : 16;
 #endif
+    return tr;
 }
 
 static inline void tiles_end(const Ctx* cx) {

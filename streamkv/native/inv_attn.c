@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void pv_pair(const float* p0, const
     }
 }
 
-/* One item: rows [i0, i1) of sequence b (context indices L - nq + i), kv head hk, chunk c;
+/* One item: rows [i0, i1) of sequence b (context indices L - nq + i), kv heads [hk, h1), chunk c;
  * nd = D / 16 is a compile-time constant in each specialisation (see item() below). */
 static inline __attribute__((always_inline)) void item_nd(const Item* it, const float* q, const void* kc,
                                                           const void* vc, int bf16, const int64_t* seqs,
