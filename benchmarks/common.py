@@ -261,9 +261,38 @@ def _bench(fn, min_time: float = 0.3, warmup: int = 2) -> float:
     return best
 
 
+def fma_peak(threads: int = 2) -> dict | None:
+    """The register-only float32 FMA peak (benchmarks/fma_peak.c, built here with the system C
+    compiler for this CPU): {"isa", "threads", "peak_gflops": {chains: GFLOP/s}, "fma_latency_ns"};
+    None where no compiler or OpenMP is available."""
+    import hashlib
+    import shutil
+    import subprocess
+
+    src = BENCH / "fma_peak.c"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    exe = CACHE / f"fma_peak-{hashlib.sha256(src.read_bytes()).hexdigest()[:12]}"
+    try:
+        if not exe.exists():
+            CACHE.mkdir(parents=True, exist_ok=True)
+            tmp = exe.with_suffix(".tmp")
+            subprocess.run([cc, "-O3", "-march=native", "-fopenmp", str(src), "-o", str(tmp), "-lm"],
+                           check=True, capture_output=True, timeout=120)
+            tmp.replace(exe)
+        run = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        return json.loads(run.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 def measure_ceilings(threads: int = 2, d_in: int = 576, d_out: int = 1536, vocab: int = 49152) -> dict:
     """Measured peaks on this machine: F.linear GFLOP/s at prefill (2048 rows) and batch-1
-    decode shapes, the LM head at batch 1, and memory bandwidth (large copy / large sum)."""
+    decode shapes, the LM head at batch 1, memory bandwidth (large copy / large sum), and the
+    register-only float32 FMA peak with 12 chains per thread (``fma_peak_gflops``, None without a
+    C compiler) and one fma's latency."""
     import torch
     import torch.nn.functional as F
 
@@ -286,6 +315,9 @@ def measure_ceilings(threads: int = 2, d_in: int = 576, d_out: int = 1536, vocab
         s = _bench(lambda: src.sum(), min_time=0.5)
         out["read_gbs"] = round(4 * n / s / 1e9, 1)
         del src, dst
+    peak = fma_peak(threads)
+    out["fma_peak_gflops"] = peak["peak_gflops"]["12"] if peak else None
+    out["fma_latency_ns"] = peak["fma_latency_ns"] if peak else None
     return out
 
 

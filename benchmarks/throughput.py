@@ -298,6 +298,13 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                    f"{ceil['lm_head_1_bfloat16_gflops']}; memory read {ceil['read_gbs']} GB/s, "
                    f"copy {ceil['copy_gbs']} GB/s (read+write); other processes meanwhile: "
                    f"{ceil['foreign_load_cores']} cores")
+        if ceil.get("fma_peak_gflops"):  # runs saved before the probe existed lack it
+            fl = common.prefill_flops_per_token(cost, 2048)
+            out.append(f"- register-only float32 FMA peak {ceil['fma_peak_gflops']} GFLOP/s (12 chains per thread, "
+                       f"one fma {ceil['fma_latency_ns']} ns): prefill@2048 at most "
+                       f"{ceil['fma_peak_gflops'] * 1e9 / fl:.0f} tok/s in float32 at this FMA rate; "
+                       + ", ".join(f"{n.split(' (')[0]} {metric(res[n], 'prefill@2048') * fl / 1e9 / ceil['fma_peak_gflops']:.0%}"
+                                   for n in names if "float32" in n and metric(res[n], "prefill@2048")) + " of it")
         crow, report["ceiling_pct"] = [], {}
         dec_ctx = wl["decode_prompt"] + wl["max_tokens"] // 2
         for n in names:
