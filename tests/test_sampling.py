@@ -22,6 +22,11 @@ def item(seq_id=0, history=(), num_prompt=0, **kw):
     dict(top_k=-2), dict(min_p=1.5), dict(max_tokens=0), dict(max_tokens=-3), dict(presence_penalty=3.0),
     dict(frequency_penalty=-2.5), dict(repetition_penalty=0.0), dict(logprobs=21), dict(logprobs=-1),
     dict(seed=1.5), dict(stop=[""]), dict(min_tokens=5, max_tokens=2), dict(temperature="hot"),
+    # JSON's true is not an integer (a span gen's "logprobs": true reached the sampler's topk and
+    # failed the whole step, other requests included); nor is a dict a list of stop strings
+    dict(logprobs=True), dict(max_tokens=True), dict(top_k=True), dict(min_tokens=True), dict(seed=True),
+    dict(stop={"a": 1}), dict(stop_token_ids=[True]), dict(stop_token_ids=["5"]), dict(ignore_eos="no"),
+    dict(include_stop_str_in_output=1),
 ])
 def test_invalid_params_raise_typed_error(kw):
     with pytest.raises(InvalidRequestError):

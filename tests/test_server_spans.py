@@ -57,10 +57,20 @@ def test_span_query_reuses_permuted_operands(http):
 def test_inner_outputs_are_returned(http):
     inner = [{"kind": "gen", "max_tokens": 4, "temperature": 0, "input": {"kind": "user", "text": q}}
              for q in ("Name a colour.", "Name a fruit.")]
+    http.delete("/v1/spans/cache")
     r = http.post("/v1/spans", json={"query": rag(inner, "Repeat both.")})
     assert r.status_code == 200, r.text
-    assert sorted(i["path"] for i in r.json()["inner"]) == ["query.input.children[1].children[0]",
-                                                             "query.input.children[1].children[1]"]
+    first = {i["path"]: i["text"] for i in r.json()["inner"]}
+    assert sorted(first) == ["query.input.children[1].children[0]", "query.input.children[1].children[1]"]
+    # again, and permuted: the whole plus is a cache hit, and each inner text still comes back,
+    # under this query's own paths
+    again = http.post("/v1/spans", json={"query": rag(inner, "Repeat both.")}).json()
+    assert {i["path"]: i["text"] for i in again["inner"]} == first
+    swapped = http.post("/v1/spans", json={"query": rag(inner[::-1], "Repeat both.")}).json()
+    assert {i["path"]: i["text"] for i in swapped["inner"]} == {
+        "query.input.children[1].children[0]": first["query.input.children[1].children[1]"],
+        "query.input.children[1].children[1]": first["query.input.children[1].children[0]"]}
+    assert swapped["usage"]["reused_tokens"] > 0
 
 
 def test_streaming_span_query_sends_deltas_then_the_result(http):
@@ -118,6 +128,9 @@ def test_bulk_runs_in_clustered_order_and_returns_input_order(http):
     (rag([{"kind": "retrieve", "corpus": "nope", "ids": ["1"]}]), 400, "unknown corpus 'nope'"),
     (rag([{"kind": "fragment", "text": "word " * 1200}]), 400, "the context is 1024"),
     ({"kind": "user", "text": "x"}, 400, "the root must be a gen"),
+    (rag(DOCS, logprobs=True), 400, "query: logprobs must be an integer"),
+    (rag([{"kind": "gen", "max_tokens": True, "input": {"kind": "user", "text": "x"}}]), 400,
+     "query.input.children[1].children[0]: max_tokens must be an integer"),
 ])
 def test_bad_trees_are_400_with_the_node_path(http, query, status, words):
     r = http.post("/v1/spans", json={"query": query})

@@ -25,6 +25,11 @@ def _check(cond: bool, msg: str) -> None:
         raise InvalidRequestError(msg)
 
 
+def _int(value: object) -> bool:
+    """An integer, and not a bool (JSON's true would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples its output.
@@ -55,9 +60,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        _check(isinstance(self.stop, (tuple, list)), f"stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        _check(isinstance(self.stop_token_ids, (tuple, list)) and all(_int(t) for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check(_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -66,7 +76,7 @@ class SamplingParams:
                    and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
         _check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0 or self.top_k == -1,
+        _check(_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
                f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(-2.0 <= self.presence_penalty <= 2.0,
@@ -75,12 +85,11 @@ class SamplingParams:
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(0.0 < self.repetition_penalty <= 10.0,
                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
-                                     and -(2 ** 63) <= self.seed < 2 ** 64),
+        _check(self.seed is None or (_int(self.seed) and -(2 ** 63) <= self.seed < 2 ** 64),
                f"seed must be an integer in the 64-bit range, got {self.seed!r}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        _check(self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}")

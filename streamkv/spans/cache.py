@@ -45,6 +45,7 @@ class State:
     stream: Sequence | None
     length: int
     text: str | None = None  # an inner generate's output text
+    inner: tuple[str, ...] = ()  # a plus: its inner generates' texts, in inner_paths() order
     uses: int = 0
     volatile: bool = False  # built on a sampled (not reproducible) output: never cached
     host: tuple[Any, Any] | None = None  # (k, v) on the host, from SeqOps.export

@@ -20,7 +20,7 @@ from streamkv.errors import KVCacheFullError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sched.sequence import PriorityClass, Sequence
 from streamkv.spans.cache import SpanCache, State
-from streamkv.spans.lower import ROOT_KEY, Piece, PlusPlan, SpanPlan, gen_key, state_key
+from streamkv.spans.lower import ROOT_KEY, Piece, PlusPlan, SpanPlan, gen_key, inner_paths, state_key
 from streamkv.spans.query import Query
 from streamkv.spans.tasks import All, Done, Idle, Step, TaskFailed
 
@@ -90,16 +90,20 @@ class Execution:
         key = state_key(state.key, plus.key)
         volatile = state.volatile or not plus.reproducible
         hit = self._take(query, key, volatile)
+        paths = inner_paths(plus)
         if hit is not None:
+            # the same key, so the same gens in the same canonical order: this query's paths
+            query.inner.extend({"path": p, "text": t} for p, t in zip(paths, hit.inner))
             query.usage.reused_tokens += hit.length - state.length
             return hit
         ops: list[State] = yield All([self._operand(query, op, state) for op in plus.operands])
+        texts = {e["path"]: e["text"] for e in query.inner}
         stream = yield from self._stream(query, ops[0], [])
         parts = [(op.stream, state.length, op.length - state.length) for op in ops[1:]]
         query.usage.repositioned_tokens += yield from self._with_blocks(
             lambda: self.engine.seq_ops.splice(stream, parts), sum(p[2] for p in parts))  # type: ignore[arg-type]
         return (yield from self._cached(query, State(key, stream, len(stream.tokens), volatile=volatile,
-                                                     base=ops[0].key)))
+                                                     base=ops[0].key, inner=tuple(texts[p] for p in paths))))
 
     def _operand(self, query: Query, plan: SpanPlan, base: State) -> Generator[Any, Any, State]:
         state = yield from self._segments(query, plan, base)

@@ -100,6 +100,19 @@ class SpanPlan:
         return n + (len(self.gen.prompt) + self.gen.params.max_tokens if self.gen else 0)
 
 
+def inner_paths(plus: PlusPlan) -> list[str]:
+    """The paths of every generate inside ``plus``, its operands in their canonical order, each
+    operand's segments first, then its own gen: one order for every query with the same key."""
+    out: list[str] = []
+    for op in plus.operands:
+        for seg in op.segments:
+            if isinstance(seg, PlusPlan):
+                out += inner_paths(seg)
+        if op.gen is not None:
+            out.append(op.path)
+    return out
+
+
 def state_key(parent: bytes, item: bytes) -> bytes:
     """Key of the state reached from ``parent`` by one more segment or generate."""
     return digest(parent, item)
