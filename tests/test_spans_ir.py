@@ -107,6 +107,9 @@ def test_locality_k_builds_a_k_way_tree_of_judges():
     assert right == gen(seq(pre, plus(judge(gens[:2]), judge(gens[2:])), post), max_tokens=9)
     assert locality_k(left, OPTS) is None  # opt-in
     assert locality_k(right, OptimizerOptions(locality_k=2)) is None  # fixed point: no plus over > k gens
+    # a plus is order-free: the same judges for any order of its gens
+    shuffled = gen(seq(pre, plus(gens[2], gens[0], gens[3], gens[1]), post), max_tokens=9)
+    assert locality_k(shuffled, OptimizerOptions(locality_k=2)) == right
 
 
 def test_optimize_reaches_a_fixed_point():

@@ -103,7 +103,9 @@ def locality_k(node: Node, opts: OptimizerOptions) -> Node | None:
                and len(c.children) > k and all(isinstance(g, Gen) for g in c.children)), None)
     if at is None:
         return None
-    pre, gens, post = kids[:at], kids[at].children, kids[at + 1:]  # type: ignore[union-attr]
+    pre, post = kids[:at], kids[at + 1:]
+    # a plus is order-free: which gens share a judge must not depend on the order they came in
+    gens = tuple(sorted(kids[at].children, key=repr))  # type: ignore[union-attr]
     judges = tuple(Gen(Seq(pre + (Plus(gens[j:j + k]),) + post), node.sampling) for j in range(0, len(gens), k))
     return Gen(Seq(pre + (Plus(judges),) + post), node.sampling)
 
