@@ -110,6 +110,17 @@ def test_corpus_and_retrieve(http):
     assert again.json()["usage"]["reused_tokens"] > 0
     dup = http.post("/v1/corpora/wiki", json={"fragments": [{"id": "x", "text": "a"}, {"id": "x", "text": "b"}]})
     assert dup.status_code == 400
+    # a preparation that cannot run is refused before the corpus changes: a new corpus is not
+    # registered, an existing one keeps its text
+    bad = {"kind": "plus", "children": [{"kind": "fragment", "text": "x"}]}
+    r = http.post("/v1/corpora/ghost", json={"fragments": [{"id": "a", "text": "Doc A."}], "prefix": bad})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prefix:"), r.text
+    ghost = http.post("/v1/spans", json={"query": rag([{"kind": "retrieve", "corpus": "ghost", "ids": ["a"]}])})
+    assert ghost.status_code == 400 and "unknown corpus 'ghost'" in ghost.text
+    before = http.post("/v1/spans/explain", json={"query": q}).json()["tree"]
+    r = http.post("/v1/corpora/wiki", json={"fragments": [{"id": "2", "text": "Changed."}], "prefix": bad})
+    assert r.status_code == 400, r.text
+    assert http.post("/v1/spans/explain", json={"query": q}).json()["tree"] == before
 
 
 def test_bulk_runs_in_clustered_order_and_returns_input_order(http):

@@ -159,7 +159,8 @@ async def add_corpus(name: str, body: CorpusBody, request: Request) -> dict[str,
         raise APIError(400, "fragment ids must be unique", param="fragments")
     prefix = ir.parse(body.prefix, "prefix") if body.prefix is not None else None
     engine = _engine(request)
-    info = await engine.call(lambda e: e.spans.add_corpus(name, frags))
+    # a prefix or fragment the preparation cannot run is refused before the corpus changes
+    info = await engine.call(lambda e: e.spans.add_corpus(name, frags, prefix, check_prepare=body.prepare))
     out: dict[str, Any] = {"object": "corpus", "name": name, **info}
     if body.prepare:  # compute and cache every fragment after the prefix now
         rid = new_id("prep")

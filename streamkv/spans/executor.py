@@ -103,18 +103,25 @@ class SpanQueries:
             raise InvalidRequestError(f"unknown corpus {corpus!r}")
         if request_id in self._queries or self.engine.has_request(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        plan, ops = lower_prepare(prefix, self.corpora[corpus], self.renderer, self.engine.max_model_len)
-        for op in ops:
-            check_ids(op, self.engine.bundle.vocab_size)  # type: ignore[attr-defined]
-        budget = max(self._need(SpanPlan(plan.segments + o.segments, "x")) for o in ops)
-        query = Query(request_id, plan, 0, blocks=max(budget, self.engine.pool.num_blocks // 4))
-        if query.blocks > self.engine.pool.num_blocks:
-            raise InvalidRequestError("a fragment and the prefix do not fit the KV cache")
+        plan, ops, blocks = self._prepare_plan(self.corpora[corpus], prefix)
+        query = Query(request_id, plan, 0, blocks=blocks)
         query.task = Task(self.run.run_prepare(query, ops))
         self._queries[request_id] = query
         if self._admit(query):
             self._emit.extend(self._advance(query))
         return query
+
+    def _prepare_plan(self, fragments: dict[str, str], prefix: Node | None) -> tuple[SpanPlan, list[SpanPlan], int]:
+        """The preparation's plan, one operand per fragment and its KV blocks; raises
+        SpanQueryError / InvalidRequestError for a prefix or fragment that cannot run."""
+        plan, ops = lower_prepare(prefix, fragments, self.renderer, self.engine.max_model_len)
+        for op in ops:
+            check_ids(op, self.engine.bundle.vocab_size)  # type: ignore[attr-defined]
+        budget = max(self._need(SpanPlan(plan.segments + o.segments, "x")) for o in ops)
+        blocks = max(budget, self.engine.pool.num_blocks // 4)
+        if blocks > self.engine.pool.num_blocks:
+            raise InvalidRequestError("a fragment and the prefix do not fit the KV cache")
+        return plan, ops, blocks
 
     def _admit(self, query: Query) -> bool:
         """Admission: running span queries together may need at most the whole pool (their
@@ -132,9 +139,12 @@ class SpanQueries:
         self._reserved += query.blocks
         return True
 
-    def add_corpus(self, name: str, fragments: dict[str, str]) -> dict[str, int]:
+    def add_corpus(self, name: str, fragments: dict[str, str], prepare_after: Node | None = None,
+                   check_prepare: bool = False) -> dict[str, int]:
         """Register (or extend) corpus ``name``; returns its size. Fragments are tokenized
-        now (bad text fails here) and computed, then cached, the first time a query uses them."""
+        now (bad text fails here) and computed, then cached, the first time a query uses them.
+        With ``check_prepare``, a preparation after ``prepare_after`` must be possible too
+        (prefix and every fragment): nothing is registered when it is not."""
         if not name or len(name) > 128:
             raise InvalidRequestError("a corpus name must have 1-128 characters")
         corpus = self.corpora.get(name, {})
@@ -148,6 +158,8 @@ class SpanQueries:
             if n >= self.engine.max_model_len:
                 raise InvalidRequestError(f"fragment {fid!r} has {n} tokens; the context is {self.engine.max_model_len}")
             tokens += n
+        if check_prepare:
+            self._prepare_plan({**corpus, **fragments}, prepare_after)
         self.corpora[name] = {**corpus, **fragments}
         return {"fragments": len(self.corpora[name]), "tokens_added": tokens}
 
