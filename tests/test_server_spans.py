@@ -150,3 +150,7 @@ def test_bad_trees_are_400_with_the_node_path(http, query, status, words):
     assert r.json()["error"]["type"] == "invalid_request_error"
     e = http.post("/v1/spans/explain", json={"query": query})
     assert e.status_code == status and words in e.json()["error"]["message"]
+    # in a bulk request, behind a good query, the path names the query: queries[1]...
+    b = http.post("/v1/spans/bulk", json={"queries": [rag(DOCS[:1]), query]})
+    assert b.status_code == status, b.text
+    assert words.replace("query", "queries[1]", 1) in b.json()["error"]["message"]

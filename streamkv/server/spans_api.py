@@ -130,11 +130,20 @@ async def explain(body: ExplainBody, request: Request) -> dict[str, Any]:
             "layout": info["layout"], "drawing": draw_layout(info["layout"])}
 
 
+def _plan_at(e: Any, i: int, tree: ir.Node, locality_k: int | None) -> Any:
+    """Query i's plan; its errors name the node under ``queries[i]`` (the planner says "query")."""
+    try:
+        return e.spans.plan(tree, locality_k)[1]
+    except ir.SpanQueryError as exc:
+        rest = exc.path[len("query"):] if exc.path.startswith("query") else f".{exc.path}"
+        raise ir.SpanQueryError(f"queries[{i}]{rest}", str(exc)[len(exc.path) + 2:]) from None
+
+
 @router.post("/spans/bulk")
 async def bulk(body: BulkBody, request: Request) -> dict[str, Any]:
     engine = _engine(request)
     trees = [ir.parse(q, f"queries[{i}]") for i, q in enumerate(body.queries)]
-    plans = await engine.call(lambda e: [e.spans.plan(t, body.locality_k)[1] for t in trees])
+    plans = await engine.call(lambda e: [_plan_at(e, i, t, body.locality_k) for i, t in enumerate(trees)])
     order = cluster_order(plans) if body.order == "clustered" else list(range(len(trees)))
     gate = asyncio.Semaphore(body.concurrency)
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from streamkv.errors import InvalidRequestError
 from streamkv.sched.sequence import SeqStatus
 from streamkv.spans.cache import SpanCache
 from streamkv.spans.execution import Execution
-from streamkv.spans.ir import Node
+from streamkv.spans.ir import Node, SpanQueryError
 from streamkv.spans.lower import Renderer, SpanPlan, check_ids, layout, lower, lower_prepare
 from streamkv.spans.query import Query, Usage, forks
 from streamkv.spans.rules import OptimizerOptions, optimize
@@ -66,7 +66,7 @@ class SpanQueries:
         plan = lower(optimized, self.renderer, self.engine.max_model_len)
         check_ids(plan, self.engine.bundle.vocab_size)  # type: ignore[attr-defined]
         if self._need(plan) > self.engine.pool.num_blocks:
-            raise InvalidRequestError(f"the query needs up to {plan.max_len()} tokens of KV, some of it twice "
+            raise SpanQueryError("query", f"the query needs up to {plan.max_len()} tokens of KV, some of it twice "
                                       f"(operands and their placed copies): {self._need(plan)} blocks; the KV "
                                       f"cache holds {self.engine.pool.num_blocks}")
         return optimized, plan
