@@ -126,7 +126,10 @@ def test_a_request_reads_pages_among_the_rows_the_default_kept(http):
                                       ({"kv_write": {"policy": "zip"}}, "kv_write"),
                                       ({"kv_read": {"policy": "quest", "budget_tokens": 10}}, "kv_read"),
                                       ({"kv_read": {**QUEST, "rescore": 1}}, "kv_read"),
-                                      ({"kv_write": "snapstream"}, None)])
+                                      ({"kv_write": "snapstream"}, None),
+                                      # a list or object as the name was a 500 (unhashable in the registry)
+                                      ({"kv_write": {"policy": ["snapstream"]}}, "kv_write"),
+                                      ({"kv_read": {"policy": {"name": "quest"}}}, "kv_read")])
 def test_bad_policies_are_400s_naming_the_field(http, kv, param):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **T0, **kv})
     assert r.status_code == 400, r.text

@@ -13,7 +13,7 @@ def build_policy(field: str, registry: dict[str, Callable[..., Any] | None], spe
         raise ValueError(f"{field} must be an object like {{\"policy\": \"{example}\", ...}}, got {spec!r}")
     params = dict(spec)
     name = params.pop("policy", None)
-    if name not in registry:
+    if not isinstance(name, str) or name not in registry:  # (a list or object is not even hashable)
         raise ValueError(f"{field}.policy must be one of {sorted(registry)}, got {name!r}")
     cls = registry[name]
     if cls is None:
