@@ -282,9 +282,9 @@ class KVPolicyConfig:
 
     @property
     def read_policy(self) -> object:
-        from streamkv.policies.read import make_read_policy
+        from streamkv.policies.read import make_read_policy, request_read_spec
 
-        return make_read_policy(_json_object("kv_read", self.kv_read))
+        return make_read_policy(request_read_spec(_json_object("kv_read", self.kv_read)))
 
 
 def _json_object(name: str, text: str | None) -> dict[str, object] | None:

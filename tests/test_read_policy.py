@@ -2,6 +2,8 @@
 torch one, and attention over the picked pages against a float64 reference, per backend."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -331,3 +333,17 @@ def test_the_fused_selecting_step_equals_the_per_layer_path(monkeypatch):
         assert x.token_ids == y.token_ids
         assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
     assert a[0].kv == b[0].kv and a[0].kv["pages_picked"] < a[0].kv["pages_scored"]
+
+
+def test_a_server_default_quest_acts_like_the_same_object_in_a_request():
+    """``--kv-read`` with a quest object and a request sending that object get one policy: both
+    re-score every decode step (the default used to keep the dataclass's ``rescore: false``)."""
+    from streamkv.config import KVPolicyConfig
+    from streamkv.engine.kv_policies import KVPolicies
+
+    spec = {"policy": "quest", "budget_tokens": 96, "sink_tokens": 16, "recent_tokens": 32}
+    default = KVPolicies.from_config(KVPolicyConfig(kv_read=json.dumps(spec)))
+    assert default.read is not None and default.read.rescore
+    assert default.resolve(None, None)[1] == KVPolicies().resolve(None, spec)[1] == default.read
+    pinned = KVPolicies.from_config(KVPolicyConfig(kv_read=json.dumps({**spec, "rescore": False})))
+    assert pinned.read is not None and not pinned.read.rescore

@@ -7,7 +7,7 @@ from typing import Any
 
 from streamkv.config import KVPolicyConfig
 from streamkv.errors import InvalidRequestError
-from streamkv.policies.read import ReadCount, ReadPolicy, make_read_policy
+from streamkv.policies.read import ReadCount, ReadPolicy, make_read_policy, request_read_spec
 from streamkv.policies.write import WritePolicy, make_write_policy
 from streamkv.sched.sequence import Sequence
 
@@ -29,8 +29,7 @@ class KVPolicies:
         """A request's policies: its own (``{"policy": "none"}`` turns one off) or the defaults;
         raises InvalidRequestError naming the problem. Both may apply: the read policy then picks
         pages among the rows the write policy kept (its ring is always read)."""
-        if isinstance(kv_read, dict) and kv_read.get("policy") == "quest" and "rescore" not in kv_read:
-            kv_read = {**kv_read, "rescore": True}  # a request's decode rows re-score every step (Quest)
+        kv_read = request_read_spec(kv_read)
         write = self.write if kv_write is None else _parse("kv_write", make_write_policy, kv_write)
         read = self.read if kv_read is None else _parse("kv_read", make_read_policy, kv_read)
         return write, read

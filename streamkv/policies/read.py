@@ -231,3 +231,12 @@ def make_read_policy(spec: ReadPolicy | dict[str, Any] | None) -> ReadPolicy | N
     if spec is None or isinstance(spec, ReadPolicy):
         return spec
     return build_policy("kv_read", READ_POLICIES, spec, "quest")
+
+
+def request_read_spec(spec: Any) -> Any:
+    """A request's ``kv_read`` object (its own, or the server's ``--kv-read`` default, alike): a
+    ``quest`` without ``rescore`` re-scores every decode step (sessions' questions reuse their
+    picks unless told otherwise)."""
+    if isinstance(spec, dict) and spec.get("policy") == "quest" and "rescore" not in spec:
+        return {**spec, "rescore": True}
+    return spec
