@@ -95,11 +95,34 @@ def test_websocket_frames(server, http):
     assert frames[-1]["text"] == ref["choices"][0]["text"]
 
 
+def test_structured_output_applies_to_the_finished_stream(http):
+    """guided_regex / response_format were accepted and ignored: the finished stream gives what
+    /v1/completions gives for the final prompt under the same constraint."""
+    body = {"max_tokens": 8, "temperature": 0, "guided_regex": "[0-9]{3}-[0-9]{4}"}
+    ref = http.post("/v1/completions", json={"prompt": "My phone number is", **body})
+    assert ref.status_code == 200, ref.text
+    sid = _open(http, prompt="My phone", **body)
+    http.post(f"/v1/input_streams/{sid}/append", json={"text": " number is"})
+    done = http.post(f"/v1/input_streams/{sid}/finish", json={"stream": False}).json()
+    text = done["choices"][0]["text"]
+    assert text == ref.json()["choices"][0]["text"] and len(text) == 8 and text[3] == "-", text
+    r = http.post("/v1/input_streams", json={"prompt": "x", "guided_regex": "(unclosed"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+
+
 def test_errors_and_limits(http):
     assert http.post("/v1/input_streams/istr_nope/append", json={"text": "x"}).status_code == 404
     assert http.post("/v1/input_streams", json={"prompt": "a", "messages": []}).status_code == 400
     assert http.post("/v1/input_streams", json={"prompt": "a", "n": 2}).status_code == 400
     assert http.post("/v1/input_streams", json={"messages": [{"role": "assistant", "content": "x"}]}).status_code == 400
+    for bad in (0, -1, 512, 10**9):  # max_tokens 0 ran as the default (16); past the context ran truncated
+        r = http.post("/v1/input_streams", json={"prompt": "a", "max_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    call = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    r = http.post("/v1/input_streams", json={"messages": [  # the stream's template would drop the call
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": call},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}, {"role": "user", "content": "So?"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     sid = _open(http, prompt="hello")
     r = http.post(f"/v1/input_streams/{sid}/append", json={"text": " word" * 600})
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]

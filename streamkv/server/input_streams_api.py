@@ -32,6 +32,7 @@ from streamkv.server.openai_api import (chat_chunks, chat_logprobs, completion_c
                                         sampling_fields, stream_sse, usage)
 from streamkv.server.protocol import ChatMessage, StreamOptions, _Body, _Sampling, message_text
 from streamkv.server.state import ServerState
+from streamkv.server.structured import compile_guided, guided_spec
 
 router = APIRouter(prefix="/v1/input_streams")
 
@@ -66,8 +67,17 @@ async def open_input(body: OpenInput, request: Request) -> dict[str, Any]:
         raise APIError(400, "input streams generate one choice (n=1)", param="n")
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' or 'messages'")
+    if body.max_tokens is not None and not 1 <= body.max_tokens < state.limits.max_model_len:
+        raise APIError(400, f"max_tokens must be in [1, {state.limits.max_model_len - 1}] (the context is "
+                            f"{state.limits.max_model_len} tokens), got {body.max_tokens}", param="max_tokens")
+    if any(m.tool_calls for m in body.messages or []):  # the stream's template renders text turns only
+        raise APIError(400, "input streams take text messages; a turn with tool_calls goes to "
+                            "/v1/chat/completions", param="messages")
     default = 16 if body.prompt is not None else state.limits.max_model_len
-    params = make_params(max_tokens=body.max_tokens or default, logprobs=body.logprobs, **sampling_fields(body))
+    guided, field = guided_spec(body)
+    params = make_params(max_tokens=body.max_tokens or default, logprobs=body.logprobs, guided=guided,
+                         **sampling_fields(body))
+    await compile_guided(state.engine, guided, field)
     messages = None if body.messages is None else [
         {"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
         for m in body.messages]
