@@ -84,6 +84,10 @@ def test_websocket_frames(server, http):
         assert json.loads(ws.recv())["type"] == "ack"
         ws.send("not json")
         assert json.loads(ws.recv())["error"]["code"] is None
+        ws.send(b"\xff\xfe")  # binary frames: read as UTF-8 JSON (they crashed the handler)
+        assert json.loads(ws.recv())["type"] == "error"
+        ws.send(json.dumps({"type": "append", "text": ""}).encode())
+        assert json.loads(ws.recv())["type"] == "ack"
         ws.send(json.dumps({"type": "update", "text": "Once upon a time there lived a"}))
         ack = json.loads(ws.recv())
         assert ack["op"] == "update" and "lcp" in ack
@@ -93,6 +97,17 @@ def test_websocket_frames(server, http):
             frames.append(json.loads(ws.recv()))
     ref = http.post("/v1/completions", json={"prompt": "Once upon a time there lived a", **T0}).json()
     assert frames[-1]["text"] == ref["choices"][0]["text"]
+    # unknown and finished ids: an error frame with the status, then a close with 4000 + status
+    # (a close before the handshake reached the client as a bare HTTP 403)
+    from websockets.exceptions import ConnectionClosed
+
+    for rid, status in (("istr_nope", 404), (sid, 409)):
+        with connect(server.url.replace("http", "ws") + f"/v1/input_streams/{rid}/ws") as ws:
+            err = json.loads(ws.recv())
+            assert err["type"] == "error" and err["error"]["message"], err
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv()
+            assert closed.value.rcvd.code == 4000 + status
 
 
 def test_structured_output_applies_to_the_finished_stream(http):

@@ -198,6 +198,9 @@ async def input_ws(websocket: WebSocket, stream_id: str) -> None:
     try:
         handle = await _handle(websocket, stream_id)
     except StreamKVError as exc:
+        # accepted first: a close before the handshake reaches the client as a bare HTTP 403
+        await websocket.accept()
+        await websocket.send_json({"type": "error", **error_body(_status(exc), str(exc))})
         await websocket.close(code=4000 + _status(exc), reason=str(exc)[:120])
         return
     await websocket.accept()
@@ -214,9 +217,12 @@ async def input_ws(websocket: WebSocket, stream_id: str) -> None:
 
 async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str, Any] | None:
     """Handle one frame; returns None once the request finished (its outputs were sent)."""
-    raw = await websocket.receive_text()
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
     try:
-        frame = json.loads(raw)
+        raw = message["text"] if message.get("text") is not None else (message.get("bytes") or b"").decode()
+        frame = json.loads(raw)  # a binary frame is read as UTF-8 JSON too (it crashed the handler)
         if not isinstance(frame, dict) or frame.get("type") not in ("append", "update", "finish"):
             raise APIError(400, "frames must be JSON objects with type 'append', 'update' or 'finish'")
         kind = frame["type"]
@@ -230,7 +236,7 @@ async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str,
         text = InputText.model_validate({"text": frame.get("text")}).text
         ack = await (handle.append(text) if kind == "append" else handle.update(text))
         reply = {"type": "ack", "op": kind, **ack}
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         reply = {"type": "error", **error_body(400, "frame is not valid JSON")}
     except ValidationError:
         reply = {"type": "error", **error_body(400, "text must be a string")}
