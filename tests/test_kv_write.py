@@ -268,6 +268,27 @@ def test_bad_policies_are_refused_before_anything_is_queued(llm):
         engine.add_request("bad", "", PARAMS, partial=True, kv_write=SNAP)
 
 
+def test_a_compression_that_can_never_fit_the_pool_is_refused_not_queued(llm):
+    """The chunk reaching the compression point holds the prompt's blocks and the kept rows' new
+    ones at once; a request whose peak exceeds the pool used to wait for blocks forever, and
+    every request after it with it. It is refused (a request, or a stream at finish, which keeps
+    its input), and the engine still serves."""
+    engine = llm.engine
+    big = {"policy": "snapstream"}  # defaults: 64 + 1,024 + 512 = 1,600 rows kept = 100 blocks
+    prompt = list(range(1000, 3000))  # 2,000 tokens = 125 blocks: fits the 160-block pool alone
+    assert engine.kv.blocks_for(len(prompt) + 1) <= engine.pool.num_blocks
+    with pytest.raises(InvalidRequestError, match="kv_write: compressing this 2000-token prompt holds up to 225"):
+        engine.add_request("huge", prompt, PARAMS, kv_write=big)
+    assert not engine.has_request("huge")
+    h = llm.open_input(" word" * 1999, PARAMS, kv_write=big)
+    with pytest.raises(InvalidRequestError, match="kv_write: compressing"):
+        h.finish()
+    assert engine.inputs.get(h.request_id).text == " word" * 1999  # still open, input kept
+    engine.abort(h.request_id)
+    out = llm.generate(["A short prompt."], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert len(out.token_ids) == 4
+
+
 # ----------------------------------------------------------------------------- transformers oracle
 def _reference_compressed_decode(hf, ids: list[int], policy: SnapStreamPolicy, tokens: list[int]) -> list[torch.Tensor]:
     """Log-probabilities [vocab] (float64) of each of ``tokens``' positions, decoded with

@@ -25,6 +25,7 @@ from streamkv.kv.block_pool import BlockPool
 from streamkv.kv.host_pool import HostPool
 from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadPolicy
+from streamkv.policies.write import WritePolicy
 from streamkv.ops.seq_ops import SeqOps
 from streamkv.sampling.detokenizer import IncrementalDetokenizer
 from streamkv.sampling.params import SamplingParams, prompt_seed
@@ -140,6 +141,7 @@ class Engine:
         write, read = (None, None) if partial else self.kv_policies.resolve(kv_write, kv_read)
         text, ids = self.tokenize_prompt(prompt) if not (partial and not prompt) else (None, [])
         self._validate_ids(ids, allow_empty=partial)
+        self.check_write_fits(len(ids), write)
         if self.config.cache.seed_from_prompt and params.seed is None and not params.greedy and not partial:
             params = replace(params, seed=prompt_seed(ids))  # identical requests, identical outputs
         lossy = write is not None or read is not None  # approximate KV: never a response-cache entry
@@ -230,6 +232,21 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but the KV cache holds only "
                 f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-cache-memory")
+
+    def check_write_fits(self, n_tokens: int, write: WritePolicy | None) -> None:
+        """A prompt of ``n_tokens`` under the write policy ``write`` (None: nothing to check) must
+        fit the pool where it peaks: the chunk reaching the compression point holds the prompt's
+        blocks and the kept rows' new ones at once (Sequence.extra_blocks). One that never can
+        would wait for free blocks forever, ahead of everything queued after it."""
+        if write is None:
+            return
+        bs = self.pool.block_size
+        need = self.kv.blocks_for(write.point(n_tokens)) + -(-write.capacity // bs)
+        if need > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"kv_write: compressing this {n_tokens}-token prompt holds up to {need} KV blocks at once "
+                f"(the prompt's and the {write.capacity} kept rows' copies) but the KV cache has "
+                f"{self.pool.num_blocks}; raise --kv-cache-memory or lower the policy's budget")
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
