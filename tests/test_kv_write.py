@@ -280,6 +280,10 @@ def test_a_compression_that_can_never_fit_the_pool_is_refused_not_queued(llm):
     with pytest.raises(InvalidRequestError, match="kv_write: compressing this 2000-token prompt holds up to 225"):
         engine.add_request("huge", prompt, PARAMS, kv_write=big)
     assert not engine.has_request("huge")
+    # a prompt below the capacity compresses only if its answer reaches the capacity: this one never does
+    engine.add_request("short", prompt[:100], PARAMS, kv_write=big)
+    assert engine.has_request("short")
+    engine.abort("short")
     h = llm.open_input(" word" * 1999, PARAMS, kv_write=big)
     with pytest.raises(InvalidRequestError, match="kv_write: compressing"):
         h.finish()

@@ -141,7 +141,7 @@ class Engine:
         write, read = (None, None) if partial else self.kv_policies.resolve(kv_write, kv_read)
         text, ids = self.tokenize_prompt(prompt) if not (partial and not prompt) else (None, [])
         self._validate_ids(ids, allow_empty=partial)
-        self.check_write_fits(len(ids), write)
+        self.check_write_fits(len(ids), params.max_tokens, write)
         if self.config.cache.seed_from_prompt and params.seed is None and not params.greedy and not partial:
             params = replace(params, seed=prompt_seed(ids))  # identical requests, identical outputs
         lossy = write is not None or read is not None  # approximate KV: never a response-cache entry
@@ -233,12 +233,13 @@ class Engine:
                 f"prompt has {len(ids)} tokens but the KV cache holds only "
                 f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-cache-memory")
 
-    def check_write_fits(self, n_tokens: int, write: WritePolicy | None) -> None:
-        """A prompt of ``n_tokens`` under the write policy ``write`` (None: nothing to check) must
-        fit the pool where it peaks: the chunk reaching the compression point holds the prompt's
-        blocks and the kept rows' new ones at once (Sequence.extra_blocks). One that never can
-        would wait for free blocks forever, ahead of everything queued after it."""
-        if write is None:
+    def check_write_fits(self, n_tokens: int, max_tokens: int, write: WritePolicy | None) -> None:
+        """A prompt of ``n_tokens`` (answer up to ``max_tokens``) under the write policy ``write``
+        (None: nothing to check) must fit the pool where it peaks, if it gets there: the chunk
+        reaching the compression point holds the point's blocks and the kept rows' new ones at
+        once (Sequence.extra_blocks). One that never can would wait for free blocks forever,
+        ahead of everything queued after it."""
+        if write is None or write.point(n_tokens) > n_tokens + max_tokens - 1:  # never compresses
             return
         bs = self.pool.block_size
         need = self.kv.blocks_for(write.point(n_tokens)) + -(-write.capacity // bs)

@@ -173,7 +173,7 @@ class InputStreams:
     # ------------------------------------------------------------------ helpers
     def _set_text(self, stream: InputStream, text: str, final: bool, event: str) -> tuple[int, int]:
         """Re-tokenize, keep the LCP, invalidate the rest; on error nothing changes."""
-        ids = self._ids(stream.source, text, final, stream.write)
+        ids = self._ids(stream.source, text, final, stream)
         seq, ops = stream.seq, self.engine.seq_ops
         lcp = _common_prefix(seq.tokens, ids)
         # the last token is always recomputed (its logits give the first output token), as
@@ -192,7 +192,7 @@ class InputStreams:
         seq.event(event, now)
         return lcp, dropped
 
-    def _ids(self, source: InputSource, text: str, final: bool, write: Any = None) -> list[int]:
+    def _ids(self, source: InputSource, text: str, final: bool, stream: InputStream | None = None) -> list[int]:
         """Token ids of the rendered input, checked against the context and the KV pool (at
         finish, with the stream's write policy applied)."""
         rendered = source.render(text, final)
@@ -209,8 +209,8 @@ class InputStreams:
                                       f"earlier input")
         if final and not ids:
             raise InvalidRequestError("the input is empty; append text before finishing")
-        if final:
-            self.engine.check_write_fits(len(ids), write)
+        if final and stream is not None:
+            self.engine.check_write_fits(len(ids), stream.seq.params.max_tokens, stream.write)
         return ids
 
     def _close(self, stream: InputStream, state: str) -> None:

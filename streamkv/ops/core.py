@@ -44,9 +44,9 @@ class EngineCore(Protocol):
                          klass: "PriorityClass" = ..., read: "ReadPolicy | None" = None) -> "Sequence":
         """Generate from a copy-on-write fork of ``parent``'s first ``num_tokens`` tokens."""
 
-    def check_write_fits(self, n_tokens: int, write: Any) -> None:
-        """InvalidRequestError when a prompt of ``n_tokens`` under write policy ``write`` can
-        never fit the KV pool where its compression peaks (None: nothing to check)."""
+    def check_write_fits(self, n_tokens: int, max_tokens: int, write: Any) -> None:
+        """InvalidRequestError when a prompt of ``n_tokens`` (answer up to ``max_tokens``) under
+        write policy ``write`` reaches a compression that can never fit the KV pool."""
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` names a live request."""
