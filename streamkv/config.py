@@ -5,6 +5,8 @@ metadata entry becomes a ``--flag``.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,8 +149,8 @@ class SchedulerConfig:
         if not 0.0 < self.admission_ceiling <= 1.0 or not 0.0 < self.admission_high_water <= 1.0:
             raise ValueError(f"admission_ceiling and admission_high_water must be in (0, 1], got "
                              f"{self.admission_ceiling}, {self.admission_high_water}")
-        if self.stall_factor is not None and self.stall_factor <= 1.0:
-            raise ValueError(f"stall_factor must be > 1 (a step may take that many decode steps), got "
+        if self.stall_factor is not None and not 1.0 < self.stall_factor < math.inf:  # (NaN fails too)
+            raise ValueError(f"stall_factor must be a finite number > 1 (a step may take that many decode steps), got "
                              f"{self.stall_factor}")
         if self.chunking not in ("adaptive", "static"):
             raise ValueError(f"chunking must be adaptive or static, got {self.chunking!r}")

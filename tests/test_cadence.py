@@ -37,7 +37,8 @@ def test_under_steady_arrivals_the_decode_time_comes_from_mixed_steps():
     assert c.prompt_rows(2048) == 40  # (3 - 1) x 20 ms / 1 ms
 
 
-@pytest.mark.parametrize("bad", [1.0, 0.5, -2.0])
+# nan and inf passed the old "<= 1" check and the engine died at its first step (int(nan) in prompt_rows)
+@pytest.mark.parametrize("bad", [1.0, 0.5, -2.0, float("nan"), float("inf")])
 def test_a_factor_of_one_or_less_is_refused(bad):
     with pytest.raises(ValueError, match="stall_factor"):
         SchedulerConfig(stall_factor=bad)

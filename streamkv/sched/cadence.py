@@ -15,6 +15,8 @@ first token, which ``benchmarks/multitenant.py`` measures. Off by default.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 
@@ -30,8 +32,8 @@ class StepCadence:
     """:meth:`observe` learns from each step; :meth:`prompt_rows` answers for the next."""
 
     def __init__(self, factor: float, min_tokens: int = 32, alpha: float = 0.2) -> None:
-        if factor <= 1.0:
-            raise ValueError(f"stall_factor must be > 1, got {factor}")
+        if not 1.0 < factor < math.inf:  # (NaN fails too: it would reach int() in prompt_rows)
+            raise ValueError(f"stall_factor must be a finite number > 1, got {factor}")
         if min_tokens < 1 or not 0.0 < alpha <= 1.0:
             raise ValueError(f"need min_tokens >= 1 and alpha in (0, 1], got {min_tokens}, {alpha}")
         self.factor = factor
