@@ -219,6 +219,11 @@ def test_bad_session_requests_get_4xx_and_nothing_is_lost(server, client):
         resp = httpx.request(method, server.url + path.format(sid=sess.id), json=body, timeout=30)
         assert resp.status_code == status, (method, path, body, resp.text)
         assert "error" in resp.json() and resp.json()["error"]["message"]
+    for body, param in [({"kv_read": {"policy": "everything"}}, "kv_read"), ({"evict": "lru"}, "evict"),
+                        ({"evict": "snapkv", "kv_write": {"sink_tokens": 8}}, "kv_write"),
+                        ({"evict": "snapkv", "kv_write": {"observation_tokens": False}}, "kv_write")]:
+        resp = httpx.post(server.url + "/v1/sessions", json=body, timeout=30)  # the spec's errors name their field
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.text)
     resp = httpx.post(server.url + f"/v1/sessions/{sess.id}/data", content=b"\xff\xfe{bad", timeout=30,
                       headers={"content-type": "application/json"})
     assert resp.status_code == 400

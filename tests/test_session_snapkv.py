@@ -105,6 +105,11 @@ def test_window_never_exceeds_the_retention_and_memory_stays_in_budget(sizes, bu
     ({"evict": "snapkv", "kv_write": {"budget_tokens": 2048}}, "less than retention_tokens"),
     ({"evict": "snapkv", "kv_write": {"budget_tokens": 8}}, "at least observation_tokens"),
     ({"evict": "snapkv", "kv_write": {"pool_kernel": 4}}, "pool_kernel must be odd"),
+    # observation_tokens becomes the session's window: its errors named window_tokens, which
+    # a session never takes; an unknown policy was "needs a policy that scores tokens"
+    ({"evict": "snapkv", "kv_write": {"observation_tokens": False}}, "observation_tokens must be an integer >= 1"),
+    ({"evict": "snapkv", "kv_write": {"observation_tokens": 0}}, "observation_tokens must be an integer >= 1"),
+    ({"evict": "snapkv", "kv_write": {"policy": "bogus"}}, "kv_write.policy must be one of"),
 ])
 def test_bad_eviction_specs_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):

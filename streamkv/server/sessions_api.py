@@ -35,6 +35,13 @@ def _engine(request: Request | WebSocket) -> AsyncEngine:
     return state.engine
 
 
+def _spec_param(message: str, fields: dict[str, Any]) -> str | None:
+    """The spec field a validation message is about: the one it starts with (spec errors name
+    their field first: ``kv_write snapstream: ...``, ``"evict": ...``), else None."""
+    head = message.lstrip('"')
+    return next((f for f in sorted(fields, key=len, reverse=True) if head.startswith(f)), None)
+
+
 @router.post("", status_code=201)
 async def create_session(body: CreateSession, request: Request) -> dict[str, Any]:
     fields = body.model_dump()
@@ -45,7 +52,7 @@ async def create_session(body: CreateSession, request: Request) -> dict[str, Any
     try:
         spec = SessionSpec(**fields)
     except ValueError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), param=_spec_param(str(exc), fields)) from None
     guided = [guided_spec(q) for q in flash]
     for g, field in guided:
         await compile_guided(_engine(request), g, field)

@@ -128,14 +128,17 @@ def _eviction_policy(spec: SessionSpec) -> WritePolicy | None:
     if raw is None or isinstance(raw, dict):
         raw = {"policy": "snapstream", **(raw or {})}
         if raw["policy"] != "snapstream":
+            make_write_policy(raw)  # an unknown policy or field: its own message first
             raise ValueError('"evict": "snapkv" needs a policy that scores tokens: kv_write {"policy": "snapstream", ...}')
         obs = raw.get("observation_tokens", SnapStreamPolicy.observation_tokens)
+        if isinstance(obs, bool) or not isinstance(obs, int) or obs < 1:  # (before it becomes window_tokens)
+            raise ValueError(f"kv_write snapstream: observation_tokens must be an integer >= 1, got {obs!r}")
         if raw.get("sink_tokens", 0) != 0:
             raise ValueError("kv_write on a session: sink_tokens does not apply (the frozen prefix is the sink)")
         if raw.get("window_tokens", obs) != obs:
             raise ValueError("kv_write on a session: window_tokens does not apply (the record window is the "
                              "recent part; the observed rows are the newest records)")
-        raw.update(sink_tokens=0, window_tokens=obs if isinstance(obs, int) else 1)
+        raw.update(sink_tokens=0, window_tokens=obs)
         raw.setdefault("budget_tokens", max(1, spec.retention_tokens // 4))
     policy = make_write_policy(raw)
     if policy is None or not policy.observation:
