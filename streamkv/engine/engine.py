@@ -241,8 +241,7 @@ class Engine:
         ahead of everything queued after it."""
         if write is None or write.point(n_tokens) > n_tokens + max_tokens - 1:  # never compresses
             return
-        bs = self.pool.block_size
-        need = self.kv.blocks_for(write.point(n_tokens)) + -(-write.capacity // bs)
+        need = self.kv.blocks_for(write.point(n_tokens)) + write.layout_blocks(self.pool.block_size)
         if need > self.pool.num_blocks:
             raise InvalidRequestError(
                 f"kv_write: compressing this {n_tokens}-token prompt holds up to {need} KV blocks at once "

@@ -97,6 +97,10 @@ class WritePolicy(ABC):
     def layout(self, prompt_len: int) -> KVLayout:
         return KVLayout(self.point(prompt_len), self.sink_tokens, self.budget, self.window_tokens)
 
+    def layout_blocks(self, block_size: int) -> int:
+        """Blocks of the layout itself: the kept rows copied into fresh blocks at the point."""
+        return -(-self.capacity // block_size)
+
     def moves(self, prompt_len: int) -> bool:
         """Whether reaching the layout drops rows (the prompt is longer than the capacity)."""
         return prompt_len > self.capacity

@@ -164,7 +164,7 @@ class Sequence:
         holds the compressed rows' blocks (the runner moves the kept rows there)."""
         if not self.compresses or end != self.write_point:
             return 0
-        return -(-self.write.capacity // block_size)
+        return self.write.layout_blocks(block_size)
 
     @property
     def match_tokens(self) -> list[int]:

@@ -135,8 +135,7 @@ def _plan_at(e: Any, i: int, tree: ir.Node, locality_k: int | None) -> Any:
     try:
         return e.spans.plan(tree, locality_k)[1]
     except ir.SpanQueryError as exc:
-        rest = exc.path[len("query"):] if exc.path.startswith("query") else f".{exc.path}"
-        raise ir.SpanQueryError(f"queries[{i}]{rest}", str(exc)[len(exc.path) + 2:]) from None
+        raise exc.under(f"queries[{i}]") from None
 
 
 @router.post("/spans/bulk")

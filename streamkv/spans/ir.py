@@ -39,7 +39,12 @@ class SpanQueryError(InvalidRequestError):
 
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}")
-        self.path = path
+        self.path, self.message = path, message
+
+    def under(self, root: str) -> SpanQueryError:
+        """The same error with the tree's root path ``query`` read as ``root`` (a bulk's ``queries[i]``)."""
+        rest = self.path[len("query"):] if self.path.startswith("query") else f".{self.path}"
+        return SpanQueryError(root + rest, self.message)
 
 
 @dataclass(frozen=True)
