@@ -67,48 +67,18 @@ static inline void tile_pv(int nv, int ng, int j0, int nj, uint16_t Pb[16][SB], 
     if (nj > 3) _tile_stored(3, O + 16 * (j0 + 3), ld);
 }
 
-/* the online-softmax update of rows [0, rn) from their unscaled scores S (in place: scaled and
- * masked), writing P over the 32 ng keys the tiles read (bf16, zero where a row sees no key, rows
- * [rn, tr) all zero) and each row's rescale factor a; lims[r]: keys of the super-block row r sees */
+/* rows_softmax() of rows [0, rn) over their unscaled scores S (in place), writing P over the 32 ng
+ * keys the tiles read (bf16, zero where a row sees no key, rows [rn, tr) all zero) and each row's
+ * rescale factor a; lims[r]: keys of the super-block row r sees */
 static inline void tile_softmax(float scale, const int64_t* pos, int rn, int tr, int nk, int ng, float S[16][SB],
                                 uint16_t Pb[16][SB], float* a, int* lims, RowState* st) {
-    const __m512 vscale = v_set1(scale);
-    float d[16] = {0}, mn[16], ea[16];
     for (int r = rn; r < tr; r++) memset(Pb[r], 0, sizeof(uint16_t) * 32 * ng);
     for (int r = 0; r < rn; r++) {
-        const int64_t vis = pos[r] + 1;
-        const int lim = vis <= 0 ? 0 : vis < nk ? (int)vis : nk;
-        lims[r] = lim;
-        if (lim == 0) continue;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int x = 0; x < (lim + 15) / 16; x++) {
-            const int left = lim - 16 * x;
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(S[r] + 16 * x), vscale);
-            if (left < 16) s = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), _mm512_set1_ps(-INFINITY), s);
-            _mm512_storeu_ps(S[r] + 16 * x, s);
-            mx = _mm512_max_ps(mx, s);
-        }
-        const float bm = v_hmax(mx);
-        mn[r] = bm > st[r].m ? bm : st[r].m;
-        d[r] = st[r].m - mn[r];
-    }
-    v_store(ea, v_exp(v_load(d)));               /* lane r equals s_exp(d[r]) */
-    for (int r = 0; r < rn; r++) {
-        const int lim = lims[r], rb = (lim + 15) / 16;
+        lims[r] = row_lim(pos[r], nk);
+        const int rb = (lims[r] + 15) / 16;
         memset(Pb[r] + 16 * rb, 0, sizeof(uint16_t) * 16 * (2 * ng - rb));
-        if (lim == 0) continue;
-        a[r] = st[r].m == -INFINITY ? 0.f : ea[r];
-        __m512 tot = _mm512_setzero_ps();
-        for (int x = 0; x < rb; x++) {
-            const int left = lim - 16 * x;
-            __m512 pr = v_exp(_mm512_sub_ps(_mm512_loadu_ps(S[r] + 16 * x), _mm512_set1_ps(mn[r])));
-            if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
-            tot = _mm512_add_ps(tot, pr);
-            _mm256_storeu_si256((__m256i*)(Pb[r] + 16 * x), (__m256i)_mm512_cvtneps_pbh(pr));
-        }
-        st[r].l = st[r].l * a[r] + v_hsum(tot);
-        st[r].m = mn[r];
     }
+    rows_softmax(rn, (__m512 (*)[NB])S, lims, scale, (uint32_t (*)[NB][8])Pb, a, st);
 }
 
 /* Rows [0, rn) of one super-block on tiles of tr rows, rn <= tr <= 16 (qp rows 64 dwords, pairs

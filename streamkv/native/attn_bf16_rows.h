@@ -20,6 +20,62 @@ typedef struct {
     v16 o[2 * MAXDB];
 } RowState;
 
+/* keys of a super-block of nk keys that a row at context index pos (relative to its first key) sees */
+static inline int row_lim(int64_t pos, int nk) { return pos + 1 <= 0 ? 0 : pos + 1 < nk ? (int)(pos + 1) : nk; }
+
+/* The online-softmax update of rows [0, n), n <= 16: the one definition for every row grouping of
+ * super_block() and few_rows() and for the tile path's tile_softmax(). Per row r with lims[r] > 0:
+ *
+ *   s[r][x]  row r's unscaled scores of key block x: scaled, -inf past lims[r] (in place)
+ *   m' = max(m, block max), a[r] = exp(m - m') (0 on the row's first block; every row's in one
+ *   v_exp, lane r of which equals s_exp of lane r's value), p = exp(s - m') (0 past lims[r]),
+ *   P[r][x] = bf16(p) (16 keys per block x), l = l a + hsum(p), m = m'
+ *
+ * Rows with lims[r] == 0 are left alone (a[r], P[r] unset). v_hsum4 == v_hsum per row. */
+static inline __attribute__((always_inline)) void rows_softmax(const int n, __m512 (*s)[NB], const int* lims,
+                                                               float scale, uint32_t (*P)[NB][8], float* a,
+                                                               RowState* st) {
+    const __m512 vscale = v_set1(scale);
+    float d[16] = {0}, mn[16], ea[16], sums[16];
+    __m512 tot[16];
+    for (int r = 0; r < n; r++) {
+        tot[r] = _mm512_setzero_ps();
+        const int lim = lims[r];
+        if (lim == 0) continue;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int x = 0; x < (lim + 15) / 16; x++) {
+            const int left = lim - 16 * x;
+            s[r][x] = _mm512_mul_ps(s[r][x], vscale);
+            if (left < 16) s[r][x] = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), _mm512_set1_ps(-INFINITY), s[r][x]);
+            mx = _mm512_max_ps(mx, s[r][x]);
+        }
+        const float bm = v_hmax(mx);
+        mn[r] = bm > st[r].m ? bm : st[r].m;
+        d[r] = st[r].m - mn[r];
+    }
+    v_store(ea, v_exp(v_load(d)));
+    for (int r = 0; r < n; r++) {
+        const int lim = lims[r];
+        if (lim == 0) continue;
+        a[r] = st[r].m == -INFINITY ? 0.f : ea[r];
+        for (int x = 0; x < (lim + 15) / 16; x++) {
+            const int left = lim - 16 * x;
+            __m512 pr = v_exp(_mm512_sub_ps(s[r][x], _mm512_set1_ps(mn[r])));
+            if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
+            tot[r] = _mm512_add_ps(tot[r], pr);
+            _mm256_storeu_si256((__m256i*)P[r][x], (__m256i)_mm512_cvtneps_pbh(pr));
+        }
+    }
+    int r = 0;
+    for (; r + 4 <= n; r += 4) v_hsum4(tot[r], tot[r + 1], tot[r + 2], tot[r + 3], sums + r);
+    for (; r < n; r++) sums[r] = v_hsum(tot[r]);
+    for (r = 0; r < n; r++) {
+        if (lims[r] == 0) continue;
+        st[r].l = st[r].l * a[r] + sums[r];
+        st[r].m = mn[r];
+    }
+}
+
 /* P V of rows [0, NR) over the nb whole 16-key blocks of a super-block, interleaved: element j of
  * row r is still one vdpbf16ps chain over the key pairs in order, o[r][j] = s[r].o[j] * a[r] first;
  * only the schedule differs from one row at a time (NR * NV independent chains instead of NV, so
@@ -82,7 +138,6 @@ static void pv_row(int nv, int lim, const __m512i* Vp, uint32_t pp[NB][8], float
 static void few_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int rn, int nk,
                      const __m512i* Kt, const __m512i* Vp, RowState* st) {
     const int DB = (D + 31) / 32, P = D / 2, nv = 2 * DB, nb = (nk + 15) / 16, KS = 16 * DB;
-    const __m512 vscale = v_set1(scale);
     __m512 acc[4][NB];
     if (rn == 3 && nb == NB) qk_rows(3, NB, P, KS, qp, Kt, acc);   /* constant bounds: unrolled */
     else qk_rows(rn, nb, P, KS, qp, Kt, acc);
@@ -90,32 +145,10 @@ static void few_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t
     float a[4];
     int lims[4], whole = rn == 3 && nk == SB && nv <= 4;
     for (int r = 0; r < rn; r++) {
-        RowState* s = st + r;
-        const int64_t vis = pos[r] + 1;                    /* keys of this super-block the row sees */
-        lims[r] = vis <= 0 ? 0 : vis < nk ? (int)vis : nk;
+        lims[r] = row_lim(pos[r], nk);
         whole &= lims[r] == nk;
-        if (vis <= 0) continue;
-        const int lim = lims[r], rb = (lim + 15) / 16;
-        __m512 sc[NB];
-        __mmask16 valid[NB];
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int x = 0; x < rb; x++) {
-            const int left = lim - 16 * x;
-            valid[x] = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-            sc[x] = _mm512_mask_blend_ps(valid[x], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(acc[r][x], vscale));
-            mx = _mm512_max_ps(mx, sc[x]);
-        }
-        const float bm = v_hmax(mx), mn = bm > s->m ? bm : s->m;
-        a[r] = s->m == -INFINITY ? 0.f : s_exp(s->m - mn);
-        __m512 tot = _mm512_setzero_ps();
-        for (int x = 0; x < rb; x++) {
-            const __m512 pr = _mm512_maskz_mov_ps(valid[x], v_exp(_mm512_sub_ps(sc[x], _mm512_set1_ps(mn))));
-            tot = _mm512_add_ps(tot, pr);
-            _mm256_storeu_si256((__m256i*)pp[r][x], (__m256i)_mm512_cvtneps_pbh(pr));
-        }
-        s->l = s->l * a[r] + v_hsum(tot);
-        s->m = mn;
     }
+    rows_softmax(rn, acc, lims, scale, pp, a, st);
     if (whole && nv == 2) pv_rows(3, 2, NB, Vp, pp, a, st);
     else if (whole) pv_rows(3, 4, NB, Vp, pp, a, st);
     else
@@ -131,60 +164,19 @@ static void few_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t
 static void super_block(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
                         const __m512i* Kt, const __m512i* Vp, RowState* st) {
     const int DB = (D + 31) / 32, P = D / 2, nv = 2 * DB, nb = (nk + 15) / 16, KS = 16 * DB;
-    const __m512 vscale = v_set1(scale);
     int r0 = 0;
     for (; r0 + 4 <= R; r0 += 4) {
         __m512 acc[4][NB];
         if (nb == NB) qk_rows(4, NB, P, KS, qp + r0, Kt, acc);   /* constant bounds: unrolled */
         else qk_rows(4, nb, P, KS, qp + r0, Kt, acc);
         uint32_t pp[4][NB][8];
-        float a[4], mn[4], d[16] = {0};
+        float a[4];
         int lims[4], whole = nk % 16 == 0;
-        /* scores scaled and masked in place (acc), each row's new max, then the four rescale
-         * factors exp(m - m') in one v_exp (lane r of v_exp equals s_exp of lane r's value) */
         for (int r = 0; r < 4; r++) {
-            const RowState* s = st + r0 + r;
-            const int64_t vis = pos[r0 + r] + 1;           /* keys of this super-block the row sees */
-            const int lim = vis <= 0 ? 0 : vis < nk ? (int)vis : nk;
-            lims[r] = lim;
-            whole &= lim == nk;
-            if (lim == 0) continue;
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int x = 0; x < (lim + 15) / 16; x++) {
-                const int left = lim - 16 * x;
-                acc[r][x] = _mm512_mul_ps(acc[r][x], vscale);
-                if (left < 16)
-                    acc[r][x] = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), _mm512_set1_ps(-INFINITY), acc[r][x]);
-                mx = _mm512_max_ps(mx, acc[r][x]);
-            }
-            const float bm = v_hmax(mx);
-            mn[r] = bm > s->m ? bm : s->m;
-            d[r] = s->m - mn[r];
+            lims[r] = row_lim(pos[r0 + r], nk);
+            whole &= lims[r] == nk;
         }
-        float ea[16];
-        v_store(ea, v_exp(v_load(d)));
-        __m512 tot[4];
-        for (int r = 0; r < 4; r++) tot[r] = _mm512_setzero_ps();
-        for (int r = 0; r < 4; r++) {
-            RowState* s = st + r0 + r;
-            const int lim = lims[r];
-            if (lim == 0) continue;
-            a[r] = s->m == -INFINITY ? 0.f : ea[r];
-            for (int x = 0; x < (lim + 15) / 16; x++) {
-                const int left = lim - 16 * x;
-                __m512 pr = v_exp(_mm512_sub_ps(acc[r][x], _mm512_set1_ps(mn[r])));
-                if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
-                tot[r] = _mm512_add_ps(tot[r], pr);
-                _mm256_storeu_si256((__m256i*)pp[r][x], (__m256i)_mm512_cvtneps_pbh(pr));
-            }
-        }
-        float sums[4];
-        v_hsum4(tot[0], tot[1], tot[2], tot[3], sums);
-        for (int r = 0; r < 4; r++) {
-            if (lims[r] == 0) continue;
-            st[r0 + r].l = st[r0 + r].l * a[r] + sums[r];
-            st[r0 + r].m = mn[r];
-        }
+        rows_softmax(4, acc, lims, scale, pp, a, st + r0);
         if (whole && nv <= 4) {                            /* D <= 64: 4 rows x nv chains */
             if (nv == 2) pv_rows(4, 2, nb, Vp, pp, a, st + r0);
             else pv_rows(4, 4, nb, Vp, pp, a, st + r0);
