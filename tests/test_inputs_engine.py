@@ -277,5 +277,19 @@ def test_cost_policy_follows_the_profile():
     assert cheap_swap.prefill_s(2048) > cheap_swap.prefill_s(1024)  # extends past the last point
     with pytest.raises(ValueError, match="ascending"):
         CostProfile(((16, 0.1),), ((1, 0.1), (2, 0.2)), ((1, 0.1), (2, 0.2)))
+    for bad in (((16, 0.1), (64, float("inf"))), ((16, 0.1), (64, float("nan"))), ((16, 0.1), (64, -1.0)),
+                ((0, 0.1), (64, 0.2))):
+        with pytest.raises(ValueError, match="finite times"):
+            CostProfile(bad, ((1, 0.1), (2, 0.2)), ((1, 0.1), (2, 0.2)))
     with pytest.raises(ValueError, match="unknown preemption"):
         make_preemption("nope")
+
+
+def test_profile_sizes_fit_the_room_with_two_points_at_least():
+    from streamkv.engine.profile import fitting
+
+    assert fitting((16, 256), 640) == [16, 256]
+    assert fitting((16, 256), 128) == [16, 128]        # one fits: the room joins it
+    assert fitting((16, 256), 16) == [8, 16]           # the one that fits is the room: half of it too
+    assert fitting((16, 256), 8) == [4, 8]
+    assert fitting((1, 16), 1) == [1]                  # no line fits in one block (measure() refuses it)

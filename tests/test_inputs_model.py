@@ -117,3 +117,36 @@ def test_cost_profile_is_measured_cached_and_used(llm, tmp_path, monkeypatch):
     assert all(t > 0 for _, t in measured.prefill + measured.swap_out + measured.swap_in)
     assert profile.load_or_measure(engine).to_dict()["prefill"] == measured.to_dict()["prefill"]  # cached
     assert engine.kv_ops.swap_bytes == 0
+
+
+def test_a_corrupt_profile_is_remeasured_and_a_small_pool_still_gets_two_points(llm, tmp_path, monkeypatch):
+    """Profiles with an infinite size, a NaN time or JSON nested past the parser's depth crashed
+    engine start (only ValueError/KeyError/TypeError were caught); sizes past a small pool or
+    swap space left one point, and a CostProfile needs two, so `--preemption cost` with
+    `--num-blocks 8` and a swap space could not start without a cached profile."""
+    import json
+
+    from streamkv.engine import profile
+    from streamkv.kv.host_pool import HostPool
+
+    engine = llm.engine
+    if not engine.kv.host.num_blocks:
+        engine.kv_ops.attach_host(32)
+        engine.kv.host = HostPool(32)
+    path = tmp_path / "profile.json"
+    monkeypatch.setattr(profile, "profile_path", lambda e: path)
+    line = [[1, 0.001], [16, 0.002]]
+    for bad in (json.dumps({"prefill": [[16, 0.01], [1e999, 1.0]], "swap_out": line, "swap_in": line}),
+                json.dumps({"prefill": [[16, 0.01], [64, float("nan")]], "swap_out": line, "swap_in": line}),
+                "[" * 100_000 + "]" * 100_000):
+        path.write_text(bad)
+        assert all(t > 0 for _, t in profile.load_or_measure(engine).prefill)   # re-measured
+    sizes = {"prefill": (16, 10 ** 6), "swap": (1, 10 ** 6)}             # only the first of each fits
+    measured = profile.measure(engine, sizes, repeats=1)
+    room = min(engine.pool.num_free, engine.kv_ops.host_k.shape[1] // engine.pool.block_size)
+    assert [n for n, _ in measured.prefill] == [16, min(engine.pool.num_free * 16, engine.max_model_len - 1)]
+    assert [n for n, _ in measured.swap_out] == [n for n, _ in measured.swap_in] == [1, room]
+    assert engine.pool.num_used == 0
+    monkeypatch.setattr(engine.kv_ops, "host_k", None)                  # no room to swap 2 blocks
+    with pytest.raises(ValueError, match="swaps 2 blocks at least"):
+        profile.measure(engine, sizes, repeats=1)

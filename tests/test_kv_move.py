@@ -81,3 +81,18 @@ def test_an_in_place_move_whose_ranges_overlap_equals_a_move_into_fresh_slots(dt
     move(fresh_k, fresh_v, src, dst + 400, rope.rotation_table(shift))
     move(k, v, src, dst, rope.rotation_table(shift))
     assert torch.equal(k[:, dst], fresh_k[:, dst + 400]) and torch.equal(v[:, dst], fresh_v[:, dst + 400])
+
+
+def test_a_cache_or_swap_space_past_the_machine_is_a_value_error():
+    """A huge --kv-cache-memory or --swap-space ended in an OSError / RuntimeError traceback
+    (rc 1) instead of the CLI's clean error: both allocations now raise a ValueError naming the
+    setting, and the swap space stays unattached."""
+    from streamkv.attention.backend import KVCache, lazy_zeros
+    from streamkv.runner.kv_ops import KVOps
+
+    with pytest.raises(ValueError, match="lower kv_cache_memory"):
+        lazy_zeros((1 << 62,), torch.uint8, "cpu")
+    ops = KVOps(KVCache(2, 8, 4, 1, 8, torch.float32), None)
+    with pytest.raises(ValueError, match="lower swap_space"):
+        ops.attach_host(1 << 50)
+    assert ops.host_k is None and ops.host_v is None

@@ -122,6 +122,35 @@ def test_too_many_waiting_gets_429(server, model):
     assert all(json.loads(r.text)["choices"][0]["text"] for r in responses if r.status_code == 200)
 
 
+def test_streams_over_the_waiting_limit_get_429_before_they_start(server, model):
+    """A refused streamed request gets its status (429 + Retry-After) before any event, on every
+    route: it was a 200 whose stream broke off (/v1/messages) or carried an in-band 500 (the
+    OpenAI routes). The accepted ones stream to their end."""
+    ask = "Tell me a long story."
+    routes = [("/v1/completions", {"prompt": ask, "ignore_eos": True}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": ask}], "ignore_eos": True}),
+              ("/v1/messages", {"messages": [{"role": "user", "content": ask}]})]
+
+    async def one(c: httpx.AsyncClient, path: str, extra: dict) -> tuple[str, int, str | None, str]:
+        body = {"model": model, "max_tokens": 48, "temperature": 0, "stream": True, **extra}
+        async with c.stream("POST", path, json=body) as r:
+            return path, r.status_code, r.headers.get("retry-after"), (await r.aread()).decode()
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as c:
+            return await asyncio.gather(*(one(c, *routes[i % 3]) for i in range(12)))
+
+    results = asyncio.run(run())
+    assert {code for _, code, _, _ in results} == {200, 429}, [(p, c) for p, c, _, _ in results]
+    for path, code, retry, text in results:
+        if code == 429:
+            assert retry and json.loads(text)["error"]["type"] == "rate_limit_error", (path, text)
+        elif path == "/v1/messages":
+            assert "event: message_stop" in text and "event: error" not in text, text
+        else:
+            assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text
+
+
 def test_utilities(server):
     t = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": "Hello world"}).json()
     assert t["count"] == len(t["tokens"]) > 0

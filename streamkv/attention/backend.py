@@ -91,7 +91,11 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device 
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     n = math.prod(shape) * dtype.itemsize
-    raw = torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=torch.uint8)[:n]  # mmap of 0 bytes fails
+    try:
+        raw = torch.frombuffer(mmap.mmap(-1, max(n, 1)), dtype=torch.uint8)[:n]  # mmap of 0 bytes fails
+    except (OSError, OverflowError) as exc:
+        raise ValueError(f"cannot allocate {n:,} bytes for the KV cache ({exc}): lower kv_cache_memory or "
+                         "num_blocks") from None
     return raw.view(dtype).view(shape)
 
 

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["AsyncEngine", "QueueFullError"]
 
+# put on a request's sink once the engine thread has accepted it (add_request returned): a
+# refusal, if any, always comes before it
+_ACCEPTED = object()
+
 
 @dataclass
 class _Add:
@@ -83,9 +87,11 @@ class AsyncEngine:
 
     # --------------------------------------------------------------- client side
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-                       priority: int = 0, submit: Any = None,
-                       kv: dict[str, Any] | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, submit: Any = None, kv: dict[str, Any] | None = None,
+                       on_accept: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; raises the engine's validation error, if any.
+        ``on_accept()``, when given, is called once the engine has accepted the request, before
+        its first output (a refusal raises instead, and never calls it).
 
         ``submit(engine)``, when given, adds ``request_id`` itself on the engine thread
         instead of ``add_request`` (e.g. a session query forking a session's KV).
@@ -106,6 +112,10 @@ class AsyncEngine:
         try:
             while True:
                 item = await sink.get()
+                if item is _ACCEPTED:
+                    if on_accept is not None:
+                        on_accept()
+                    continue
                 if queued:
                     self.num_queued -= 1
                     queued = False
@@ -227,6 +237,7 @@ class AsyncEngine:
             except Exception as exc:
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
                 return
+            cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, _ACCEPTED)
             self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
         elif isinstance(cmd, _Abort):
             if self.engine.abort(cmd.request_id):

@@ -44,7 +44,7 @@ def load_or_measure(engine: Any, remeasure: bool = False, quick: bool = True) ->
     if path.exists() and not remeasure:
         try:
             return CostProfile.from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             log.warning("ignoring a corrupt cost profile at %s", path)
     profile = measure(engine, QUICK if quick else FULL)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,11 +59,12 @@ def measure(engine: Any, sizes: dict[str, tuple[int, ...]] = FULL, repeats: int 
     """Time prefill of n tokens on fresh blocks, and swapping n blocks out and in (best of ``repeats``)."""
     pool, kv_ops = engine.pool, engine.kv_ops
     usable = min(pool.num_free, kv_ops.host_k.shape[1] // pool.block_size if kv_ops.host_k is not None else 0)
+    if usable < 2:
+        raise ValueError(f"the preemption cost profile swaps 2 blocks at least, but the swap space or the pool has "
+                         f"room for {usable}: raise swap_space or num_blocks, or choose preemption swap or recompute")
     prefill = measure_prefill(engine, sizes["prefill"], repeats)
     swap_out, swap_in = [], []
-    for n in sizes["swap"]:
-        if n > usable:
-            break
+    for n in fitting(sizes["swap"], usable):
         dev = pool.allocate(n)
         try:
             pairs = list(zip(dev, range(n)))
@@ -77,14 +78,19 @@ def measure(engine: Any, sizes: dict[str, tuple[int, ...]] = FULL, repeats: int 
 
 def measure_prefill(engine: Any, sizes: tuple[int, ...], repeats: int = 2) -> list[tuple[int, float]]:
     """``[(n, seconds)]``: one prefill step of ``n`` fresh tokens, best of ``repeats``, for each
-    size that fits the pool and the context (ascending; stops at the first that does not)."""
+    size that fits the pool and the context (``fitting()``: two at least)."""
     runner, pool = engine.bundle.runner, engine.pool
-    out = []
-    for n in sizes:
-        if -(-n // pool.block_size) > pool.num_free or n >= engine.max_model_len:
-            break
-        out.append((n, _best(repeats, lambda n=n: _prefill(runner, pool, n))))
-    return out
+    limit = min(pool.num_free * pool.block_size, engine.max_model_len - 1)
+    return [(n, _best(repeats, lambda n=n: _prefill(runner, pool, n))) for n in fitting(sizes, limit)]
+
+
+def fitting(sizes: tuple[int, ...], limit: int) -> list[int]:
+    """The sizes up to ``limit``, ascending; where fewer than two fit, ``limit`` joins them (and
+    ``limit // 2`` if still alone), so a small pool or swap space still gets a line of two points."""
+    fit = {n for n in sizes if n <= limit}
+    if len(fit) < 2 and limit >= 2:
+        fit |= {limit} if fit - {limit} else {limit // 2, limit}
+    return sorted(fit)
 
 
 def _prefill(runner: Any, pool: Any, n: int) -> None:

@@ -6,6 +6,8 @@ p + shift is a rotation by ``shift`` (DESIGN.md section 3, "Positions").
 """
 from __future__ import annotations
 
+import math
+
 from typing import Sequence
 
 import torch
@@ -51,8 +53,14 @@ class KVOps:
         """Allocate the host swap space (``num_blocks`` blocks, the cache's layout and dtype)."""
         k = self.cache.k
         shape = (k.shape[0], num_blocks * self.cache.block_size, *k.shape[2:])
-        self.host_k = torch.zeros(shape, dtype=k.dtype, device="cpu")
-        self.host_v = torch.zeros(shape, dtype=k.dtype, device="cpu")
+        try:
+            self.host_k = torch.zeros(shape, dtype=k.dtype, device="cpu")
+            self.host_v = torch.zeros(shape, dtype=k.dtype, device="cpu")
+        except (RuntimeError, MemoryError) as exc:  # torch's allocator reports failure as RuntimeError
+            self.host_k = self.host_v = None
+            size = 2 * math.prod(shape) * k.dtype.itemsize
+            raise ValueError(f"cannot allocate {size:,} bytes of swap space ({type(exc).__name__} from the "
+                             "allocator): lower swap_space") from None
 
     @torch.inference_mode()
     def swap(self, out: Sequence[tuple[int, int]], into: Sequence[tuple[int, int]]) -> None:

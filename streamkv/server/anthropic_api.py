@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import InvalidRequestError
 from streamkv.server import tools as tools_mod
-from streamkv.server.errors import APIError
+from streamkv.server.errors import APIError, status_of
 from streamkv.server.generation import (chat_prompt_ids, check_model, check_output, kv_extension, kv_options,
                                        make_params, new_id, resolve_max_tokens, run_all, stream_all)
 from streamkv.server.protocol import MessagesRequest, message_text
@@ -71,7 +71,8 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
     mid = new_id("msg").replace("-", "_")
     message = {"id": mid, "type": "message", "role": "assistant", "model": state.model_name}
     if req.stream:
-        return StreamingResponse(_events(state, request, message, mid, ids, params, kv, tools),
+        outputs = await stream_all(state.engine, mid, [ids], [params], 0, kv)
+        return StreamingResponse(_events(state, request, message, ids, outputs, tools),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     (out,) = await run_all(state.engine, mid, [ids], [params], 0, kv)
     check_output(out)
@@ -83,8 +84,13 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
             **kv_extension([out])}
 
 
-async def _events(state: ServerState, request: Request, message: dict[str, Any], mid: str, ids: list[int],
-                  params: Any, kv: dict[str, Any], tools: list[Any]) -> AsyncIterator[str]:
+# Anthropic's error types by status (an in-band ``error`` event)
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+                503: "overloaded_error"}
+
+
+async def _events(state: ServerState, request: Request, message: dict[str, Any], ids: list[int],
+                  outputs: AsyncIterator[tuple[int, Any]], tools: list[Any]) -> AsyncIterator[str]:
     """Block 0 is text (with tools, held back where a ``<tool_call>`` may start); parsed calls
     follow as ``tool_use`` blocks, each with its input as one ``input_json_delta``."""
     yield _event("message_start", {"message": {**message, "content": [], "stop_reason": None,
@@ -93,7 +99,7 @@ async def _events(state: ServerState, request: Request, message: dict[str, Any],
     yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     sent = 0
     try:
-        async for _, out in stream_all(state.engine, mid, [ids], [params], 0, kv):
+        async for _, out in outputs:
             check_output(out)
             upto = len(out.text) - (tools_mod.held_back(out.text) if tools and not out.finished else 0)
             text, calls = out.text[sent:upto], []
@@ -116,5 +122,6 @@ async def _events(state: ServerState, request: Request, message: dict[str, Any],
                                                "usage": {"output_tokens": len(out.token_ids)},
                                                **kv_extension([out])})
                 yield _event("message_stop", {})
-    except APIError as exc:
-        yield _event("error", {"error": {"type": "api_error", "message": exc.message}})
+    except Exception as exc:  # the response has started: report in-band
+        status, text = status_of(exc)
+        yield _event("error", {"error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": text}})

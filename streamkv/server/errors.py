@@ -36,6 +36,21 @@ def error_body(status: int, message: str) -> dict[str, Any]:
                       "param": None, "code": None}}
 
 
+# the status of each engine error, here and in the exception handlers below
+_STATUS: dict[type, int] = {InvalidRequestError: 400, QueueFullError: 429, SessionNotFoundError: 404,
+                            SessionMovedError: 503, SessionExistsError: 409, InputStreamNotFoundError: 404,
+                            InputStreamClosedError: 409, EngineDeadError: 503}
+
+
+def status_of(exc: BaseException) -> tuple[int, str]:
+    """(HTTP status, message) of an error raised after a streaming response has started, reported
+    in-band: an engine refusal keeps its 4xx / 503; anything else is a 500."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.message
+    status = next((code for kind, code in _STATUS.items() if isinstance(exc, kind)), None)
+    return (status, str(exc)) if status is not None else (500, f"{type(exc).__name__}: {exc}")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:

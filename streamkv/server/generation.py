@@ -115,21 +115,51 @@ async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], par
             t.cancel()
 
 
+_ACCEPTED = object()  # a choice's mark in stream_all()'s queue: the engine accepted it
+
+
 async def stream_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], params: Sequence[SamplingParams],
                      priority: int, kv: dict[str, Any] | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Streaming: ``(choice index, output)`` as they come; cancelling aborts every choice."""
+    """Streaming: starts every choice and returns once the engine has accepted them all, so that
+    a refusal (a validation error, a full queue) raises here, before a response has started, and
+    gets its status; then the iterator yields ``(choice index, output)`` as they come. A refusal
+    of one choice aborts the others; closing the iterator aborts every choice."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv):
+            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv,
+                                             on_accept=lambda: queue.put_nowait((i, _ACCEPTED))):
                 await queue.put((i, out))
         except Exception as exc:
             await queue.put((i, exc))
 
     tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
-    remaining = len(prompts)
+    pending, early = set(range(len(prompts))), []
     try:
+        while pending:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is _ACCEPTED:
+                pending.discard(i)
+            else:                 # an accepted choice's output while another is not yet accepted
+                early.append((i, item))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise
+    return _outputs(queue, tasks, early)
+
+
+async def _outputs(queue: asyncio.Queue, tasks: list[asyncio.Future],
+                   early: list[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    remaining = len(tasks)
+    try:
+        for i, item in early:
+            if item.finished:
+                remaining -= 1
+            yield i, item
         while remaining:
             i, item = await queue.get()
             if isinstance(item, Exception):

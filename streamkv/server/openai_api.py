@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from streamkv.errors import InvalidRequestError
 from streamkv.server import tools as tools_mod
-from streamkv.server.errors import APIError, error_body
+from streamkv.server.errors import APIError, error_body, status_of
 from streamkv.server.generation import (chat_prompt_ids, check_model, check_output, finish_reason, kv_extension,
                                         kv_options, make_params, new_id, per_choice, resolve_max_tokens, run_all,
                                         stream_all, token_text)
@@ -114,7 +114,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        outputs = stream_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
+        outputs = await stream_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
         return stream_sse(completion_chunks(state, request, head, outputs, include_usage,
                                             sum(len(p) for p in prompts), req.n))
     outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
@@ -225,7 +225,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     head = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        outputs = stream_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
+        outputs = await stream_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
         return stream_sse(chat_chunks(state, request, {**head, "object": "chat.completion.chunk"}, outputs, req.n,
                                       len(ids), include_usage, tools if choice != "none" else []))
     outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
@@ -299,10 +299,8 @@ def stream_sse(chunks: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for chunk in chunks:
                 yield chunk
-        except APIError as exc:
-            yield _sse(error_body(exc.status, exc.message))
         except Exception as exc:  # the response has started: report in-band
-            yield _sse(error_body(500, f"{type(exc).__name__}: {exc}"))
+            yield _sse(error_body(*status_of(exc)))
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",

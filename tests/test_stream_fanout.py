@@ -1,0 +1,68 @@
+"""stream_all(): a streamed request's choices are all accepted by the engine before a response
+starts, so a refusal raises with its own type (the route turns it into its 4xx), the other
+choices are aborted, and in-band errors after the start keep their status."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from streamkv.engine.outputs import RequestOutput
+from streamkv.errors import InvalidRequestError, QueueFullError
+from streamkv.server.errors import APIError, status_of
+from streamkv.server.generation import stream_all
+
+
+class FakeEngine:
+    """generate() of choice ``refuse`` raises before accepting; the others accept, then wait for
+    ``go`` and give two outputs. Records which choices were closed before their end."""
+
+    def __init__(self, refuse: int | None) -> None:
+        self.refuse, self.go, self.aborted = refuse, asyncio.Event(), []
+
+    async def generate(self, rid: str, prompt: Any, params: Any, priority: int = 0, kv: Any = None,
+                       on_accept: Any = None):
+        i = int(rid.rsplit("-", 1)[1])
+        if i == self.refuse:
+            await asyncio.sleep(0.01)          # the others are accepted first
+            raise InvalidRequestError(f"choice {i} refused")
+        on_accept()
+        done = False
+        try:
+            await self.go.wait()
+            yield RequestOutput(rid, None, [1], [1], "a")
+            yield RequestOutput(rid, None, [1], [1, 2], "ab", finished=True)
+            done = True
+        finally:
+            if not done:
+                self.aborted.append(i)
+
+
+def test_a_refusal_raises_before_any_output_and_aborts_the_other_choices():
+    async def run():
+        engine = FakeEngine(refuse=1)
+        with pytest.raises(InvalidRequestError, match="choice 1 refused"):
+            await stream_all(engine, "r", [[1]] * 3, [None] * 3, 0)
+        await asyncio.sleep(0.01)
+        return engine.aborted
+
+    assert sorted(asyncio.run(run())) == [0, 2]
+
+
+def test_accepted_choices_stream_every_output():
+    async def run():
+        engine = FakeEngine(refuse=None)
+        outputs = await stream_all(engine, "r", [[1]] * 2, [None] * 2, 0)   # returns once both are accepted
+        engine.go.set()
+        return [(i, out.text, out.finished) async for i, out in outputs]
+
+    got = asyncio.run(run())
+    assert sorted(got) == [(0, "a", False), (0, "ab", True), (1, "a", False), (1, "ab", True)]
+
+
+def test_in_band_errors_keep_their_status():
+    assert status_of(InvalidRequestError("bad kv_write")) == (400, "bad kv_write")
+    assert status_of(QueueFullError("full"))[0] == 429
+    assert status_of(APIError(404, "gone")) == (404, "gone")
+    assert status_of(RuntimeError("boom")) == (500, "RuntimeError: boom")
