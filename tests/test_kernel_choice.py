@@ -29,6 +29,10 @@ def test_the_flag_parses_and_rejects_what_it_cannot_mean():
                      ("linear=q4,linear=dense", "twice")):
         with pytest.raises(ValueError, match=msg):
             parse_kernels(bad)
+    assert parse_kernels("   ") == {}  # blank is auto, as "" is
+    for bad in (123, {"linear": "q4"}, ["linear=q4"], b"linear=q4"):  # the Python API: a ValueError, not an AttributeError
+        with pytest.raises(ValueError, match="expected a string"):
+            parse_kernels(bad)
     with pytest.raises(ValueError, match="one of"):
         RuntimeConfig(kernels="attention=fast")
     assert set(KINDS) == {"linear", "gemm", "lm_head", "attention", "prefill_attention"}
@@ -101,9 +105,50 @@ def test_measured_once_then_read_from_the_cache(shapes, tmp_path, monkeypatch):
     again = choose(shapes, {})
     assert again.paths == first.paths and again.rows == first.rows
     assert all(again.source[k] == "cached" for k in measured)
-    files[0].write_text("{not json")  # a damaged cache is measured again, not trusted
-    third = choose(shapes, {})
-    assert all(third.source[k] == "measured" for k in measured), (third.source, measured)
+    good = files[0].read_text()
+    lock = files[0].with_suffix(".lock")
+    lock.unlink()
+    lock.mkdir()  # the lock cannot be taken (a read-only cache): the cached choice is still read
+    assert all(choose(shapes, {}).source[k] == "cached" for k in measured)
+    lock.rmdir()
+    for damaged in ("{not json", json.dumps({"paths": {k: "bogus" for k in measured}, "timings": {}}),
+                    json.dumps({"paths": {k: 1 for k in measured}, "timings": {}}),
+                    json.dumps({**json.loads(good), "rows": {k: "many" for k in measured}})):
+        files[0].write_text(damaged)  # a damaged cache is measured again, not trusted
+        third = choose(shapes, {})
+        assert all(third.source[k] == "measured" for k in measured), (damaged, third.source)
+        assert all(third.paths[k] in runnable(shapes)[k] for k in measured)
+
+
+def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_start(tmp_path, monkeypatch):
+    """The kernels folder a plain file, or the choice's file a directory: the start measured and
+    then crashed (FileExistsError, IsADirectoryError); now it measures and runs uncached."""
+    shapes = TINY
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path / "a"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "kernels").write_text("not a folder")
+    first = choose(shapes, {})
+    assert all(first.paths[k] in v for k, v in runnable(shapes).items())
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path / "b"))
+    choose(shapes, {})
+    for f in (tmp_path / "b" / "kernels").glob("*.json"):  # every file the choice is written to: a folder now
+        f.unlink()
+        f.mkdir()
+    again = choose(shapes, {})
+    assert again.paths.keys() == first.paths.keys()
+    assert not [f for f in (tmp_path / "b" / "kernels").iterdir() if f.name.endswith(".tmp")]
+
+
+def test_the_kinds_follow_the_cache_dtype_and_the_attention_backend():
+    """A bf16 model with a float32 KV cache has one attention path (the bf16 kernel reads only
+    bf16 caches: a measured bf16 used to stop the server); the fast numerics' prefill kernel is a
+    kind only on the native backend (with --attention-backend torch it was reported, not used)."""
+    assert runnable(ModelShapes(**{**TINY.__dict__, "cache_bf16": False})).get("attention") == ["f32"]
+    fast = ModelShapes(**{**TINY.__dict__, "numerics": "fast", "head_dim": 64})
+    assert "prefill_attention" not in runnable(ModelShapes(**{**fast.__dict__, "backend": "torch"}))
+    assert "native" not in runnable(ModelShapes(**{**fast.__dict__, "cache_bf16": False})).get("prefill_attention", [])
+    with pytest.raises(ValueError, match="cannot run here"):
+        choose(ModelShapes(**{**fast.__dict__, "backend": "torch"}), {"prefill_attention": "sdpa"})
 
 
 def test_an_exact_kind_switches_at_the_measured_crossover():

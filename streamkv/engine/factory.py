@@ -73,7 +73,9 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
     if forced.get("linear") == "q4" and not q4:
         raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, on CPU")
     shapes = ModelShapes(arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                         arch.vocab_size, arch.num_layers, config.runtime.numerics, bf16, q4, q8)
+                         arch.vocab_size, arch.num_layers, config.runtime.numerics, bf16, q4, q8,
+                         cache_bf16=kv_dtype(config, dtype) == torch.bfloat16,
+                         backend=_backend_name(config, device) if config.runtime.numerics == "fast" else "cpu_invariant")
     try:
         return choose(shapes, forced, retune)
     except ValueError as exc:
@@ -99,6 +101,11 @@ def _packed_weights(kernels: KernelChoice, gguf: GGUFFile | None, arch: Any) -> 
         if head is not None:
             out["lm_head.q8"] = head
     return out or None
+
+
+def kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: ``kv_cache_dtype``, or the model's (auto)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.cache.kv_cache_dtype, dtype)
 
 
 def _backend_name(config: EngineConfig, device: torch.device) -> str:
@@ -159,10 +166,10 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics,
                               options=options).eval()
     cc = config.cache
-    kv_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cc.kv_cache_dtype, dtype)
-    per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype)
+    cache_dtype = kv_dtype(config, dtype)
+    per_block = KVCache.bytes_per_block(arch.num_layers, cc.block_size, arch.num_kv_heads, arch.head_dim, cache_dtype)
     num_blocks = cc.num_blocks or max(1, cc.kv_cache_memory // per_block)
-    cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, kv_dtype, device)
+    cache = KVCache(arch.num_layers, num_blocks, cc.block_size, arch.num_kv_heads, arch.head_dim, cache_dtype, device)
     backend = make_backend(_backend_name(config, device), cache, arch.head_dim ** -0.5, **_backend_options(kernels))
     if config.runtime.numerics == "invariant":
         model.attach_native(backend)  # every layer of a step in one native call

@@ -26,7 +26,11 @@ every row count); ``--kernels auto`` measures the rest. The choice is
 cached under ``~/.cache/streamkv/kernels`` (``STREAMKV_CACHE_DIR``), keyed by the CPU model and
 flags, torch's version and threads, the kernels' sources and the model's shapes; another process
 starting meanwhile waits for the first one's measurement (a file lock), so all of them run the
-same kernels. ``streamkv info`` prints the machine, the timings and the choice.
+same kernels. A cached choice that names a path which cannot run here (a damaged file) is measured
+again; a cache folder that cannot be written (a read-only image) costs the cache, not the start.
+Which paths can run follows the model's dtype, the KV cache's dtype (the bf16 attention kernels read
+bf16 caches only) and, under fast numerics, the attention backend (``prefill_attention`` is the
+native backend's). ``streamkv info`` prints the machine, the timings and the choice.
 """
 from __future__ import annotations
 
@@ -37,8 +41,11 @@ import logging
 import math
 import os
 import time
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
+
 import torch
 
 log = logging.getLogger(__name__)
@@ -58,7 +65,9 @@ ALL_ROWS = 2 ** 31 - 1  # an exact kind forced to its packed path takes it at ev
 
 def parse_kernels(spec: str) -> dict[str, str]:
     """``auto`` -> {}; ``linear=q4,attention=bf16`` -> {kind: path} (ValueError naming the problem)."""
-    spec = (spec or "auto").strip()
+    if spec is not None and not isinstance(spec, str):
+        raise ValueError(f"kernels: expected a string, auto or KIND=PATH,..., got {type(spec).__name__} {spec!r}")
+    spec = (spec or "").strip() or "auto"
     if spec == "auto":
         return {}
     out: dict[str, str] = {}
@@ -89,6 +98,12 @@ class ModelShapes:
     bf16: bool           # bf16 weights and cache
     q4: bool             # GGUF Q4_0/Q4_1 layers usable by the 4-bit kernel
     q8_head: bool        # a Q8_0 LM head usable by the int8 kernel
+    cache_bf16: bool | None = None  # a bf16 KV cache (None: as the weights)
+    backend: str = "cpu"            # the attention backend (fast numerics): prefill_attention needs "cpu"
+
+    @property
+    def kv_bf16(self) -> bool:
+        return self.bf16 if self.cache_bf16 is None else self.cache_bf16
 
 
 @dataclass
@@ -122,7 +137,7 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
     from streamkv import native
 
     fast, amx = s.numerics == "fast", native.invariant_gemm_bf16_path() == "amx"
-    fits = s.bf16 and s.head_dim % 16 == 0 and s.head_dim <= 128
+    fits = s.bf16 and s.kv_bf16 and s.head_dim % 16 == 0 and s.head_dim <= 128
     exact = not s.bf16 and not fast and native.deq_gemm() is not None  # float32: deq_gemm.c, the dense bits
     ok = {
         ("linear", "q4"): s.q4 and (exact or s.bf16 and (fast or native.q4_gemm() is not None)),
@@ -134,8 +149,9 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
         ("attention", "bf16"): not fast and fits and native.invariant_attention_bf16() is not None,
         ("attention", "f32"): not fast,
         ("attention", "amx"): not fast and fits and native.invariant_attention_amx() is not None,
-        ("prefill_attention", "native"): fast and s.bf16 and s.head_dim == 64 and native.paged_attention() is not None,
-        ("prefill_attention", "sdpa"): fast,
+        ("prefill_attention", "native"): fast and s.backend == "cpu" and s.bf16 and s.kv_bf16 and s.head_dim == 64
+                                         and native.paged_attention() is not None,
+        ("prefill_attention", "sdpa"): fast and s.backend == "cpu",
     }
     out = {k: [p for p in paths if ok[(k, p)]] for k, paths in KINDS.items()}
     return {k: v for k, v in out.items() if v}
@@ -216,7 +232,7 @@ def choose(s: ModelShapes, forced: dict[str, str], retune: bool = False) -> Kern
         if path not in paths.get(kind, []):
             raise ValueError(f"kernels: {kind}={path} cannot run here (this model and CPU allow {paths})")
     todo = [k for k in order(paths) if k not in forced and len(paths[k]) > 1 and _measurable(s, k)]
-    choice = _measured(s, todo, forced, retune) if todo else KernelChoice()
+    choice = _measured(s, todo, forced, retune, paths) if todo else KernelChoice()
     for kind, options in paths.items():
         if kind in forced:
             choice.paths[kind], choice.source[kind] = forced[kind], "forced"
@@ -227,17 +243,21 @@ def choose(s: ModelShapes, forced: dict[str, str], retune: bool = False) -> Kern
     return choice
 
 
-def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: bool) -> KernelChoice:
+def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: bool,
+              allowed: dict[str, list[str]]) -> KernelChoice:
+    """The cached choice of ``kinds`` when it names paths that can run here (``allowed``), else a
+    new measurement, cached. A cache directory that cannot be written (read-only, not a directory)
+    costs the cache, not the start: the measurement is used without it (logged)."""
     path = _cache_dir() / f"{_cache_key(s, forced)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent start waits, then reads this measurement
+    with _lock(path.with_suffix(".lock")):  # a concurrent start waits, then reads this measurement
         cached = None if retune else _read(path)
-        if cached is not None and all(k in cached.paths for k in kinds):
+        if cached is not None and _valid(cached, kinds, allowed):
             cached.paths = {k: cached.paths[k] for k in kinds}
             cached.rows = {k: v for k, v in cached.rows.items() if k in kinds}
             cached.source = {k: "cached" for k in kinds}
             return cached
+        if cached is not None:
+            log.warning("the cached kernel choice %s names paths that cannot run here: measuring again", path)
         t0 = time.perf_counter()
         from streamkv.native.kernel_bench import measure
 
@@ -259,17 +279,43 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         return choice
 
 
+def _valid(choice: KernelChoice, kinds: list[str], allowed: dict[str, list[str]]) -> bool:
+    """Whether a cached choice covers ``kinds`` with paths that can run here and integer row counts."""
+    return (all(choice.paths.get(k) in allowed.get(k, ()) for k in kinds)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in choice.rows.values()))
+
+
+@contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path``; where the cache directory cannot hold it, none (logged)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "w")
+    except OSError as exc:
+        log.warning("kernel cache %s not writable (%s): choosing without a lock or a cache", path.parent, exc)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _write(path: Path, choice: KernelChoice) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # the last-choice file has no lock of its own
-    tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings, "rows": choice.rows}, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings, "rows": choice.rows}, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("kernel choice not cached at %s (%s)", path, exc)
+        with suppress(OSError):
+            tmp.unlink()
 
 
 def _read(path: Path) -> KernelChoice | None:
     try:
         data = json.loads(path.read_text())
         return KernelChoice(dict(data["paths"]), dict(data["timings"]), rows=dict(data.get("rows", {})))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None  # missing or unreadable: measure again
 
 
