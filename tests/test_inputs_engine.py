@@ -278,7 +278,7 @@ def test_cost_policy_follows_the_profile():
     with pytest.raises(ValueError, match="ascending"):
         CostProfile(((16, 0.1),), ((1, 0.1), (2, 0.2)), ((1, 0.1), (2, 0.2)))
     for bad in (((16, 0.1), (64, float("inf"))), ((16, 0.1), (64, float("nan"))), ((16, 0.1), (64, -1.0)),
-                ((0, 0.1), (64, 0.2))):
+                ((-16, 0.1), (64, 0.2))):
         with pytest.raises(ValueError, match="finite times"):
             CostProfile(bad, ((1, 0.1), (2, 0.2)), ((1, 0.1), (2, 0.2)))
     with pytest.raises(ValueError, match="unknown preemption"):

@@ -66,3 +66,33 @@ def test_in_band_errors_keep_their_status():
     assert status_of(QueueFullError("full"))[0] == 429
     assert status_of(APIError(404, "gone")) == (404, "gone")
     assert status_of(RuntimeError("boom")) == (500, "RuntimeError: boom")
+
+
+def test_choices_whose_response_never_started_are_aborted():
+    """A client that leaves while its request is being accepted: the response body never starts,
+    so nothing iterates the choices; dropping them must still abort every one (they ran to their
+    end unread before)."""
+    import gc
+
+    async def run():
+        engine = FakeEngine(refuse=None)
+        outputs = await stream_all(engine, "r", [[1]] * 2, [None] * 2, 0)
+        del outputs
+        gc.collect()
+        await asyncio.sleep(0.01)
+        engine.go.set()
+        await asyncio.sleep(0.01)
+        return engine.aborted
+
+    assert sorted(asyncio.run(run())) == [0, 1]
+
+
+def test_closing_the_choices_mid_stream_aborts_the_rest():
+    async def run():
+        engine = FakeEngine(refuse=None)
+        outputs = await stream_all(engine, "r", [[1]] * 2, [None] * 2, 0)
+        await outputs.aclose()
+        await asyncio.sleep(0.01)
+        return engine.aborted
+
+    assert sorted(asyncio.run(run())) == [0, 1]

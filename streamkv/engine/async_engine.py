@@ -237,8 +237,8 @@ class AsyncEngine:
             except Exception as exc:
                 cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
                 return
-            cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, _ACCEPTED)
             self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
+            self._deliver(cmd.request_id, _ACCEPTED, False)
         elif isinstance(cmd, _Abort):
             if self.engine.abort(cmd.request_id):
                 self._sinks.pop(cmd.request_id, None)

@@ -34,8 +34,8 @@ class CostProfile:
             pts = getattr(self, name)
             if len(pts) < 2 or any(b[0] <= a[0] for a, b in zip(pts, pts[1:])):
                 raise ValueError(f"{name} needs >= 2 points with ascending x, got {pts}")
-            if not all(x >= 1 and math.isfinite(y) and y >= 0 for x, y in pts):
-                raise ValueError(f"{name} needs sizes >= 1 and finite times >= 0, got {pts}")
+            if not all(x >= 0 and math.isfinite(y) and y >= 0 for x, y in pts):
+                raise ValueError(f"{name} needs sizes >= 0 and finite times >= 0, got {pts}")
 
     def prefill_s(self, tokens: int) -> float:
         return _interp(self.prefill, tokens)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
@@ -149,27 +150,48 @@ async def stream_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], 
         for t in tasks:
             t.cancel()
         raise
-    return _outputs(queue, tasks, early)
+    return _Choices(queue, tasks, early)
 
 
-async def _outputs(queue: asyncio.Queue, tasks: list[asyncio.Future],
-                   early: list[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    remaining = len(tasks)
-    try:
-        for i, item in early:
-            if item.finished:
-                remaining -= 1
-            yield i, item
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield i, item
-    finally:
-        for t in tasks:
+def _cancel(tasks: list[asyncio.Future]) -> None:
+    for t in tasks:
+        try:
             t.cancel()
+        except RuntimeError:  # the loop is closed: nothing left to abort
+            pass
+
+
+class _Choices:
+    """A streamed request's running choices: ``async for (index, output)``. Running out of
+    outputs, an error, closing it, or dropping it (a response body that never started because
+    the client left first) cancels every choice's task, which aborts its request."""
+
+    def __init__(self, queue: asyncio.Queue, tasks: list[asyncio.Future],
+                 early: list[tuple[int, RequestOutput]]) -> None:
+        self._queue, self._early, self._remaining = queue, early, len(tasks)
+        self._finalizer = weakref.finalize(self, _cancel, tasks)
+
+    def __aiter__(self) -> "_Choices":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._remaining:
+            self._finalizer()
+            raise StopAsyncIteration
+        try:
+            i, item = self._early.pop(0) if self._early else await self._queue.get()
+        except BaseException:
+            self._finalizer()
+            raise
+        if isinstance(item, Exception):
+            self._finalizer()
+            raise item
+        if item.finished:
+            self._remaining -= 1
+        return i, item
+
+    async def aclose(self) -> None:
+        self._finalizer()
 
 
 def check_output(out: RequestOutput) -> None:
