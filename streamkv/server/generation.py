@@ -147,8 +147,7 @@ async def stream_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], 
             else:                 # an accepted choice's output while another is not yet accepted
                 early.append((i, item))
     except BaseException:
-        for t in tasks:
-            t.cancel()
+        _cancel(tasks)
         raise
     return _Choices(queue, tasks, early)
 
