@@ -142,6 +142,14 @@ def test_chat_api_and_stop_strings(smol_fp32):
                          SamplingParams(max_tokens=32, temperature=0.0, stop=["Paris"]))[0]
     assert cut.finish_reason == "stop" and "Paris" not in cut.text
     assert out.text.startswith(cut.text)
+    # the stop string completed by the last token max_tokens allows: cut, and a "stop" (it said "length")
+    for n in range(1, len(out.token_ids) + 1):
+        last = smol_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
+                              SamplingParams(max_tokens=n, temperature=0.0, stop=["Paris"]))[0]
+        if last.finish_reason == "stop":
+            break
+    assert last.text == cut.text and last.token_ids == cut.token_ids, (n, last.text, cut.text)
+    assert n == len(cut.token_ids)  # the token that completed "Paris" was the n-th, the last allowed
 
 
 def test_seed_reproducible_regardless_of_batch(smol_fp32):

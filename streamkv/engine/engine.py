@@ -329,10 +329,13 @@ class Engine:
             req.logprobs.append(result.logprobs[seq.seq_id])
         if token is None or (seq.finish_reason == "stop" and token in seq.stop_ids):
             return False
-        if req.detok.add(token) and not seq.finished:
+        if not req.detok.add(token):
+            return False
+        if not seq.finished:
             self.scheduler.finish(seq.seq_id, "stop")
-            return True
-        return False
+        elif seq.finish_reason == "length":  # the stop string completed on the last token allowed
+            seq.finish_reason = "stop"
+        return True
 
     def _fail(self, plan: StepPlan, message: str) -> list[RequestOutput]:
         out = []
