@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -154,3 +155,23 @@ def test_bad_trees_are_400_with_the_node_path(http, query, status, words):
     b = http.post("/v1/spans/bulk", json={"queries": [rag(DOCS[:1]), query]})
     assert b.status_code == status, b.text
     assert words.replace("query", "queries[1]", 1) in b.json()["error"]["message"]
+
+
+def _engine_steps(http) -> float:
+    text = http.get("/metrics").text
+    return float(re.search(r"^streamkv_engine_steps_total (\S+)$", text, re.M).group(1))
+
+
+@pytest.mark.parametrize("route", ["/v1/spans/bulk", "/v1/spans"])
+def test_a_client_that_leaves_a_plain_request_aborts_its_queries(http, route):
+    """Non-streamed span queries and bulks ran to their end after the client had gone (a bulk of
+    thousands of queries would have): the route now watches for the disconnect and aborts."""
+    long = {"kind": "gen", "max_tokens": 600, "temperature": 0, "ignore_eos": True,
+            "input": {"kind": "user", "text": "Count from one to a thousand."}}
+    body = {"queries": [long] * 4, "concurrency": 4} if route.endswith("bulk") else {"query": long}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(http.base_url.join(route), json=body, timeout=1.5)
+    time.sleep(1.5)  # the disconnect seen (polled every 0.25 s) and the aborts through the engine
+    before = _engine_steps(http)
+    time.sleep(1.5)
+    assert _engine_steps(http) == before  # idle: nothing left running

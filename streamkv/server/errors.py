@@ -14,7 +14,7 @@ from streamkv.errors import (EngineDeadError, InputStreamClosedError, InputStrea
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
-          503: "service_unavailable", 500: "internal_error"}
+          499: "client_closed_request", 503: "service_unavailable", 500: "internal_error"}
 
 
 class APIError(Exception):

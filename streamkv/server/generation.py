@@ -5,13 +5,16 @@ import asyncio
 import secrets
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import InvalidRequestError
 from streamkv.sampling.params import SamplingParams, prompt_seed
 from streamkv.server.errors import APIError
+
+
+T = TypeVar("T")
 
 
 def new_id(prefix: str) -> str:
@@ -191,6 +194,22 @@ class _Choices:
 
     async def aclose(self) -> None:
         self._finalizer()
+
+
+async def until_disconnected(request: Any, work: Awaitable[T], poll_s: float = 0.25) -> T:
+    """``work``'s result, unless the client disconnects first: then the work is cancelled (its
+    engine requests aborted) and a 499 raised. For non-streaming routes whose work is long (a
+    span bulk): without it an abandoned request ran to its end."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the request")
+    finally:
+        task.cancel()
 
 
 def check_output(out: RequestOutput) -> None:

@@ -26,7 +26,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.sampling.params import SamplingParams
 from streamkv.server.errors import APIError, error_body
-from streamkv.server.generation import new_id
+from streamkv.server.generation import new_id, until_disconnected
 from streamkv.server.protocol import _Body
 from streamkv.spans import ir
 from streamkv.spans.bulk import cluster_order
@@ -80,10 +80,13 @@ async def run_span(body: SpanBody, request: Request) -> Any:
     first = await outputs.__anext__()  # a bad tree is a 400 before the response starts
     if body.stream:
         return StreamingResponse(_frames(rid, first, outputs, t0), media_type="text/event-stream")
-    last = first
-    async for out in outputs:
-        last = out
-    return _result(rid, last, t0)
+
+    async def rest() -> Any:
+        last = first
+        async for out in outputs:
+            last = out
+        return last
+    return _result(rid, await until_disconnected(request, rest()), t0)
 
 
 def _generate(engine: AsyncEngine, rid: str, tree: ir.Node, priority: int,
@@ -155,7 +158,14 @@ async def bulk(body: BulkBody, request: Request) -> dict[str, Any]:
             return _result(last.request_id, last, t0)
 
     tasks = {i: asyncio.ensure_future(one(i)) for i in order}  # created (and admitted) in execution order
-    results = {i: await t for i, t in tasks.items()}
+
+    async def gather() -> dict[int, dict[str, Any]]:
+        try:
+            return {i: await t for i, t in tasks.items()}
+        finally:  # a failed query, or the client gone: the others stop too
+            for t in tasks.values():
+                t.cancel()
+    results = await until_disconnected(request, gather())
     return {"object": "span_bulk", "order": order, "results": [results[i] for i in range(len(trees))],
             "elapsed_ms": (time.perf_counter() - t0) * 1000.0}
 
