@@ -293,3 +293,16 @@ def test_profile_sizes_fit_the_room_with_two_points_at_least():
     assert fitting((16, 256), 16) == [8, 16]           # the one that fits is the room: half of it too
     assert fitting((16, 256), 8) == [4, 8]
     assert fitting((1, 16), 1) == [1]                  # no line fits in one block (measure() refuses it)
+
+
+def test_profile_key_follows_the_sizes_the_pool_and_context_let_it_measure():
+    """A narrow measurement (small max_model_len or pool) must not share a cached profile with
+    the default one; identical configs must (fake runner: no model needed)."""
+    from streamkv.engine.profile import profile_key
+
+    def key(**kw) -> str:
+        return profile_key(slot_engine(**{"num_blocks": 512, "block_size": 4, "max_model_len": 2048, **kw})[0])
+
+    ref = key()
+    assert key() == ref and key(num_blocks=1024, max_model_len=4096) == ref   # every size fits in both
+    assert key(max_model_len=3) != ref and key(num_blocks=2) != ref and key(max_model_len=513) != ref

@@ -150,3 +150,45 @@ def test_a_corrupt_profile_is_remeasured_and_a_small_pool_still_gets_two_points(
     monkeypatch.setattr(engine.kv_ops, "host_k", None)                  # no room to swap 2 blocks
     with pytest.raises(ValueError, match="swaps 2 blocks at least"):
         profile.measure(engine, sizes, repeats=1)
+
+
+def test_profile_key_names_the_kv_cache_dtype_and_the_measurable_sizes(tmp_path, monkeypatch):
+    """The cached profile's key lacked the KV cache dtype (a float32 cache swaps twice the bytes) and
+    the limits on the sizes measured: `streamkv profile --max-model-len 3` or `--num-blocks 2`
+    overwrote the shared profile with a narrow curve that default runs then used, and a float32
+    KV cache reused a bfloat16 one's. Identical configs (and pools past every measured size)
+    must still share one profile; `--max-model-len 2` must say which flag to raise."""
+    from streamkv.config import EngineConfig
+    from streamkv.engine import profile
+    from streamkv.engine.engine import Engine
+
+    # 80 x 16 tokens, swap room for 64 blocks: every size fits; recompute: no profile at start
+    base = dict(dtype=DEFAULT, kv_cache_dtype="bfloat16", num_blocks=80, swap_space=64 << 20,
+                preemption="recompute", threads=torch.get_num_threads())
+
+    def make(**kw) -> Engine:
+        return Engine(EngineConfig.from_flat(**{**base, **kw}))
+
+    def key(**kw) -> str:
+        return profile.profile_key(make(**kw))
+
+    ref = key()
+    assert key() == ref                                          # a second start hits the same profile
+    assert key(num_blocks=200) == ref                            # a bigger pool times the same sizes
+    assert key(kv_cache_dtype="float32") != ref
+    if DEFAULT == "bfloat16":
+        assert key(kv_cache_dtype="auto") == ref                 # keyed by the dtype allocated, not "auto"
+    assert key(max_model_len=3) != ref
+    assert key(num_blocks=2) != ref
+    assert key(num_blocks=40) != ref                             # 640 tokens: the 1024-token prefill is cut
+    assert key(swap_space=8 * make().kv_ops.bytes_per_block) != ref
+    assert key(max_model_len=3) == key(max_model_len=3) != key(max_model_len=4)
+
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))     # after the engines: kernel tunings stay cached
+    narrow, wide = make(max_model_len=3), make()
+    assert profile.profile_path(narrow) != profile.profile_path(wide)
+    measured = profile.load_or_measure(narrow)
+    assert [n for n, _ in measured.prefill] == [1, 2]
+    assert profile.profile_path(narrow).exists() and not profile.profile_path(wide).exists()
+    with pytest.raises(ValueError, match="max_model_len 2 .*raise max_model_len"):
+        profile.measure(make(max_model_len=2), repeats=1)

@@ -2,7 +2,9 @@
 
 ``streamkv profile`` measures and caches it; an engine with ``--preemption cost`` and swap
 space loads the cached profile or makes a quick one at first start. Cached under
-``~/.cache/streamkv/profiles`` keyed by CPU, model, dtype, threads and block size.
+``~/.cache/streamkv/profiles`` keyed by CPU, device, model, dtype, KV cache dtype, threads,
+block size and the largest sizes the pool, the swap space and max_model_len let it time
+(``profile_key``), so a narrow or differently typed measurement never replaces another's.
 """
 from __future__ import annotations
 
@@ -23,15 +25,51 @@ from streamkv.sched.preemption import CostProfile
 log = logging.getLogger(__name__)
 FULL = {"prefill": (16, 64, 256, 1024), "swap": (1, 8, 64)}
 QUICK = {"prefill": (16, 256), "swap": (1, 16)}
+_MAX_PREFILL = max(FULL["prefill"] + QUICK["prefill"])  # past these every size fits: one profile
+_MAX_SWAP = max(FULL["swap"] + QUICK["swap"])
 
 
 def profile_key(engine: Any) -> str:
+    """The cache key of ``engine``'s profile: what the timings depend on (machine, device, model,
+    dtypes, threads, numerics) and the largest sizes ``measure()`` can time in it (``limits()``,
+    capped where every size fits), so that identical configs share one profile and a small pool,
+    swap space or max_model_len gets its own."""
     from streamkv.native.cpu import cpu_flags, cpu_model
 
     cfg = engine.config
+    kv_dtype, device = _kv_cache(engine)
+    prefill, swap = limits(engine, free=False)
     raw = json.dumps([cpu_model(), cpu_flags(), torch.__version__, engine.bundle.model_name, str(engine.bundle.dtype),
-                      torch.get_num_threads(), cfg.cache.block_size, cfg.runtime.numerics])
+                      torch.get_num_threads(), cfg.cache.block_size, cfg.runtime.numerics, kv_dtype, device,
+                      min(prefill, _MAX_PREFILL), min(swap, _MAX_SWAP)])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def limits(engine: Any, free: bool = True) -> tuple[int, int]:
+    """``(tokens, blocks)``: the longest prefill and the largest swap ``measure()`` can time, in
+    the pool's free blocks (``free``) or all of them, the context and the swap space."""
+    pool = engine.pool
+    blocks = pool.num_free if free else pool.num_blocks
+    host_k = getattr(engine.kv_ops, "host_k", None)
+    host = host_k.shape[1] // pool.block_size if host_k is not None else 0
+    return min(blocks * pool.block_size, engine.max_model_len - 1), min(blocks, host)
+
+
+def _kv_cache(engine: Any) -> tuple[str, str]:
+    """The dtype and device of the KV cache the engine allocated (swap copies it; attention reads
+    it): the config's ``kv_cache_dtype`` resolved, not the raw "auto"."""
+    cache = getattr(engine.kv_ops, "cache", None)
+    k = getattr(cache, "k", None)
+    if isinstance(k, torch.Tensor):
+        dtype, device = k.dtype, k.device
+    else:  # a runner without a tensor cache: what build_bundle would allocate
+        from streamkv.engine.factory import kv_dtype
+
+        dtype, device = kv_dtype(engine.config, engine.bundle.dtype), torch.device(engine.config.runtime.device)
+    name = str(device)
+    if device.type == "cuda":
+        name += " " + torch.cuda.get_device_name(device)
+    return str(dtype), name
 
 
 def profile_path(engine: Any) -> Path:
@@ -58,7 +96,7 @@ def load_or_measure(engine: Any, remeasure: bool = False, quick: bool = True) ->
 def measure(engine: Any, sizes: dict[str, tuple[int, ...]] = FULL, repeats: int = 2) -> CostProfile:
     """Time prefill of n tokens on fresh blocks, and swapping n blocks out and in (best of ``repeats``)."""
     pool, kv_ops = engine.pool, engine.kv_ops
-    usable = min(pool.num_free, kv_ops.host_k.shape[1] // pool.block_size if kv_ops.host_k is not None else 0)
+    usable = limits(engine)[1]
     if usable < 2:
         raise ValueError(f"the preemption cost profile swaps 2 blocks at least, but the swap space or the pool has "
                          f"room for {usable}: raise swap_space or num_blocks, or choose preemption swap or recompute")
@@ -80,7 +118,12 @@ def measure_prefill(engine: Any, sizes: tuple[int, ...], repeats: int = 2) -> li
     """``[(n, seconds)]``: one prefill step of ``n`` fresh tokens, best of ``repeats``, for each
     size that fits the pool and the context (``fitting()``: two at least)."""
     runner, pool = engine.bundle.runner, engine.pool
-    limit = min(pool.num_free * pool.block_size, engine.max_model_len - 1)
+    limit = limits(engine)[0]
+    if limit < 2:
+        raise ValueError(f"the preemption cost profile times prefills of 2 tokens at least, but max_model_len "
+                         f"{engine.max_model_len} (and {pool.num_free} free blocks of {pool.block_size} tokens) "
+                         f"leaves room for {limit}: raise max_model_len to 3 at least, or choose preemption "
+                         f"swap or recompute")
     return [(n, _best(repeats, lambda n=n: _prefill(runner, pool, n))) for n in fitting(sizes, limit)]
 
 
