@@ -69,6 +69,8 @@ class FusedSelection:
     seqs: torch.Tensor                      # [B, 4] int64 (row0, q_len, offset, compacted ctx_len)
     slots: torch.Tensor                     # [sum ctx_len] int64 (selecting regions filled per layer)
     entries: list[tuple[int, _Choice, int]]  # (q row, choice, offset of its region in ``slots``)
+    recall_layer: int = -1                  # the layer whose queries the step hands back (-1: none)
+    sampled: list[_Choice] = field(default_factory=list)  # the rows measuring their recall there
 
 
 class LayerSelector:
@@ -112,9 +114,14 @@ class LayerSelector:
 
     def fused(self) -> FusedSelection | None:
         """The whole step for the C layer loop, or None when a span needs this Python path (it
-        reuses remembered picks, picks no page, is a prompt chunk, or samples the recall)."""
-        if any(c.picks is not None or c.plan.keep <= 0 or not self.spans[c.index].is_decode
-               or self.spans[c.index].start % RECALL_EVERY == 0 for c in self.choices):
+        reuses remembered picks, picks no page or is a prompt chunk; or two rows sample their
+        recall in different layers). A row sampling its recall stays fused: the C loop hands
+        back that layer's queries, and :meth:`fused_recall` measures it after the step."""
+        if any(c.picks is not None or c.plan.keep <= 0 or not self.spans[c.index].is_decode for c in self.choices):
+            return None
+        sampled = [c for c in self.choices if self._recall_layer(self.spans[c.index]) is not None]
+        layers = {self._recall_layer(self.spans[c.index]) for c in sampled}
+        if len(layers) > 1:
             return None
         bs = self.cache.block_size
         selecting = {c.index: c for c in self.choices}
@@ -131,7 +138,25 @@ class LayerSelector:
                 self._count_fused(span.seq_id, c, length)
             rows.append((span.q_start, span.q_len, offset, length))
             offset += length
-        return FusedSelection(torch.tensor(rows, dtype=torch.int64), torch.cat(flat), entries)
+        return FusedSelection(torch.tensor(rows, dtype=torch.int64), torch.cat(flat), entries,
+                              layers.pop() if layers else -1, sampled)
+
+    def fused_recall(self, fused: FusedSelection, q: torch.Tensor) -> None:
+        """The recall of the fused step's sampled rows: q [T, H, D] float32 are layer
+        ``fused.recall_layer``'s queries after RoPE; the pages are picked again from them exactly
+        as the layer picked them (same bounds, same scorer), so the per-layer path measures the same."""
+        layer, dim = fused.recall_layer, q.shape[2]
+        kv_heads = self.cache.k.shape[2]
+        for c in fused.sampled:
+            span = self.spans[c.index]
+            count = self.counts.get(span.seq_id)
+            if count is None:
+                continue
+            rows = q[span.q_start:span.q_start + span.q_len].view(span.q_len, kv_heads, -1, dim)
+            compact, _ = span.read.compact(rows, self.cache.bounds.data[layer], c.candidates, c.plan.keep,
+                                           self.scale, c.slots)
+            count.recall_sum += self._recall(layer, q[span.q_start], c.slots.full, compact)
+            count.recall_n += 1
 
     def _count_fused(self, seq_id: int, c: _Choice, length: int) -> None:
         count = self.counts.get(seq_id)
@@ -175,10 +200,16 @@ class LayerSelector:
         count.layers += 1
         count.pages_scored += c.candidates.numel()
         count.pages_picked += c.plan.keep
-        # sampled: one layer of the decode rows at positions divisible by RECALL_EVERY
-        if span.is_decode and span.start % RECALL_EVERY == 0 and layer == (span.start // RECALL_EVERY) % self.layers:
+        if layer == self._recall_layer(span):
             count.recall_sum += self._recall(layer, q[span.q_start], c.slots.full, compact)
             count.recall_n += 1
+
+    def _recall_layer(self, span: SeqSpan) -> int | None:
+        """The layer in which this span's row measures its recall this step, if it samples:
+        decode rows at positions divisible by RECALL_EVERY, in a layer that rotates with them."""
+        if span.is_decode and span.start % RECALL_EVERY == 0:
+            return (span.start // RECALL_EVERY) % self.layers
+        return None
 
     def _recall(self, layer: int, q: torch.Tensor, full: torch.Tensor, compact: torch.Tensor) -> float:
         """Share of the exact softmax mass (mean over heads) on the ``compact`` slots: q [H, D]."""

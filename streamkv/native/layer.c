@@ -295,15 +295,18 @@ typedef struct {
 
 /* streamkv_fwd with page selection inside the layer loop: the same functions in the same order
  * as the per-layer calls with a Python selector between them (so the same bits), without a
- * round trip per layer. bounds: [layers][blocks][Hk][2D] bf16, `stride` elements per layer. */
+ * round trip per layer. bounds: [layers][blocks][Hk][2D] bf16, `stride` elements per layer.
+ * q_out (when q_layer >= 0): layer q_layer's queries after RoPE, [T][H][D] float32, copied out for
+ * the sampled attention recall (computed by the caller; it changes nothing here). */
 int streamkv_fwd_sel(const SkModel* m, float* x, int64_t T, const int64_t* pos, const int64_t* slot_mapping,
                      const int64_t* seqs, int B, int64_t* slots, void* ws, const SkSelect* sel, int nsel,
-                     const uint16_t* bounds, int64_t stride, int bs) {
-    if (T <= 0 || m->D % 16 != 0 || m->D > 256) return 1;
+                     const uint16_t* bounds, int64_t stride, int bs, int q_layer, float* q_out) {
+    if (T <= 0 || m->D % 16 != 0 || m->D > 256 || (q_layer >= 0 && !q_out)) return 1;
     Work w = carve(m, T, ws);
     const int hd = m->H * m->D;
     for (int l = 0; l < m->n_layers; l++) {
         int rc = streamkv_fwd_pre(m, l, x, T, pos, slot_mapping, w.q, ws);
+        if (l == q_layer) memcpy(q_out, w.q, sizeof(float) * (size_t)T * hd);
         TIC(m);
         for (int s = 0; s < nsel && rc == 0; s++) {
             const SkSelect* e = sel + s;
