@@ -12,6 +12,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16")
 DECODE_WEIGHTS = ("auto", "dense", "q4")
+MAX_THREADS = 4096  # well past any CPU's cores: 100,000 failed to start its threads, 1e20 overflowed a C long
 
 
 @dataclass(frozen=True)
@@ -214,8 +215,8 @@ class RuntimeConfig:
             raise ValueError("numerics=invariant has CPU kernels only so far; use numerics=fast on CUDA")
         if self.attention_backend not in ("auto", "torch", "cpu"):
             raise ValueError(f"attention_backend must be auto, torch or cpu, got {self.attention_backend!r}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
 
