@@ -136,13 +136,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import json
 
     from streamkv.engine.engine import Engine
-    from streamkv.engine.profile import load_or_measure, profile_path
+    from streamkv.engine.profile import load_or_measure, make_room, profile_path
     from streamkv.native.cpu import cpu_model
 
     options = engine_options(args)
-    options.setdefault("swap_space", 64 << 20)  # room to time 64-block swaps
     options["preemption"] = "recompute"  # measure below, not at start
     engine = Engine(EngineConfig.from_flat(**options))
+    if "swap_space" not in options:
+        make_room(engine)  # room to time the largest swaps, whatever a block's size
     profile = load_or_measure(engine, remeasure=True, quick=False)
     report = {"cpu": cpu_model(), "path": str(profile_path(engine)), **profile.to_dict()}
     if args.json:

@@ -183,6 +183,13 @@ def test_profile_key_names_the_kv_cache_dtype_and_the_measurable_sizes(tmp_path,
     assert key(num_blocks=40) != ref                             # 640 tokens: the 1024-token prefill is cut
     assert key(swap_space=8 * make().kv_ops.bytes_per_block) != ref
     assert key(max_model_len=3) == key(max_model_len=3) != key(max_model_len=4)
+    # `streamkv profile` without --swap-space makes room for the largest swap, so its profile is
+    # found by an engine with ample swap space even where 64 MiB holds fewer blocks (float32, 64-token blocks)
+    big = dict(block_size=64, kv_cache_dtype="float32")
+    room = make(**big, swap_space=0)
+    profile.make_room(room)
+    ample = make(**big, swap_space=100 * room.kv_ops.bytes_per_block)
+    assert profile.profile_key(room) == profile.profile_key(ample) != key(**big, swap_space=64 << 20)
 
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))     # after the engines: kernel tunings stay cached
     narrow, wide = make(max_model_len=3), make()

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 FULL = {"prefill": (16, 64, 256, 1024), "swap": (1, 8, 64)}
 QUICK = {"prefill": (16, 256), "swap": (1, 16)}
 _MAX_PREFILL = max(FULL["prefill"] + QUICK["prefill"])  # past these every size fits: one profile
-_MAX_SWAP = max(FULL["swap"] + QUICK["swap"])
+MAX_SWAP = max(FULL["swap"] + QUICK["swap"])
 
 
 def profile_key(engine: Any) -> str:
@@ -41,7 +41,7 @@ def profile_key(engine: Any) -> str:
     prefill, swap = limits(engine, free=False)
     raw = json.dumps([cpu_model(), cpu_flags(), torch.__version__, engine.bundle.model_name, str(engine.bundle.dtype),
                       torch.get_num_threads(), cfg.cache.block_size, cfg.runtime.numerics, kv_dtype, device,
-                      min(prefill, _MAX_PREFILL), min(swap, _MAX_SWAP)])
+                      min(prefill, _MAX_PREFILL), min(swap, MAX_SWAP)])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -53,6 +53,15 @@ def limits(engine: Any, free: bool = True) -> tuple[int, int]:
     host_k = getattr(engine.kv_ops, "host_k", None)
     host = host_k.shape[1] // pool.block_size if host_k is not None else 0
     return min(blocks * pool.block_size, engine.max_model_len - 1), min(blocks, host)
+
+
+def make_room(engine: Any) -> None:
+    """Give ``engine`` host swap room for the largest swap a profile times (``MAX_SWAP`` blocks,
+    whatever a block's size), so that ``streamkv profile`` without ``--swap-space`` files its
+    profile under the key of an engine with ample swap space (a fixed 64 MiB held 32 blocks of
+    Llama-3-8B's bf16 KV, or 22 of a float32 cache in 64-token blocks: another key)."""
+    if limits(engine, free=False)[1] < MAX_SWAP:
+        engine.kv_ops.attach_host(MAX_SWAP)
 
 
 def _kv_cache(engine: Any) -> tuple[str, str]:

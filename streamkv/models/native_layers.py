@@ -163,7 +163,7 @@ class NativeLayers:
             entries[j] = SkSelect(q_row, _ptr(c.candidates), c.candidates.numel(), c.plan.keep, _ptr(c.slots.full),
                                   c.slots.sink_len, c.slots.tail_from, c.slots.full.numel(), offset, _ptr(pos))
         bounds = cache.bounds.data
-        q = torch.empty(x.shape[0], self.heads, self.head_dim) if fused.recall_layer >= 0 else None  # [T, H, D]
+        q = torch.empty(x.shape[0], self.heads, self.head_dim, dtype=torch.float32) if fused.recall_layer >= 0 else None
         rc = self.lib.streamkv_fwd_sel(ctypes.addressof(self.model), _ptr(x), x.shape[0], _ptr(positions),
                                        _ptr(meta.slot_mapping), _ptr(fused.seqs), fused.seqs.shape[0],
                                        _ptr(fused.slots), ws, ctypes.addressof(entries), len(fused.entries), _ptr(bounds),
