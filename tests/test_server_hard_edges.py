@@ -151,6 +151,28 @@ def test_streams_over_the_waiting_limit_get_429_before_they_start(server, model)
             assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text
 
 
+def _engine_steps(server) -> float:
+    text = httpx.get(server.url + "/metrics", headers=AUTH).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("streamkv_engine_steps_total ")))
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_a_client_that_leaves_a_plain_request_aborts_it(server, model, route):
+    """A non-streamed request whose client gave up kept generating to max_tokens and held its KV
+    blocks (logged as a 200 afterwards); it is now aborted within a poll (499 in the log)."""
+    body = {"model": model, "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+    if route == "/v1/completions":
+        body["prompt"] = "Count from one to a thousand:"
+    else:  # /v1/messages has no ignore_eos: a long prompt (64-token chunks here) outlasts the client
+        body["messages"] = [{"role": "user", "content": "Count from one to a thousand. " * 300}]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + route, json=body, headers=AUTH, timeout=1.5)
+    time.sleep(1.5)  # the disconnect seen (polled every 0.25 s) and the abort through the engine
+    before = _engine_steps(server)
+    time.sleep(1.5)
+    assert _engine_steps(server) == before  # idle: nothing left running
+
+
 def test_utilities(server):
     t = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": "Hello world"}).json()
     assert t["count"] == len(t["tokens"]) > 0

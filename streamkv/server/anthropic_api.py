@@ -74,7 +74,7 @@ async def messages(req: MessagesRequest, request: Request) -> Any:
         outputs = await stream_all(state.engine, mid, [ids], [params], 0, kv)
         return StreamingResponse(_events(state, request, message, ids, outputs, tools),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    (out,) = await run_all(state.engine, mid, [ids], [params], 0, kv)
+    (out,) = await run_all(state.engine, mid, [ids], [params], 0, kv, client=request)
     check_output(out)
     state.observe(out, request)
     content, calls = _content(out, tools)

@@ -101,8 +101,9 @@ def kv_extension(outs: Sequence[RequestOutput]) -> dict[str, Any]:
 
 
 async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], params: Sequence[SamplingParams],
-                  priority: int, kv: dict[str, Any] | None = None) -> list[RequestOutput]:
-    """Non-streaming: final output of every (prompt, params) pair, in order."""
+                  priority: int, kv: dict[str, Any] | None = None, *, client: Any) -> list[RequestOutput]:
+    """Non-streaming: final output of every (prompt, params) pair, in order. A ``client`` (the
+    HTTP request) that disconnects first aborts them all (499; they ran to their end before)."""
     async def one(i: int) -> RequestOutput:
         last = None
         async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv):
@@ -111,12 +112,15 @@ async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], par
             raise APIError(500, "the engine returned no output")
         return last
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for t in tasks:
-            t.cancel()
+    async def every() -> list[RequestOutput]:
+        tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    return await until_disconnected(client, every())
 
 
 _ACCEPTED = object()  # a choice's mark in stream_all()'s queue: the engine accepted it
@@ -198,8 +202,8 @@ class _Choices:
 
 async def until_disconnected(request: Any, work: Awaitable[T], poll_s: float = 0.25) -> T:
     """``work``'s result, unless the client disconnects first: then the work is cancelled (its
-    engine requests aborted) and a 499 raised. For non-streaming routes whose work is long (a
-    span bulk): without it an abandoned request ran to its end."""
+    engine requests aborted) and a 499 raised. For non-streaming routes (``run_all``, span
+    queries and bulks): without it an abandoned request ran to its end, holding its KV blocks."""
     task = asyncio.ensure_future(work)
     try:
         while True:

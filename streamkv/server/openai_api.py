@@ -117,7 +117,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         outputs = await stream_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
         return stream_sse(completion_chunks(state, request, head, outputs, include_usage,
                                             sum(len(p) for p in prompts), req.n))
-    outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv)
+    outs = await run_all(state.engine, rid, flat_prompts, flat_params, req.priority, kv, client=request)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
@@ -228,7 +228,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         outputs = await stream_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
         return stream_sse(chat_chunks(state, request, {**head, "object": "chat.completion.chunk"}, outputs, req.n,
                                       len(ids), include_usage, tools if choice != "none" else []))
-    outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority, kv)
+    outs = await run_all(state.engine, rid, [ids] * req.n, params, req.priority, kv, client=request)
     choices = []
     for i, out in enumerate(outs):
         check_output(out)
