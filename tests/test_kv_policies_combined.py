@@ -146,12 +146,14 @@ FITS = {"policy": "snapstream", "budget_tokens": 1024, "sink_tokens": 16, "windo
 def test_answers_under_a_read_policy_are_recomputed_row_by_row(llm, kv):
     """Preempted by recompute mid-answer, a request whose answer rows read some pages gets its
     prompt back from the prefix cache (never its answer: those rows are not exact) and then
-    recomputes each answer row alone, reading the pages it read before: the same bits."""
+    recomputes each answer row alone, reading the pages it read before: the same bits, and the
+    same report (the recomputed rows' reads were counted again: pages scored grew)."""
     llm.engine.pool.reset_prefix_cache()
-    want = [_result(llm.generate([_doc(i)], PARAMS, **kv)[0]) for i in range(2)]
+    alone = [llm.generate([_doc(i)], PARAMS, **kv)[0] for i in range(2)]
     tight = LLM(max_num_batched_tokens=256, num_blocks=72, block_size=16, preemption="recompute")
     outs = _preempted_mid_answer(tight.engine, kv, 2, after=6, filler_words=120, filler_tokens=40)
-    assert [_result(o) for o in outs] == want
+    assert [_result(o) for o in outs] == [_result(o) for o in alone]
+    assert [_report(o) for o in outs] == [_report(o) for o in alone]
     tight.engine.check_integrity()
 
 

@@ -374,9 +374,10 @@ class Scheduler:
             emitted = self._verified(seq, item, output)
             seq.num_computed = item.start + item.num_tokens - len(item.draft) + max(0, len(emitted) - 1)
             read = output.reads.get(item.seq_id)
-            if read is not None:
+            if read is not None and item.start + item.num_tokens > seq.reads_to:  # not a recomputed row
                 seq.reads = seq.reads or ReadCount()
                 seq.reads.add(read)
+            seq.reads_to = max(seq.reads_to, seq.num_computed)
             if seq.cacheable and seq.layout is None:
                 self.kv.commit(seq.seq_id, seq.tokens, seq.exact_rows)
             if seq.write is not None and seq.layout is None and seq.num_computed == seq.write_point:

@@ -78,6 +78,9 @@ class Sequence:
     # are computed (a session evicting by SnapKV score ranks with them; ``RecentQueries``).
     observe: int = 0
     reads: ReadCount | None = None  # what its read policy read, summed over its steps
+    # rows whose reads are in ``reads``: rows recomputed after a preemption read what they read
+    # before and are not counted again (the report equals the request's run alone)
+    reads_to: int = 0
     # Streaming input (``streamkv.inputs``): while ``partial`` the prompt may still change.
     # Its last token is held back (it is computed, and sampled from, once the input is
     # finished: the tail's tokenization may change with the next chunk anyway) and the
