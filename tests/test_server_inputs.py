@@ -161,3 +161,15 @@ def test_abandoned_streams_expire(http, server):
         time.sleep(0.5)
     assert r.status_code == 409 and "expired" in r.json()["error"]["message"]
     assert metric(server.url, "streamkv_input_streams_expired_total") >= 1
+
+
+def test_a_client_that_leaves_a_plain_finish_aborts_the_answer(http, server):
+    """A non-streamed finish whose client gave up kept generating to max_tokens (holding its KV
+    blocks); the route now sees the disconnect (0.25 s poll) and aborts the answer."""
+    sid = _open(http, prompt=TEXT, temperature=0, max_tokens=400, ignore_eos=True)
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/input_streams/{sid}/finish", json={}, timeout=1.5)
+    time.sleep(1.5)  # the disconnect seen (polled every 0.25 s) and the abort through the engine
+    before = metric(server.url, "streamkv_engine_steps_total")
+    time.sleep(1.5)  # 400 tokens would take several seconds more
+    assert metric(server.url, "streamkv_engine_steps_total") == before

@@ -216,6 +216,15 @@ async def until_disconnected(request: Any, work: Awaitable[T], poll_s: float = 0
         task.cancel()
 
 
+async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    """The final output of a request's stream (None if it yielded none); with
+    :func:`until_disconnected`, a client that leaves closes the stream, which aborts the request."""
+    last = None
+    async for out in outputs:
+        last = out
+    return last
+
+
 def check_output(out: RequestOutput) -> None:
     if out.finish_reason == "error":
         raise APIError(500, f"generation failed: {out.error}")

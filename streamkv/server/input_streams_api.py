@@ -27,7 +27,8 @@ from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, QueueFullError, StreamKVError
 from streamkv.server.errors import APIError, error_body
-from streamkv.server.generation import check_model, check_output, finish_reason, kv_options, make_params
+from streamkv.server.generation import (check_model, check_output, finish_reason, kv_options, last_output, make_params,
+                                        until_disconnected)
 from streamkv.server.openai_api import (chat_chunks, chat_logprobs, completion_chunks, completion_logprobs,
                                         sampling_fields, stream_sse, usage)
 from streamkv.server.protocol import ChatMessage, StreamOptions, _Body, _Sampling, message_text
@@ -124,9 +125,7 @@ async def finish_input(stream_id: str, request: Request, body: FinishInput | Non
     if body.stream:
         return stream_sse(_sse(state, request, head, handle, chat, info,
                                bool(body.stream_options and body.stream_options.include_usage)))
-    last: RequestOutput | None = None
-    async for out in handle.outputs():
-        last = out
+    last = await until_disconnected(request, last_output(handle.outputs()))  # a client gone: aborted, 499
     if last is None:
         raise APIError(500, "the engine returned no output")
     check_output(last)

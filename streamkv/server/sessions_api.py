@@ -18,7 +18,7 @@ from streamkv.engine.async_engine import AsyncEngine
 from streamkv.errors import QueueFullError, SessionExistsError, SessionMovedError, StreamKVError
 from streamkv.server.errors import APIError, error_body
 from streamkv.server.flash_api import instant_answer, wait_for_flash
-from streamkv.server.generation import make_params, new_id
+from streamkv.server.generation import last_output, make_params, new_id, until_disconnected
 from streamkv.server.session_protocol import CreateSession, PushData, SessionQuery
 from streamkv.server.state import ServerState
 from streamkv.server.structured import compile_guided, guided_spec
@@ -170,9 +170,7 @@ async def query_session(session_id: str, body: SessionQuery, request: Request) -
         first = await _first(outputs)  # errors (404, 400, 429) surface before the 200
         frames = _stream(first, outputs, info, session_id, t0, lambda out: state.observe(out, request))
         return StreamingResponse(frames, media_type="text/event-stream")
-    last = None
-    async for out in outputs:
-        last = out
+    last = await until_disconnected(request, last_output(outputs))  # a client gone: aborted, 499
     if last is None or last.error:
         raise APIError(500, f"query failed: {last.error if last else 'no output'}")
     state.observe(last, request)
