@@ -247,8 +247,6 @@ def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
     assert report["flags"] is not None
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs a CPU affinity API and at least 2 usable cores")
 @pytest.mark.parametrize("threads", [0, 4097, 10**20])
 def test_a_thread_count_past_what_can_start_is_refused(threads):
     """--threads 100000 crashed at start ("can't start new thread"), 1e20 overflowed a C long."""
@@ -259,6 +257,8 @@ def test_a_thread_count_past_what_can_start_is_refused(threads):
     assert run.returncode == 2 and "threads must be in [1, 4096]" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs a CPU affinity API and at least 2 usable cores")
 def test_the_default_thread_count_follows_the_cpu_affinity(tiny_gguf):
     """Under `taskset -c N` (or a container's cpuset) the engine uses the cores it may run on, not
     every core of the machine: 16 threads pinned to 2 cores would oversubscribe them."""
