@@ -21,12 +21,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
     """One sample of a Prometheus metric (no labels) from the server's /metrics."""
-    text = httpx.get(url + "/metrics").text
+    text = httpx.get(url + "/metrics", headers=headers).text
     m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
     assert m, name
     return float(m.group(1))
+
+
+def assert_left_request_stopped(url: str, headers: dict[str, str] | None = None) -> None:
+    """After a client gave up on a long request: once the disconnect is seen (the routes poll every
+    0.25 s) and the abort has gone through the engine, the engine takes no more steps (the request
+    left running would step for seconds more)."""
+    time.sleep(1.5)
+    before = metric(url, "streamkv_engine_steps_total", headers)
+    time.sleep(1.5)
+    assert metric(url, "streamkv_engine_steps_total", headers) == before, "the abandoned request kept running"
 
 
 def idle_steps(url: str, timeout: float = 60.0) -> float:

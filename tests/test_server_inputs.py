@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, metric
+from tests.server_harness import ServerProcess, assert_left_request_stopped, metric
 
 TEXT = ("Page one: the river Loire flows through Orleans and Tours. Page two: Chambord was built for "
         "Francis I. Question: who was Chambord built for?")
@@ -169,7 +169,4 @@ def test_a_client_that_leaves_a_plain_finish_aborts_the_answer(http, server):
     sid = _open(http, prompt=TEXT, temperature=0, max_tokens=400, ignore_eos=True)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.url}/v1/input_streams/{sid}/finish", json={}, timeout=1.5)
-    time.sleep(1.5)  # the disconnect seen (polled every 0.25 s) and the abort through the engine
-    before = metric(server.url, "streamkv_engine_steps_total")
-    time.sleep(1.5)  # 400 tokens would take several seconds more
-    assert metric(server.url, "streamkv_engine_steps_total") == before
+    assert_left_request_stopped(server.url)
