@@ -119,8 +119,9 @@ class LayerSelector:
         back that layer's queries, and :meth:`fused_recall` measures it after the step."""
         if any(c.picks is not None or c.plan.keep <= 0 or not self.spans[c.index].is_decode for c in self.choices):
             return None
-        sampled = [c for c in self.choices if self._recall_layer(self.spans[c.index]) is not None]
-        layers = {self._recall_layer(self.spans[c.index]) for c in sampled}
+        recall = {c.index: self._recall_layer(self.spans[c.index]) for c in self.choices}
+        sampled = [c for c in self.choices if recall[c.index] is not None]
+        layers = {recall[c.index] for c in sampled}
         if len(layers) > 1:
             return None
         bs = self.cache.block_size
@@ -145,18 +146,12 @@ class LayerSelector:
         """The recall of the fused step's sampled rows: q [T, H, D] float32 are layer
         ``fused.recall_layer``'s queries after RoPE; the pages are picked again from them exactly
         as the layer picked them (same bounds, same scorer), so the per-layer path measures the same."""
-        layer, dim = fused.recall_layer, q.shape[2]
-        kv_heads = self.cache.k.shape[2]
         for c in fused.sampled:
             span = self.spans[c.index]
             count = self.counts.get(span.seq_id)
-            if count is None:
-                continue
-            rows = q[span.q_start:span.q_start + span.q_len].view(span.q_len, kv_heads, -1, dim)
-            compact, _ = span.read.compact(rows, self.cache.bounds.data[layer], c.candidates, c.plan.keep,
-                                           self.scale, c.slots)
-            count.recall_sum += self._recall(layer, q[span.q_start], c.slots.full, compact)
-            count.recall_n += 1
+            if count is not None:
+                compact, _ = self._pick(fused.recall_layer, q, span, c)
+                self._add_recall(count, fused.recall_layer, q, span, c, compact)
 
     def _count_fused(self, seq_id: int, c: _Choice, length: int) -> None:
         count = self.counts.get(seq_id)
@@ -170,9 +165,6 @@ class LayerSelector:
         """The step's spans and context slots with every selecting span compacted for
         ``layer``; q [T, H, D] are this layer's queries (after RoPE)."""
         spans, slots = list(self.spans), list(self.slots)
-        dim = q.shape[2]
-        kv_heads = self.cache.k.shape[2]
-        bounds = self.cache.bounds.data[layer] if self.cache.bounds is not None else None
         for c in self.choices:
             span, tail = spans[c.index], c.slots.full[c.slots.tail_from:]
             picked = c.picks.layers.get(layer) if c.picks is not None and span.is_decode else None
@@ -182,8 +174,7 @@ class LayerSelector:
                     head = c.picks.heads[layer] = c.slots.head(picked)
                 compact = torch.cat([head, tail])
             else:
-                rows = q[span.q_start:span.q_start + span.q_len].view(span.q_len, kv_heads, -1, dim)
-                compact, picked = span.read.compact(rows, bounds, c.candidates, c.plan.keep, self.scale, c.slots)
+                compact, picked = self._pick(layer, q, span, c)
                 if c.picks is not None:
                     c.picks.layers[layer] = picked
                     c.picks.heads[layer] = compact[:compact.numel() - tail.numel()]
@@ -201,8 +192,19 @@ class LayerSelector:
         count.pages_scored += c.candidates.numel()
         count.pages_picked += c.plan.keep
         if layer == self._recall_layer(span):
-            count.recall_sum += self._recall(layer, q[span.q_start], c.slots.full, compact)
-            count.recall_n += 1
+            self._add_recall(count, layer, q, span, c, compact)
+
+    def _pick(self, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice) -> tuple[torch.Tensor, torch.Tensor]:
+        """(compacted context slots, picked positions) of a selecting span in ``layer`` from that
+        layer's queries q [T, H, D] (after RoPE)."""
+        rows = q[span.q_start:span.q_start + span.q_len].view(span.q_len, self.cache.k.shape[2], -1, q.shape[2])
+        bounds = self.cache.bounds.data[layer] if self.cache.bounds is not None else None
+        return span.read.compact(rows, bounds, c.candidates, c.plan.keep, self.scale, c.slots)
+
+    def _add_recall(self, count: ReadCount, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice,
+                    compact: torch.Tensor) -> None:
+        count.recall_sum += self._recall(layer, q[span.q_start], c.slots.full, compact)
+        count.recall_n += 1
 
     def _recall_layer(self, span: SeqSpan) -> int | None:
         """The layer in which this span's row measures its recall this step, if it samples:

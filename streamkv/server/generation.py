@@ -105,9 +105,7 @@ async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], par
     """Non-streaming: final output of every (prompt, params) pair, in order. A ``client`` (the
     HTTP request) that disconnects first aborts them all (499; they ran to their end before)."""
     async def one(i: int) -> RequestOutput:
-        last = None
-        async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv):
-            last = out
+        last = await last_output(engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv))
         if last is None:
             raise APIError(500, "the engine returned no output")
         return last
