@@ -27,6 +27,9 @@ def item(seq_id=0, history=(), num_prompt=0, **kw):
     dict(logprobs=True), dict(max_tokens=True), dict(top_k=True), dict(min_tokens=True), dict(seed=True),
     dict(stop={"a": 1}), dict(stop_token_ids=[True]), dict(stop_token_ids=["5"]), dict(ignore_eos="no"),
     dict(include_stop_str_in_output=1),
+    # a JSON integer past float range (1 followed by 400 zeros) made math.isfinite overflow: a 500
+    *(dict([(name, 10 ** 400)]) for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                                            "frequency_penalty", "repetition_penalty")),
 ])
 def test_invalid_params_raise_typed_error(kw):
     with pytest.raises(InvalidRequestError):

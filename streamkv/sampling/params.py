@@ -73,7 +73,8 @@ class SamplingParams:
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool)
-                   and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
+                   and (isinstance(value, int) or math.isfinite(value)),  # isfinite overflows on ints > 1.8e308
+                   f"{name} must be a finite number, got {value!r}")
         _check(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
