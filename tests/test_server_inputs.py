@@ -110,6 +110,43 @@ def test_websocket_frames(server, http):
             assert closed.value.rcvd.code == 4000 + status
 
 
+def test_a_socket_that_leaves_keeps_the_input_and_an_answer_it_does_not_own(server, http):
+    """Any WebSocket that closed aborted the request: input it had sent (and acknowledged) was
+    thrown away, and an answer another client was finishing over HTTP was dropped while that
+    client waited forever. A socket that only sends changes now leaves the input alone."""
+    import threading
+
+    from websockets.sync.client import connect
+
+    params = {"temperature": 0, "max_tokens": 96, "ignore_eos": True}  # long enough to close during it
+    ref = http.post("/v1/completions", json={"prompt": TEXT, **params}).json()["choices"][0]["text"]
+    url = server.url.replace("http", "ws") + "/v1/input_streams/{}/ws"
+    sid = _open(http, prompt=TEXT[:40], **params)
+    with connect(url.format(sid)) as ws:  # sends a change, then leaves (a normal close)
+        ws.send(json.dumps({"type": "append", "text": TEXT[40:80]}))
+        assert json.loads(ws.recv())["type"] == "ack"
+    r = http.post(f"/v1/input_streams/{sid}/append", json={"text": TEXT[80:]})
+    assert r.status_code == 200, r.text  # was 409 "closed (abort)"
+    watcher = connect(url.format(sid))
+    done: dict = {}
+
+    def finish() -> None:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            done["r"] = c.post(f"/v1/input_streams/{sid}/finish", json={"stream": False})
+
+    t = threading.Thread(target=finish)
+    t.start()
+    deadline = time.monotonic() + 30
+    while http.get(f"/v1/input_streams/{sid}").status_code != 409:  # finished: its answer is running
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    watcher.close()
+    t.join(90)
+    assert "r" in done, "the HTTP finish never answered"
+    assert done["r"].status_code == 200, done["r"].text
+    assert done["r"].json()["choices"][0]["text"] == ref
+
+
 def test_structured_output_applies_to_the_finished_stream(http):
     """guided_regex / response_format were accepted and ignored: the finished stream gives what
     /v1/completions gives for the final prompt under the same constraint."""

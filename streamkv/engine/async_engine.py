@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Sequence as Seq
 from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.engine import Engine
 from streamkv.engine.outputs import RequestOutput
-from streamkv.errors import EngineDeadError, QueueFullError
+from streamkv.errors import EngineDeadError, InputStreamClosedError, QueueFullError
 from streamkv.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -241,8 +241,9 @@ class AsyncEngine:
             self._deliver(cmd.request_id, _ACCEPTED, False)
         elif isinstance(cmd, _Abort):
             if self.engine.abort(cmd.request_id):
-                self._sinks.pop(cmd.request_id, None)
-                self._inputs.pop(cmd.request_id, None)
+                # whoever still waits for its outputs (not always the aborting side: a finished
+                # input's answer may be read by another client) gets an error, never silence
+                self._deliver(cmd.request_id, InputStreamClosedError(f"request {cmd.request_id!r} was aborted"), True)
         elif isinstance(cmd, _Call):
             result: Any = None
             error: Exception | None = None

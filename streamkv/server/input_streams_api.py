@@ -203,19 +203,25 @@ async def input_ws(websocket: WebSocket, stream_id: str) -> None:
         await websocket.close(code=4000 + _status(exc), reason=str(exc)[:120])
         return
     await websocket.accept()
+    owner = [False]  # this socket finished the input: the answer is its own
     try:
         while True:
-            frame = await _ws_frame(websocket, handle)
+            frame = await _ws_frame(websocket, handle, owner)
             if frame is None:
                 break
     except WebSocketDisconnect:
-        handle.abort()  # a client gone before its answer: abort, free the KV
+        # A socket gone while it waits for its answer aborts it (free the KV). A socket that
+        # only sent changes leaves the input as it is: what it sent was acknowledged, and
+        # another client (HTTP or socket) may be finishing it; idle inputs expire (TTL).
+        if owner[0]:
+            handle.abort()
         return
     await websocket.close()
 
 
-async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str, Any] | None:
-    """Handle one frame; returns None once the request finished (its outputs were sent)."""
+async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream, owner: list[bool]) -> dict[str, Any] | None:
+    """Handle one frame; returns None once the request finished (its outputs were sent).
+    ``owner[0]`` becomes True once this socket finished the input."""
     message = await websocket.receive()
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", 1000))
@@ -227,6 +233,7 @@ async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str,
         kind = frame["type"]
         if kind == "finish":
             await handle.finish()
+            owner[0] = True
             async for out in handle.outputs():
                 await websocket.send_json({"type": "output", "delta_text": out.delta_text,
                                            "finished": out.finished, "finish_reason": finish_reason(out),
