@@ -154,6 +154,27 @@ def test_partial_prefill_never_shares_a_step_with_a_complete_prefill():
     assert rows() == [(0, 16)]  # fifo: one tier, nothing is background
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "fifo", "mcps", "lcas"])
+def test_idle_inputs_that_cannot_fit_together_do_not_preempt_each_other_in_turn(policy):
+    """Two idle streaming inputs that the pool cannot hold together preempted each other step
+    after step (a server burned a core re-prefilling them until they were deleted): a victim
+    now always ranks below the sequence that needs its blocks."""
+    engine, runner = slot_engine(num_blocks=10, block_size=4, queue_policy=policy)
+    a = engine.inputs.open("a", prompt=LETTERS[:24], params=GREEDY)  # 23 computable rows: 6 blocks
+    _drain(engine)
+    b = engine.inputs.open("b", prompt=LETTERS[2:26], params=GREEDY)
+    for i in range(30):
+        if i == 10:
+            settled = len(runner.plans)
+        engine.step()
+        engine.check_integrity()
+    assert engine.scheduler.num_preemptions <= 1, engine.scheduler.num_preemptions
+    assert sum(it.num_tokens for plan in runner.plans[settled:] for it in plan.seqs) == 0  # nobody recomputes
+    assert _finish(engine, "b").token_ids == _fresh(LETTERS[2:26])
+    assert _finish(engine, "a").token_ids == _fresh(LETTERS[:24])
+    assert a.seq.num_preemptions + b.seq.num_preemptions <= 2
+
+
 def test_lcas_serves_the_latest_chunk_and_aging_bounds_the_wait():
     from streamkv.sched.policies import make_queue_policy
 

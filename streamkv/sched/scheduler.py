@@ -174,7 +174,7 @@ class Scheduler:
                             self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
                             if s.status is SeqStatus.RUNNING and not s.pinned)
                     if cost > reclaimable:
-                        blocked = True
+                        blocked = blocked or not seq.partial  # background work holds nobody up
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
@@ -240,8 +240,12 @@ class Scheduler:
     def _acquire(self, proposals: list[_Proposal],
                  rank_all: Callable[[], list[Sequence]]) -> tuple[list[_Proposal], list[int]]:
         """Phase 2: take blocks in rank order, preempting from the bottom of the ranking of
-        every sequence (idle ones hold KV too; ranked only when a victim is needed)."""
+        every sequence (idle ones hold KV too; ranked only when a victim is needed). An input
+        still streaming (background work) only preempts inputs still streaming ranked below
+        it: otherwise two that cannot fit together (two idle inputs) preempt each other in
+        turn, step after step, and a complete request is never evicted for background work."""
         victims: list[Sequence] | None = None
+        place: dict[int, int] = {}
         preempted: list[int] = []
         done: list[_Proposal] = []
         done_ids: set[int] = set()
@@ -252,9 +256,12 @@ class Scheduler:
                 continue
             while not self._try_take(prop):
                 if victims is None:
-                    victims = [s for s in reversed(rank_all()) if s.status is SeqStatus.RUNNING and not s.pinned]
+                    ranking = rank_all()
+                    place = {s.seq_id: i for i, s in enumerate(ranking)}
+                    victims = [s for s in reversed(ranking) if s.status is SeqStatus.RUNNING and not s.pinned]
                 victim = next((v for v in victims if v is not seq and v.seq_id not in preempted
-                               and v.seq_id not in done_ids), None)
+                               and v.seq_id not in done_ids
+                               and (not seq.partial or (v.partial and place[v.seq_id] > place[seq.seq_id]))), None)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -267,7 +274,9 @@ class Scheduler:
                 continue  # a stream waits for blocks; it is never preempted
             if seq.status is SeqStatus.RUNNING:
                 self._cannot_grow(seq, done, preempted)
-            blocked = True  # nothing unpinned passes it; pinned streams still take free blocks
+            # nothing unpinned passes it (pinned streams still take free blocks); an input still
+            # streaming, which may only take free blocks or its inferiors', holds nobody up
+            blocked = blocked or not seq.partial
         return done, preempted
 
     def _try_take(self, prop: _Proposal) -> bool:
