@@ -127,7 +127,6 @@ def test_a_socket_that_leaves_keeps_the_input_and_an_answer_it_does_not_own(serv
         assert json.loads(ws.recv())["type"] == "ack"
     r = http.post(f"/v1/input_streams/{sid}/append", json={"text": TEXT[80:]})
     assert r.status_code == 200, r.text  # was 409 "closed (abort)"
-    watcher = connect(url.format(sid))
     done: dict = {}
 
     def finish() -> None:
@@ -135,12 +134,13 @@ def test_a_socket_that_leaves_keeps_the_input_and_an_answer_it_does_not_own(serv
             done["r"] = c.post(f"/v1/input_streams/{sid}/finish", json={"stream": False})
 
     t = threading.Thread(target=finish)
-    t.start()
-    deadline = time.monotonic() + 30
-    while http.get(f"/v1/input_streams/{sid}").status_code != 409:  # finished: its answer is running
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    watcher.close()
+    with connect(url.format(sid)) as watcher:  # another socket on the stream, closed during the answer
+        t.start()
+        deadline = time.monotonic() + 30
+        while http.get(f"/v1/input_streams/{sid}").status_code != 409:  # finished: its answer is running
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        watcher.close()
     t.join(90)
     assert "r" in done, "the HTTP finish never answered"
     assert done["r"].status_code == 200, done["r"].text
