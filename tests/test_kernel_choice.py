@@ -14,7 +14,7 @@ from streamkv import LLM, SamplingParams
 from streamkv.cli import main as cli_main
 from streamkv.config import RuntimeConfig
 from streamkv.native import invariant_gemm
-from streamkv.native.tuning import ALL_ROWS, KINDS, ModelShapes, choose, crossover, is_exact, parse_kernels, pick, runnable
+from streamkv.native.tuning import ALL_ROWS, EXACT_PACKED, KINDS, ModelShapes, choose, crossover, is_exact, parse_kernels, pick, runnable
 from tests.tiny_checkpoints import Q4_LINEARS, make_tiny_gguf, make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(invariant_gemm() is None, reason="no C compiler: the native kernels are not built")
@@ -111,13 +111,24 @@ def test_measured_once_then_read_from_the_cache(shapes, tmp_path, monkeypatch):
     lock.mkdir()  # the lock cannot be taken (a read-only cache): the cached choice is still read
     assert all(choose(shapes, {}).source[k] == "cached" for k in measured)
     lock.rmdir()
+    g, k0 = json.loads(good), measured[0]
+    p0 = next(iter(g["timings"][k0]))
+    # timings that `streamkv info` crashed on (AttributeError, StopIteration, a format error, NaN
+    # printed as invalid JSON), and row thresholds that contradict the kind's path or exactness
+    bad_timings = ["x", {}, {p0: {"decode x1": "fast"}}, {p0: {"decode x1": float("nan")}}, {"bogus": {"x1": 1.0}}]
+    bad_rows = [{**g["rows"], k0: 2 ** 40}, {**g["rows"], k0: (0 if g["paths"][k0] == EXACT_PACKED.get(k0) else 5)}]
     for damaged in ("{not json", json.dumps({"paths": {k: "bogus" for k in measured}, "timings": {}}),
                     json.dumps({"paths": {k: 1 for k in measured}, "timings": {}}),
-                    json.dumps({**json.loads(good), "rows": {k: "many" for k in measured}})):
+                    json.dumps({**g, "rows": {k: "many" for k in measured}}),
+                    *(json.dumps({**g, "timings": {**g["timings"], k0: t}}) for t in bad_timings),
+                    *(json.dumps({**g, "rows": r}) for r in bad_rows)):
         files[0].write_text(damaged)  # a damaged cache is measured again, not trusted
         third = choose(shapes, {})
         assert all(third.source[k] == "measured" for k in measured), (damaged, third.source)
         assert all(third.paths[k] in runnable(shapes)[k] for k in measured)
+    last = next((tmp_path / "kernels").glob("last-*.json"))
+    last.write_text(json.dumps({"paths": {k0: [g["paths"][k0]]}, "timings": {}}))  # crashed every start (a
+    assert choose(shapes, {}, retune=True).source[k0] == "measured"                 # list is unhashable)
 
 
 def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_start(tmp_path, monkeypatch):
@@ -250,11 +261,19 @@ def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
 @pytest.mark.parametrize("threads", [0, 4097, 10**20])
 def test_a_thread_count_past_what_can_start_is_refused(threads):
     """--threads 100000 crashed at start ("can't start new thread"), 1e20 overflowed a C long."""
-    with pytest.raises(ValueError, match=r"threads must be in \[1, 4096\]"):
+    with pytest.raises(ValueError, match=r"threads must be an integer in \[1, 4096\]"):
         RuntimeConfig(threads=threads)
     code = f"import sys; from streamkv.cli import main; sys.exit(main(['info', '--threads', '{threads}']))"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "threads must be in [1, 4096]" in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 2 and "threads must be an integer in [1, 4096]" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("threads", ["2", 2.5, True])
+def test_a_thread_count_that_is_not_an_integer_is_refused(threads):
+    """Through the Python API "2" raised a TypeError, and 2.5 or True passed validation and
+    failed at start in torch.set_num_threads."""
+    with pytest.raises(ValueError, match=r"threads must be an integer"):
+        RuntimeConfig(threads=threads)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

@@ -251,7 +251,7 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
     path = _cache_dir() / f"{_cache_key(s, forced)}.json"
     with _lock(path.with_suffix(".lock")):  # a concurrent start waits, then reads this measurement
         cached = None if retune else _read(path)
-        if cached is not None and _valid(cached, kinds, allowed):
+        if cached is not None and _valid(cached, s, kinds, allowed):
             cached.paths = {k: cached.paths[k] for k in kinds}
             cached.rows = {k: v for k, v in cached.rows.items() if k in kinds}
             cached.source = {k: "cached" for k in kinds}
@@ -279,10 +279,14 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         return choice
 
 
-def _valid(choice: KernelChoice, kinds: list[str], allowed: dict[str, list[str]]) -> bool:
-    """Whether a cached choice covers ``kinds`` with paths that can run here and integer row counts."""
-    return (all(choice.paths.get(k) in allowed.get(k, ()) for k in kinds)
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in choice.rows.values()))
+def _valid(choice: KernelChoice, s: ModelShapes, kinds: list[str], allowed: dict[str, list[str]]) -> bool:
+    """Whether a cached choice covers ``kinds`` with paths that can run here, their timings, and
+    row thresholds exactly where a kind is exact here (packed path <=> a threshold above 0)."""
+    def rows_ok(k: str) -> bool:
+        if not is_exact(s, k):
+            return k not in choice.rows
+        return k in choice.rows and (choice.rows[k] > 0) == (choice.paths[k] == EXACT_PACKED[k])
+    return all(choice.paths.get(k) in allowed.get(k, ()) and k in choice.timings and rows_ok(k) for k in kinds)
 
 
 @contextmanager
@@ -312,11 +316,29 @@ def _write(path: Path, choice: KernelChoice) -> None:
 
 
 def _read(path: Path) -> KernelChoice | None:
+    """The choice filed at ``path``; None when missing, unreadable or not shaped as ``_write``
+    writes it (known kinds and paths, positive finite ms per shape, row thresholds in [0,
+    ALL_ROWS] for exact kinds only): measure again (a damaged last-choice file is ignored)."""
     try:
         data = json.loads(path.read_text())
-        return KernelChoice(dict(data["paths"]), dict(data["timings"]), rows=dict(data.get("rows", {})))
+        choice = KernelChoice(dict(data["paths"]), dict(data["timings"]), rows=dict(data.get("rows", {})))
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        return None  # missing or unreadable: measure again
+        return None
+    return choice if _well_formed(choice) else None
+
+
+def _well_formed(c: KernelChoice) -> bool:
+    def seconds(v: object) -> bool:
+        return isinstance(v, float) and math.isfinite(v) and v > 0
+
+    def timed(kind: str, per_path: object) -> bool:
+        return (isinstance(per_path, dict) and bool(per_path) and all(
+            p in KINDS[kind] and isinstance(t, dict) and t and all(isinstance(sh, str) and seconds(v) for sh, v in t.items())
+            for p, t in per_path.items()))
+    return (all(k in KINDS and isinstance(p, str) and p in KINDS[k] for k, p in c.paths.items())
+            and all(k in KINDS and timed(k, t) for k, t in c.timings.items())
+            and all(k in EXACT_PACKED and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= ALL_ROWS
+                    for k, v in c.rows.items()))
 
 
 def order(kinds: dict) -> list[str]:
