@@ -27,6 +27,41 @@ def test_the_build_names_its_vector_isa():
     assert invariant_isa() in ("avx512f", "avx2", "scalar")
 
 
+def test_the_built_library_is_named_for_its_cpu(monkeypatch):
+    """The library is built with -march=native but was named by the sources and flags only, so a
+    cache directory shared with another CPU handed it a library built for this one (illegal
+    instructions there, or other bits)."""
+    import streamkv.native as native
+
+    try:
+        native.build_tag.cache_clear()
+        here = native.build_tag()
+        monkeypatch.setattr(native, "cpu_flags", lambda: ["fpu", "avx2"])
+        native.build_tag.cache_clear()
+        fewer_flags = native.build_tag()
+        monkeypatch.setattr(native, "cpu_model", lambda: "Another CPU")
+        native.build_tag.cache_clear()
+        assert len({here, fewer_flags, native.build_tag()}) == 3
+    finally:
+        monkeypatch.undo()
+        native.build_tag.cache_clear()
+    assert native.build_tag() == here
+
+
+def test_a_cache_directory_that_cannot_hold_the_build_costs_the_cache_not_the_start(tmp_path, monkeypatch):
+    """A cache root under a plain file: the build raised NotADirectoryError, the start then failed
+    with "numerics=invariant needs the native kernels (a C compiler ...)"."""
+    import streamkv.native as native
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path / "file" / "sub"))
+    built: list = []
+    monkeypatch.setattr(native, "_compiler", lambda: "cc")
+    monkeypatch.setattr(native, "_compile", lambda cc, target: built.append(target) or target)
+    path = native._build()
+    assert path == built[0] and path.parent.is_dir() and not str(path).startswith(str(tmp_path))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1728, 576), (37, 64), (4099, 130)])
 def test_gemm_is_correct_and_row_invariant(dtype, shape):

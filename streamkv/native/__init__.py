@@ -7,6 +7,7 @@ callers use the pure-PyTorch path. ``STREAMKV_NATIVE=0`` disables the kernels.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -21,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from streamkv.native.cpu import usable_cores
+from streamkv.native.cpu import cpu_flags, cpu_model, usable_cores
 
 log = logging.getLogger(__name__)
 _HERE = Path(__file__).parent
@@ -49,9 +50,12 @@ def _compiler() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def build_tag() -> str:
-    """A hash of the kernels' sources, the compiler and the flags: names the built library."""
+    """A hash of the kernels' sources, the compiler, the flags and the CPU (``-march=native``
+    builds for this one: a cache directory shared with another CPU must not hand it this
+    library, whose instructions may not run there or give other bits): names the built library."""
     source = b"".join(src.read_bytes() for src in [*_SOURCES, *_EXACT_SOURCES, *_HEADERS])
-    return hashlib.sha256(source + " ".join([str(_compiler()), *_FLAGS, *_EXACT_FLAGS]).encode()).hexdigest()[:16]
+    machine = [cpu_model(), *cpu_flags()]
+    return hashlib.sha256(source + " ".join([str(_compiler()), *_FLAGS, *_EXACT_FLAGS, *machine]).encode()).hexdigest()[:16]
 
 
 def object_files(tmp: Path) -> list[tuple[Path, Path]]:
@@ -75,7 +79,19 @@ def _build() -> Path | None:
     target = _cache_dir() / f"kernels-{build_tag()}.so"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _compile(cc, target)
+    except OSError as exc:  # the cache cannot hold it: build for this process only
+        log.warning("native kernel cache %s not writable (%s): building into a temporary directory",
+                    target.parent, exc)
+        here = Path(tempfile.mkdtemp(prefix="streamkv-kernels-"))
+        atexit.register(shutil.rmtree, here, ignore_errors=True)
+        return _compile(cc, here / target.name)
+
+
+def _compile(cc: str, target: Path) -> Path | None:
+    """Compile and link the kernels into ``target`` (through a temporary directory beside it)."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         link = [cc, "-shared", "-fopenmp", *(str(o) for _, o in object_files(Path(tmp))), "-o", str(out), "-lm"]
