@@ -215,8 +215,9 @@ class RuntimeConfig:
             raise ValueError("numerics=invariant has CPU kernels only so far; use numerics=fast on CUDA")
         if self.attention_backend not in ("auto", "torch", "cpu"):
             raise ValueError(f"attention_backend must be auto, torch or cpu, got {self.attention_backend!r}")
-        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
-            raise ValueError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or not 1 <= self.threads <= MAX_THREADS):
+            raise ValueError(f"threads must be an integer in [1, {MAX_THREADS}], got {self.threads!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
 
