@@ -65,7 +65,8 @@ def test_chat_stream_finish_over_sse_equals_chat_completion(http):
     ref = http.post("/v1/chat/completions", json={"messages": msgs, **T0}).json()
     sid = _open(http, messages=[{"role": "user", "content": TEXT[:50]}])
     http.post(f"/v1/input_streams/{sid}/append", json={"text": TEXT[50:]})
-    with http.stream("POST", f"/v1/input_streams/{sid}/finish", json={"stream": True}) as resp:
+    finish = {"stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", f"/v1/input_streams/{sid}/finish", json=finish) as resp:
         assert resp.status_code == 200
         lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
@@ -73,6 +74,9 @@ def test_chat_stream_finish_over_sse_equals_chat_completion(http):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == ref["choices"][0]["message"]["content"]
     assert chunks[-1]["streamkv"]["events"][-1]["event"] == "finished"
+    usages = [c["usage"] for c in chunks if c.get("usage")]  # there were two, with different fields
+    assert len(usages) == 1 and usages[0] is chunks[-1]["usage"], usages
+    assert usages[0]["completion_tokens"] == ref["usage"]["completion_tokens"] and "computed_prompt_tokens" in usages[0]
 
 
 def test_websocket_frames(server, http):

@@ -174,11 +174,12 @@ async def _sse(state: ServerState, request: Request, head: dict[str, Any], handl
             last[:] = [out]
             yield 0, out
 
+    # one usage chunk, the last (it has computed_prompt_tokens): the route's own would be a second
     if chat:
         head = {**head, "object": "chat.completion.chunk"}
-        chunks = chat_chunks(state, request, head, pairs(), 1, info["tokens"], include_usage)
+        chunks = chat_chunks(state, request, head, pairs(), 1, info["tokens"], False)
     else:
-        chunks = completion_chunks(state, request, head, pairs(), include_usage, info["tokens"])
+        chunks = completion_chunks(state, request, head, pairs(), False, info["tokens"])
     async for chunk in chunks:
         yield chunk
     if last:
