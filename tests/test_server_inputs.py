@@ -151,6 +151,16 @@ def test_a_socket_that_leaves_keeps_the_input_and_an_answer_it_does_not_own(serv
     assert done["r"].json()["choices"][0]["text"] == ref
 
 
+def test_a_socket_that_leaves_during_its_own_answer_aborts_it(server, http):
+    from websockets.sync.client import connect
+
+    sid = _open(http, prompt="Once upon a time", temperature=0, max_tokens=400, ignore_eos=True)
+    with connect(server.url.replace("http", "ws") + f"/v1/input_streams/{sid}/ws") as ws:
+        ws.send(json.dumps({"type": "finish"}))
+        assert json.loads(ws.recv())["type"] == "output"
+    assert_left_request_stopped(server.url)
+
+
 def test_structured_output_applies_to_the_finished_stream(http):
     """guided_regex / response_format were accepted and ignored: the finished stream gives what
     /v1/completions gives for the final prompt under the same constraint."""

@@ -328,12 +328,12 @@ def _read(path: Path) -> KernelChoice | None:
 
 
 def _well_formed(c: KernelChoice) -> bool:
-    def seconds(v: object) -> bool:
+    def positive_ms(v: object) -> bool:
         return isinstance(v, float) and math.isfinite(v) and v > 0
 
     def timed(kind: str, per_path: object) -> bool:
         return (isinstance(per_path, dict) and bool(per_path) and all(
-            p in KINDS[kind] and isinstance(t, dict) and t and all(isinstance(sh, str) and seconds(v) for sh, v in t.items())
+            p in KINDS[kind] and isinstance(t, dict) and t and all(isinstance(sh, str) and positive_ms(v) for sh, v in t.items())
             for p, t in per_path.items()))
     return (all(k in KINDS and isinstance(p, str) and p in KINDS[k] for k, p in c.paths.items())
             and all(k in KINDS and timed(k, t) for k, t in c.timings.items())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from contextlib import aclosing
 from typing import Annotated, Any, AsyncIterator
 
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
@@ -204,25 +205,21 @@ async def input_ws(websocket: WebSocket, stream_id: str) -> None:
         await websocket.close(code=4000 + _status(exc), reason=str(exc)[:120])
         return
     await websocket.accept()
-    owner = [False]  # this socket finished the input: the answer is its own
     try:
         while True:
-            frame = await _ws_frame(websocket, handle, owner)
+            frame = await _ws_frame(websocket, handle)
             if frame is None:
                 break
     except WebSocketDisconnect:
-        # A socket gone while it waits for its answer aborts it (free the KV). A socket that
-        # only sent changes leaves the input as it is: what it sent was acknowledged, and
-        # another client (HTTP or socket) may be finishing it; idle inputs expire (TTL).
-        if owner[0]:
-            handle.abort()
+        # A socket gone while it reads its answer has aborted it (the outputs' iterator, closed
+        # early, does). A socket that only sent changes leaves the input as it is: what it sent
+        # was acknowledged, and another client may be finishing it; idle inputs expire (TTL).
         return
     await websocket.close()
 
 
-async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream, owner: list[bool]) -> dict[str, Any] | None:
-    """Handle one frame; returns None once the request finished (its outputs were sent).
-    ``owner[0]`` becomes True once this socket finished the input."""
+async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str, Any] | None:
+    """Handle one frame; returns None once the request finished (its outputs were sent)."""
     message = await websocket.receive()
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", 1000))
@@ -234,11 +231,12 @@ async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream, owner: list[
         kind = frame["type"]
         if kind == "finish":
             await handle.finish()
-            owner[0] = True
-            async for out in handle.outputs():
-                await websocket.send_json({"type": "output", "delta_text": out.delta_text,
-                                           "finished": out.finished, "finish_reason": finish_reason(out),
-                                           **({"text": out.text, "streamkv": _extension(out)} if out.finished else {})})
+            async with aclosing(handle.outputs()) as outputs:  # left early (client gone): aborted
+                async for out in outputs:
+                    await websocket.send_json({"type": "output", "delta_text": out.delta_text,
+                                               "finished": out.finished, "finish_reason": finish_reason(out),
+                                               **({"text": out.text, "streamkv": _extension(out)}
+                                                  if out.finished else {})})
             return None
         text = InputText.model_validate({"text": frame.get("text")}).text
         ack = await (handle.append(text) if kind == "append" else handle.update(text))
