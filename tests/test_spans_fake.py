@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from streamkv import SamplingParams
@@ -152,6 +154,63 @@ def test_operands_restored_under_a_long_prefix_share_its_blocks_and_the_query_fi
     assert engine.spans.cache.stats.restores >= 4  # the prefix and three operands
     alone, _ = slot_engine(num_blocks=110, block_size=4, span_host_bytes=0)
     assert second.token_ids == _run(alone, [query(["abcd", "efgh", "ijkl", "zzzz"])], [])["q0"].token_ids
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("preemption,swap_blocks", [("recompute", 0), ("swap", 64)])
+def test_an_idle_input_gives_its_blocks_to_a_span_query(preemption, swap_blocks):
+    # an input waiting for more text is background work: it holds most of the pool and never
+    # finishes on its own, so a span query that needs its blocks preempts it (it used to wait
+    # RETRY_STEPS steps for nothing and fail with KVCacheFullError, a 500 over HTTP)
+    def query():
+        return gen(seq(fragment("sys"), plus(*[fragment(w * 4) for w in ("abc", "defgh", "ijk")]), user("qq")),
+                   max_tokens=3, temperature=0)
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    alone, _ = slot_engine(num_blocks=40, block_size=4, span_host_bytes=0)
+    expect = _run(alone, [query()], [])["q0"].token_ids
+    text = "".join(WORDS) * 4
+    for length in range(100, 150, 3):  # every fill of the pool, the query's last fork one block short
+        engine, _ = slot_engine(num_blocks=40, block_size=4, span_host_bytes=0, preemption=preemption,
+                                swap_blocks=swap_blocks)
+        engine.inputs.open("in", prompt=text[:length], params=params)
+        for _ in range(20):
+            engine.step()
+        assert engine.pool.num_free < 16  # the idle input holds the pool
+        out = _run(engine, [query()], [])["q0"]
+        assert out.finish_reason in ("stop", "length"), (length, out.error)
+        assert out.token_ids == expect
+        assert engine.scheduler.preemptions_by_kind[preemption] > 0
+        engine.inputs.finish("in")  # the preempted input is whole: its answer is a fresh request's
+        got = engine.run_to_completion(["in"])["in"].token_ids
+        fresh, _ = slot_engine(num_blocks=40, block_size=4)
+        fresh.add_request("r", text[:length], params)
+        assert got == fresh.run_to_completion(["r"])["r"].token_ids
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_query_that_finds_no_room_fails_as_retryable_and_leaves_the_pool_clean():
+    # pinned streams (sessions, here a bare one) are never preempted: after RETRY_STEPS steps
+    # the query fails, marked retryable (a 503 with Retry-After over HTTP, not a 500)
+    from streamkv.server.spans_api import _failure
+
+    engine, _ = slot_engine(num_blocks=32, block_size=4, span_host_bytes=0)
+    query = _notes(1)[0]
+    hog = engine.seq_ops.open(list(range(1, 4 * (engine.pool.num_free - 1) - 1)))  # leaves one block
+    while not engine.seq_ops.is_idle(hog):
+        engine.step()
+    out = _run(engine, [query], [])["q0"]
+    assert out.finish_reason == "error" and out.retry and "KVCacheFullError" in out.error
+    assert _failure(out)[0] == 503
+    assert not engine.spans.has_work() and engine.spans._reserved == 0
+    engine.seq_ops.close(hog)
+    engine.step()
+    again = _run(engine, [query], [])["q0"]
+    assert again.finish_reason in ("stop", "length") and not again.retry
     engine.spans.cache.clear()
     engine.check_integrity()
     assert engine.pool.num_free == engine.pool.num_blocks

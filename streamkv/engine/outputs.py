@@ -27,6 +27,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    retry: bool = False  # an "error" for want of room (KV blocks): the same request may succeed later
     metrics: dict[str, float] = field(default_factory=dict)
     # telemetry: ``(event, seconds since arrival)`` in order: queued, scheduled, kv_resident,
     # input_appended, input_updated, preempted_swap, preempted_recompute, swapped_in, finished

@@ -109,6 +109,13 @@ class SeqOps:
         seq.num_prompt_tokens = min(seq.num_prompt_tokens, num_tokens)
         return before - keep
 
+    def reclaim(self, blocks: int) -> None:
+        """Free up to ``blocks`` blocks by preempting inputs still streaming (``Scheduler.reclaim``);
+        their swap-out copies are made now, so the released blocks can be written at once."""
+        pairs = self._scheduler.reclaim(blocks)
+        if pairs:
+            self.ops.swap(pairs, [])
+
     def _copy_head(self, copy: tuple[int, int], rows: int) -> None:
         bs = self._kv.block_size
         self.ops.copy(slots_of([copy[0]], 0, rows, bs), slots_of([copy[1]], 0, rows, bs))

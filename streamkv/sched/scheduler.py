@@ -279,6 +279,20 @@ class Scheduler:
             blocked = blocked or not seq.partial
         return done, preempted
 
+    def reclaim(self, blocks: int) -> list[tuple[int, int]]:
+        """Preempt inputs still streaming (background work, which never finishes on its own),
+        lowest ranked first, until ``blocks`` are free for KV taken between steps (a span
+        query's fork). Returns their swap-out copies, which the caller makes before it writes
+        a released block (they are not queued for the next step)."""
+        mark = len(self._swap_out)
+        for seq in reversed(self.policy.rank(self.seqs.values(), time.perf_counter())):
+            if self.kv.pool.num_free >= blocks:
+                break
+            if seq.partial and seq.status is SeqStatus.RUNNING and not seq.pinned:
+                self._preempt(seq)
+        pairs, self._swap_out[mark:] = self._swap_out[mark:], []
+        return pairs
+
     def _try_take(self, prop: _Proposal) -> bool:
         seq = prop.seq
         extra = seq.extra_blocks(prop.end, self.kv.block_size)

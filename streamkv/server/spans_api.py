@@ -97,9 +97,15 @@ def _generate(engine: AsyncEngine, rid: str, tree: ir.Node, priority: int,
     return engine.generate(rid, "", SamplingParams(), priority=priority, submit=submit)
 
 
+def _failure(out: Any) -> tuple[int, str]:
+    """(status, message) of a failed query: 503 when it lacked room (KV blocks held by others
+    for RETRY_STEPS steps; retry later), else 500."""
+    return (503, f"span query failed, retry later: {out.error}") if out.retry else (500, f"span query failed: {out.error}")
+
+
 def _result(rid: str, out: Any, t0: float) -> dict[str, Any]:
     if out.finish_reason == "error":
-        raise APIError(500, f"span query failed: {out.error}")
+        raise APIError(*_failure(out), headers={"Retry-After": "1"} if out.retry else None)
     report = out.metrics.get("spans", {})
     usage = dict(report.get("usage", {}))
     usage["completion_tokens"] = len(out.token_ids)
@@ -112,7 +118,7 @@ async def _frames(rid: str, first: Any, outputs: AsyncIterator[Any], t0: float) 
     try:
         while True:
             if out.finish_reason == "error":
-                yield f"data: {json.dumps(error_body(500, f'span query failed: {out.error}'))}\n\n"
+                yield f"data: {json.dumps(error_body(*_failure(out)))}\n\n"
                 break
             if out.delta_text:
                 yield f"data: {json.dumps({'id': rid, 'delta': out.delta_text}, ensure_ascii=False)}\n\n"

@@ -195,5 +195,8 @@ class Execution:
 
     def _wait_for_blocks(self, tokens: int) -> Generator[Any, Any, None]:
         need = self.engine.kv.blocks_for(tokens) + 1
-        if self.cache.trim(need) == 0 and self.engine.pool.num_free < need:
+        trimmed = self.cache.trim(need)
+        if self.engine.pool.num_free < need:
+            self.engine.seq_ops.reclaim(need)  # inputs waiting for text never finish: they make room
+        if trimmed == 0 and self.engine.pool.num_free < need:
             yield Step(self.steps())  # one engine step: running requests finish and free blocks

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from streamkv.errors import InvalidRequestError
+from streamkv.errors import InvalidRequestError, KVCacheFullError
+from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sched.sequence import SeqStatus
 from streamkv.spans.cache import SpanCache
 from streamkv.spans.execution import Execution
@@ -247,7 +248,9 @@ class SpanQueries:
             return []
         error = query.task.error
         self._end(query)
-        return [self._error_output(query, f"{type(error).__name__}: {error}")]
+        out = self._error_output(query, f"{type(error).__name__}: {error}")
+        out.retry = isinstance(error, (KVCacheFullError, OutOfBlocksError))
+        return [out]
 
     def _end(self, query: Query) -> None:
         if self._queries.pop(query.request_id, None) is not None:
