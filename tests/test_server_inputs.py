@@ -95,6 +95,9 @@ def test_websocket_frames(server, http):
         ws.send(json.dumps({"type": "update", "text": "Once upon a time there lived a"}))
         ack = json.loads(ws.recv())
         assert ack["op"] == "update" and "lcp" in ack
+        ws.send(json.dumps({"type": "finish", "max_tokens": 2}))  # fixed at open: refused, input kept
+        err = json.loads(ws.recv())
+        assert err["type"] == "error" and "max_tokens" in err["error"]["message"], err
         ws.send(json.dumps({"type": "finish"}))
         frames = []
         while not frames or not frames[-1]["finished"]:
@@ -194,6 +197,10 @@ def test_errors_and_limits(http):
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
     assert http.get(f"/v1/input_streams/{sid}").json()["tokens"] < 10  # earlier input kept
     assert http.post(f"/v1/input_streams/{sid}/append", json={"text": 5}).status_code == 400
+    for late in ({"temperature": 0.9}, {"max_tokens": 3, "stream": False}, {"kv_write": {"policy": "snapkv"}}):
+        r = http.post(f"/v1/input_streams/{sid}/finish", json=late)  # was ignored: the answer ran unchanged
+        assert r.status_code == 400 and "set when the input is opened" in r.json()["error"]["message"], r.text
+    assert http.get(f"/v1/input_streams/{sid}").status_code == 200  # refused before finishing: still open
     others = [_open(http, prompt="x") for _ in range(2)]
     r = http.post("/v1/input_streams", json={"prompt": "one too many"})
     assert r.status_code == 429 and r.headers.get("retry-after")

@@ -22,7 +22,7 @@ from contextlib import aclosing
 from typing import Annotated, Any, AsyncIterator
 
 from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
-from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.outputs import RequestOutput
@@ -55,6 +55,29 @@ class InputText(_Body):
 class FinishInput(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_request_fields(cls, data: Any) -> Any:
+        """The request's fields are fixed at open: one sent at finish is a 400, not silently
+        ignored (other unknown fields are ignored, as on every route)."""
+        late = _late_fields(data)
+        if late:
+            raise ValueError(late)
+        return data
+
+
+# fields of the open body that finish refuses (``model`` may be repeated: any client sends it)
+_OPEN_ONLY = frozenset(OpenInput.model_fields) - {"stream", "stream_options", "model"}
+
+
+def _late_fields(data: Any) -> str | None:
+    """The error for open-only fields in a finish body or frame, None when it has none."""
+    late = sorted(k for k in data if k in _OPEN_ONLY) if isinstance(data, dict) else []
+    if not late:
+        return None
+    return (f"{', '.join(late)} cannot change at finish: the request's fields are set when the input "
+            "is opened (finish takes stream and stream_options)")
 
 
 def _state(request: Request | WebSocket) -> ServerState:
@@ -230,6 +253,9 @@ async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str,
             raise APIError(400, "frames must be JSON objects with type 'append', 'update' or 'finish'")
         kind = frame["type"]
         if kind == "finish":
+            late = _late_fields(frame)
+            if late:
+                raise APIError(400, late)
             await handle.finish()
             async with aclosing(handle.outputs()) as outputs:  # left early (client gone): aborted
                 async for out in outputs:
