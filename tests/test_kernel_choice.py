@@ -258,6 +258,14 @@ def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
     assert report["flags"] is not None
 
 
+def test_a_4bit_path_on_a_model_without_4bit_weights_names_the_flag_that_asked(tiny_gguf, capsys):
+    hf = str(os.path.dirname(tiny_gguf))  # the same model as a transformers checkpoint: no 4-bit layers
+    for flags, named in ((["--kernels", "linear=q4"], "kernels linear=q4"),
+                         (["--decode-weights", "q4"], "decode_weights=q4")):
+        assert cli_main(["info", "--model", hf, *flags]) != 0
+        assert f"{named} needs a GGUF model" in capsys.readouterr().err  # not the flag the user did not pass
+
+
 @pytest.mark.parametrize("threads", [0, 4097, 10**20])
 def test_a_thread_count_past_what_can_start_is_refused(threads):
     """--threads 100000 crashed at start ("can't start new thread"), 1e20 overflowed a C long."""

@@ -60,6 +60,7 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
     else measured once and cached (``native/tuning.py``; ``retune`` measures again)."""
     forced = parse_kernels(config.runtime.kernels)
     mode = config.model.decode_weights
+    asked = f"decode_weights={mode}" if mode != "auto" else "kernels linear=q4"  # who asked for q4, in errors
     if mode != "auto":
         if forced.get("linear", mode) != mode:
             raise ValueError(f"decode_weights={mode} contradicts kernels linear={forced['linear']}")
@@ -71,7 +72,7 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
     arch, bf16 = ckpt.arch, dtype == torch.bfloat16
     q4, q8 = quant_summary(ckpt.gguf, arch.tie_word_embeddings) if ckpt.gguf is not None else (False, False)
     if forced.get("linear") == "q4" and not q4:
-        raise ValueError("decode_weights=q4 needs a GGUF model with Q4_0/Q4_1 weights, on CPU")
+        raise ValueError(f"{asked} needs a GGUF model with Q4_0/Q4_1 weights, on CPU")
     shapes = ModelShapes(arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                          arch.vocab_size, arch.num_layers, config.runtime.numerics, bf16, q4, q8,
                          cache_bf16=kv_dtype(config, dtype) == torch.bfloat16,
@@ -80,7 +81,7 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
         return choose(shapes, forced, retune)
     except ValueError as exc:
         if forced.get("linear") == "q4" and config.runtime.numerics == "invariant":
-            raise ValueError("decode_weights=q4 with numerics=invariant needs the native 4-bit kernel "
+            raise ValueError(f"{asked} with numerics=invariant needs the native 4-bit kernel "
                              "(AVX512-BF16 CPUs for bfloat16; float32 on any CPU with a C compiler); "
                              "use numerics=fast or decode_weights=dense") from exc
         raise
