@@ -194,6 +194,23 @@ def test_forced_paths_are_not_measured_and_impossible_ones_are_refused(tmp_path,
                 choose(TINY, {kind: "amx"})
 
 
+def test_fast_numerics_time_the_dense_layers_they_run(monkeypatch):
+    # fast numerics run dense layers (and every prompt chunk) through F.linear, not the
+    # invariant GEMM the default numerics use: the choice must time what will run
+    from streamkv import native
+    from streamkv.native import kernel_bench
+
+    if native.q4_gemm() is None:
+        pytest.skip("needs the native 4-bit kernel (an AVX512-BF16 CPU) to time the q4 path")
+    calls = []
+    monkeypatch.setattr(kernel_bench.F, "linear", lambda x, w: calls.append(x.shape[0]) or x @ w.t())
+    monkeypatch.setattr(native, "invariant_gemm", lambda: lambda *a: pytest.fail("timed the invariant GEMM"))
+    fast = ModelShapes(**{**TINY.__dict__, "numerics": "fast", "q4": True})
+    times = kernel_bench.measure("linear", fast, {})
+    assert set(calls) == set(kernel_bench.ROWS.values())
+    assert times["q4"]["prompt x256"] == times["dense"]["prompt x256"]  # one path for prompt chunks
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama3"), "llama3")
