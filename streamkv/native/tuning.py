@@ -216,6 +216,8 @@ def _cache_key(s: ModelShapes, forced: dict[str, str], build: bool = True) -> st
     key = {"v": CACHE_VERSION, "cpu": cpu_model(), "flags": cpu_flags(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "native": build_tag() if build else None, "shapes": asdict(s),
            "forced": sorted(forced.items())}
+    if s.numerics == "fast":  # measured since with F.linear as their dense linears (others' keys unchanged)
+        key["dense_linear"] = "torch"
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
 
