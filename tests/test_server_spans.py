@@ -52,6 +52,7 @@ def test_span_query_reuses_permuted_operands(http):
     assert re.search(r"^streamkv_span_cache_hits_total [1-9]", text, re.M)
     assert re.search(r'^streamkv_span_tokens_total\{kind="reused"\} [1-9]', text, re.M)
     assert re.search(r"^streamkv_span_queries_total [1-9]", text, re.M)
+    assert re.search(r"^streamkv_requests_running 0\.0$", text, re.M)  # cached span streams are not requests
 
 
 def test_inner_outputs_are_returned(http):

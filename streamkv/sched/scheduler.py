@@ -100,7 +100,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return sum(1 for s in self.seqs.values() if s.status is SeqStatus.RUNNING)
+        """Requests (sampling sequences) holding KV; session and span streams are not requests."""
+        return sum(1 for s in self.seqs.values() if s.status is SeqStatus.RUNNING and s.samples)
 
     @property
     def num_waiting(self) -> int:

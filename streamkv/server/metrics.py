@@ -20,7 +20,8 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("streamkv_time_per_output_token_seconds", "mean time per output token after "
                               "the first", buckets=LATENCY_BUCKETS, registry=r)
-        running = Gauge("streamkv_requests_running", "sequences holding KV", registry=r)
+        running = Gauge("streamkv_requests_running", "requests holding KV (session and span streams are not counted)",
+                        registry=r)
         running.set_function(lambda: engine.num_running)
         waiting = Gauge("streamkv_requests_waiting", "sequences waiting to be scheduled", registry=r)
         waiting.set_function(lambda: engine.num_waiting)
