@@ -265,6 +265,27 @@ def test_cell_budget_admission_delays_never_rejects_and_keeps_outputs():
         fake_engine(admission="fair")
 
 
+@pytest.mark.parametrize("first,second,queue", [(5, -5, "fcfs"), (0, 0, "lcas")])
+def test_a_deferred_request_ranked_above_a_running_one_lets_it_finish(first, second, queue):
+    # the deferred request outranks the running one (a lower priority value; under LCAS, the
+    # newer arrival): the running one must keep decoding, else the charge never drops and both
+    # wait forever (the engine spun, counting ~40k deferrals a second, until the client left)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine, _ = fake_engine(num_blocks=64, budget=64, admission="cell-budget", queue_policy=queue)
+    engine.add_request("a", [7] * 20, params, priority=first)  # projects 50 of the 128-token ceiling
+    for _ in range(3):
+        engine.step()
+    engine.add_request("b", [9] * 70, params, priority=second)  # 100 more: deferred while "a" runs
+    done = {}
+    for _ in range(300):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(done) == 2:
+            break
+    assert sorted(done) == ["a", "b"] and all(len(o.token_ids) == 30 for o in done.values())
+    assert engine.scheduler.admission.stats.deferred_requests > 0
+    engine.check_integrity()
+
+
 def test_high_water_holds_prompt_chunks_back_and_outputs_stay():
     prompts = _prompts(5, seed=12, lo=30, hi=40)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

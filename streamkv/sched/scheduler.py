@@ -136,6 +136,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         foreground_prefill = False
         blocked = False  # a waiting sequence that cannot fit: only pinned ones may pass it
+        deferred = False  # a request admission defers: no new request passes it (running ones
+        # go on: their charge only drops as they finish, so stalling them stalled both forever)
         reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
         out: list[_Proposal] = []
         followers, hits = (self.groups.plan(ranked, self.policy.background) if self.groups is not None
@@ -152,10 +154,11 @@ class Scheduler:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
                 break
             background = self.policy.background(seq)
-            if (background and foreground_prefill) or (blocked and not seq.pinned):
+            fresh = seq.status is SeqStatus.WAITING and not seq.swapped and not seq.pinned
+            if (background and foreground_prefill) or (blocked and not seq.pinned) or (deferred and fresh):
                 continue
             if self.admission is not None and self._held(seq):
-                blocked = blocked or seq.status is SeqStatus.WAITING  # nothing unpinned passes a deferred request
+                deferred = deferred or fresh
                 continue
             target = seq.computable
             computed = seq.num_computed
