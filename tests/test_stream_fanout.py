@@ -21,8 +21,11 @@ class FakeEngine:
     def __init__(self, refuse: int | None) -> None:
         self.refuse, self.go, self.aborted = refuse, asyncio.Event(), []
 
+    def admit(self, n: int) -> None:
+        pass
+
     async def generate(self, rid: str, prompt: Any, params: Any, priority: int = 0, kv: Any = None,
-                       on_accept: Any = None):
+                       on_accept: Any = None, admitted: bool = False):
         i = int(rid.rsplit("-", 1)[1])
         if i == self.refuse:
             await asyncio.sleep(0.01)          # the others are accepted first
@@ -96,3 +99,38 @@ def test_closing_the_choices_mid_stream_aborts_the_rest():
         return engine.aborted
 
     assert sorted(asyncio.run(run())) == [0, 1]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_request_is_queued_whole_or_refused_whole_by_max_waiting(streamed):
+    # the limit was checked choice by choice: a request of more choices than --max-waiting got a
+    # 429 ("4 requests are already waiting") on every retry, on an idle server
+    from streamkv import SamplingParams
+    from streamkv.engine.async_engine import AsyncEngine
+    from streamkv.server.generation import run_all
+    from tests.fakes import fake_engine
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine = AsyncEngine(fake_engine()[0], max_waiting=4).start()
+
+    async def request(n: int) -> list[Any]:
+        if not streamed:
+            return await run_all(engine, f"r{n}", [[5, 6]] * n, [params] * n, 0, client=None)
+        outputs = await stream_all(engine, f"r{n}", [[5, 6]] * n, [params] * n, 0)
+        return [out async for _, out in outputs if out.finished]
+
+    async def run() -> None:
+        assert len(await request(4)) == 4
+        with pytest.raises(InvalidRequestError, match="queues at most 4"):  # never fits: a 400
+            await request(5)
+        engine.num_queued = 3  # as if 3 waited: 2 more cannot fit now (a 429), 1 can
+        with pytest.raises(QueueFullError, match="3 requests are already waiting"):
+            await request(2)
+        engine.admit(1)
+        engine.num_queued = 0
+        assert len(await request(2)) == 2
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()

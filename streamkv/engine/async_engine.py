@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Sequence as Seq
 from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.engine import Engine
 from streamkv.engine.outputs import RequestOutput
-from streamkv.errors import EngineDeadError, InputStreamClosedError, QueueFullError
+from streamkv.errors import EngineDeadError, InputStreamClosedError, InvalidRequestError, QueueFullError
 from streamkv.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,23 @@ class AsyncEngine:
         return self
 
     # --------------------------------------------------------------- client side
+    def admit(self, n: int) -> None:
+        """Refuse a request of ``n`` sequences (prompts x choices) before any is queued: a 400
+        (InvalidRequestError) when the queue could never hold them all, a 429 (QueueFullError)
+        when it cannot now. Its sequences then pass ``generate(..., admitted=True)``: checked one
+        by one, a request of more than the limit was refused on every retry, on an idle server."""
+        if self.max_waiting is None:
+            return
+        if n > self.max_waiting:
+            raise InvalidRequestError(f"this request makes {n} sequences (prompts x n); the server queues at "
+                                      f"most {self.max_waiting} (--max-waiting)")
+        if self.num_queued + n > self.max_waiting:
+            raise QueueFullError(f"{self.num_queued} requests are already waiting; {n} more would pass the "
+                                 f"limit ({self.max_waiting})")
+
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                        priority: int = 0, submit: Any = None, kv: dict[str, Any] | None = None,
-                       on_accept: Any = None) -> AsyncIterator[RequestOutput]:
+                       on_accept: Any = None, admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; raises the engine's validation error, if any.
         ``on_accept()``, when given, is called once the engine has accepted the request, before
         its first output (a refusal raises instead, and never calls it).
@@ -102,7 +116,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         if not self.accepting:
             raise EngineDeadError("server is shutting down")
-        if self.max_waiting is not None and self.num_queued >= self.max_waiting:
+        if not admitted and self.max_waiting is not None and self.num_queued >= self.max_waiting:
             raise QueueFullError(f"{self.num_queued} requests are already waiting (limit {self.max_waiting})")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()

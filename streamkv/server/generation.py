@@ -104,8 +104,11 @@ async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], par
                   priority: int, kv: dict[str, Any] | None = None, *, client: Any) -> list[RequestOutput]:
     """Non-streaming: final output of every (prompt, params) pair, in order. A ``client`` (the
     HTTP request) that disconnects first aborts them all (499; they ran to their end before)."""
+    engine.admit(len(prompts))
+
     async def one(i: int) -> RequestOutput:
-        last = await last_output(engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv))
+        last = await last_output(engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv,
+                                                 admitted=True))
         if last is None:
             raise APIError(500, "the engine returned no output")
         return last
@@ -130,11 +133,12 @@ async def stream_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], 
     a refusal (a validation error, a full queue) raises here, before a response has started, and
     gets its status; then the iterator yields ``(choice index, output)`` as they come. A refusal
     of one choice aborts the others; closing the iterator aborts every choice."""
+    engine.admit(len(prompts))
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv,
+            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv, admitted=True,
                                              on_accept=lambda: queue.put_nowait((i, _ACCEPTED))):
                 await queue.put((i, out))
         except Exception as exc:
