@@ -194,6 +194,22 @@ def test_forced_paths_are_not_measured_and_impossible_ones_are_refused(tmp_path,
                 choose(TINY, {kind: "amx"})
 
 
+def test_a_passing_load_slows_every_candidate_alike(monkeypatch):
+    # a virtual clock: each call takes 1 ms, 5 ms while the first 20 calls run (another job on
+    # the machine); timed one after the other, the first candidate took all of the load
+    from streamkv.native import kernel_bench
+
+    clock, calls = [0.0], [0]
+
+    def work() -> None:
+        calls[0] += 1
+        clock[0] += 0.005 if calls[0] <= 20 else 0.001
+
+    monkeypatch.setattr(kernel_bench.time, "perf_counter", lambda: clock[0])
+    times = kernel_bench._best_each({"a": work, "b": work})
+    assert times == {"a": pytest.approx(1.0), "b": pytest.approx(1.0)}
+
+
 def test_fast_numerics_time_the_dense_layers_they_run(monkeypatch):
     # fast numerics run dense layers (and every prompt chunk) through F.linear, not the
     # invariant GEMM the default numerics use: the choice must time what will run

@@ -4,7 +4,8 @@ model's shapes on random data (the kernels' speed does not depend on the values)
 Small row counts are bound by weight bytes, so the linear candidates cycle through enough
 distinct copies of a layer's weights (up to the model's layer count) to stream ~48 MB, as a
 real decode step streams the whole model instead of re-reading one warm layer. Every time is
-the best of a few repetitions (other tenants of a shared machine only ever slow a run down).
+the best of a few repetitions (other tenants of a shared machine only ever slow a run down),
+the candidates of a kind measured in turn (`_best_each`) so a passing load slows them alike.
 """
 from __future__ import annotations
 
@@ -22,20 +23,27 @@ EXACT_ROWS = {"decode x1": 1, "decode x4": 4, "decode x8": 8, "decode x16": 16, 
               "prompt x64": 64, "prompt x128": 128, "prompt x256": 256}
 
 
-def _best(fn: Callable[[], object], budget_s: float = 0.03, tries: int = 3) -> float:
-    """Milliseconds per call: the best of ``tries`` runs of about ``budget_s`` each."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-6)
-    reps = max(1, min(200, int(budget_s / once)))
-    best = math.inf
-    for _ in range(tries):
+def _best_each(fns: dict[str, Callable[[], object]], budget_s: float = 0.03, tries: int = 3) -> dict[str, float]:
+    """Milliseconds per call of each candidate: the best of ``tries`` runs of about ``budget_s``
+    each, the candidates' runs interleaved (A B, B A, A B): a load that comes and goes while a
+    busy machine measures slows them alike, instead of whichever ran during it (a first start
+    beside other jobs once timed the dense LM head faster than the int8 one and cached that)."""
+    reps = {}
+    for name, fn in fns.items():
+        fn()
         t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best * 1e3
+        fn()
+        reps[name] = max(1, min(200, int(budget_s / max(time.perf_counter() - t0, 1e-6))))
+    best = dict.fromkeys(fns, math.inf)
+    names = list(fns)
+    for i in range(tries):
+        for name in names if i % 2 == 0 else names[::-1]:
+            fn, n = fns[name], reps[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / n)
+    return {name: t * 1e3 for name, t in best.items()}
 
 
 def _layer_shapes(s) -> list[tuple[int, int]]:
@@ -89,10 +97,11 @@ def _linear_f32(s) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {"q4": {}, "dense": {}}
     for label, m in EXACT_ROWS.items():
         xs = {k: torch.randn(m, k) for _, k in shapes}
-        out["q4"][label] = _best(lambda: [deq(xs[k], q, dm, n) for layer in packed
-                                          for (q, dm, n), (_, k) in zip(layer, shapes)]) / len(packed)
-        out["dense"][label] = _best(lambda: [dense(xs[k], wp, n, torch.float32) for layer in panels
-                                             for (wp, n), (_, k) in zip(layer, shapes)]) / len(panels)
+        t = _best_each({"q4": lambda: [deq(xs[k], q, dm, n) for layer in packed
+                                       for (q, dm, n), (_, k) in zip(layer, shapes)],
+                        "dense": lambda: [dense(xs[k], wp, n, torch.float32) for layer in panels
+                                          for (wp, n), (_, k) in zip(layer, shapes)]})
+        out["q4"][label], out["dense"][label] = t["q4"] / len(packed), t["dense"] / len(panels)
     return out
 
 
@@ -125,9 +134,11 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
                 for (wp, n), (_, k) in zip(layer, shapes):
                     F.linear(xs[k], wp) if fast else dense(xs[k], wp, n, torch.bfloat16, tiles)
 
-        out["dense"][label] = _best(run_dense) / len(dense_layers)
         # a fast-numerics prompt chunk takes torch's GEMM on either path: one time for both
-        out["q4"][label] = out["dense"][label] if fast and label.startswith("prompt") else _best(run_q4) / len(q4_layers)
+        same = fast and label.startswith("prompt")
+        t = _best_each({"dense": run_dense} if same else {"q4": run_q4, "dense": run_dense})
+        out["dense"][label] = t["dense"] / len(dense_layers)
+        out["q4"][label] = out["dense"][label] if same else t["q4"] / len(q4_layers)
     return out
 
 
@@ -140,12 +151,13 @@ def _gemm(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {"amx": {}, "avx512": {}}
     for label, m in ROWS.items():
         xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
+        def run(tiles: bool) -> None:
+            for layer in layers:
+                for (wp, n), (_, k) in zip(layer, shapes):
+                    dense(xs[k], wp, n, torch.bfloat16, tiles)
+        t = _best_each({path: lambda tiles=path == "amx": run(tiles) for path in out})
         for path in out:
-            def run(tiles: bool = path == "amx") -> None:
-                for layer in layers:
-                    for (wp, n), (_, k) in zip(layer, shapes):
-                        dense(xs[k], wp, n, torch.bfloat16, tiles)
-            out[path][label] = _best(run) / len(layers)
+            out[path][label] = t[path] / len(layers)
     return out
 
 
@@ -161,8 +173,8 @@ def _lm_head_f32(s) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {"q8": {}, "dense": {}}
     for label, m in list(EXACT_ROWS.items())[:6]:  # sampled rows: one per sequence (and its drafts)
         x = torch.randn(m, k)
-        out["q8"][label] = _best(lambda: deq(x, q, dm, n))
-        out["dense"][label] = _best(lambda: dense(x, wp, n, torch.float32))
+        t = _best_each({"q8": lambda: deq(x, q, dm, n), "dense": lambda: dense(x, wp, n, torch.float32)})
+        out["q8"][label], out["dense"][label] = t["q8"], t["dense"]
     return out
 
 
@@ -181,8 +193,8 @@ def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {"q8": {}, "dense": {}}
     for label, m in list(ROWS.items())[:3]:  # sampled rows: one per sequence
         x = torch.randn(m, k).to(torch.bfloat16)
-        out["q8"][label] = _best(lambda: q8k(x, w8, d8, n))
-        out["dense"][label] = _best(lambda: dense(x, wp, n, torch.float32, tiles))
+        t = _best_each({"q8": lambda: q8k(x, w8, d8, n), "dense": lambda: dense(x, wp, n, torch.float32, tiles)})
+        out["q8"][label], out["dense"][label] = t["q8"], t["dense"]
     return out
 
 
@@ -212,8 +224,9 @@ def _attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {p: {} for p in kernels}
     for label, rows in ATTENTION_CASES.items():
         q, kc, vc, seqs, slots = _attention_case(s, rows)
-        for path, fn in kernels.items():
-            out[path][label] = _best(lambda f=fn: f(q, kc, vc, seqs, slots, s.head_dim ** -0.5))
+        t = _best_each({path: lambda f=fn: f(q, kc, vc, seqs, slots, s.head_dim ** -0.5) for path, fn in kernels.items()})
+        for path in kernels:
+            out[path][label] = t[path]
     return out
 
 
@@ -230,8 +243,8 @@ def _prefill_attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]
         k4 = kc[slots].transpose(0, 1).repeat_interleave(g, 0)[None]
         v4 = vc[slots].transpose(0, 1).repeat_interleave(g, 0)[None]
         return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True)
-    return {"native": {"prompt 512": _best(lambda: paged(qb, kc, vc, seqs, slots, s.head_dim ** -0.5))},
-            "sdpa": {"prompt 512": _best(sdpa)}}
+    t = _best_each({"native": lambda: paged(qb, kc, vc, seqs, slots, s.head_dim ** -0.5), "sdpa": sdpa})
+    return {path: {"prompt 512": ms} for path, ms in t.items()}
 
 
 MEASURES = {"linear": _linear, "gemm": _gemm, "lm_head": _lm_head, "attention": _attention,
