@@ -40,10 +40,14 @@ def test_write_policies_are_built_and_validated_from_json_objects():
            {"policy": "snapstream", "pool_kernel": 4}, {"policy": "snapstream", "window_tokens": 8},
            {"policy": "snapstream", "pooling": "mean"}, {"policy": "streaming_llm", "window_tokens": 0},
            {"policy": "snapstream", "budget_tokens": "1024"}, {"policy": "none", "budget_tokens": 1},
-           {"policy": "streaming_llm", "budget_tokens": 10}, "snapstream"]
+           {"policy": "streaming_llm", "budget_tokens": 10}, "snapstream",
+           # a pooling this wide froze the engine thread for good (the server hung; now a 400)
+           {"policy": "snapstream", "pool_kernel": 1_000_000_001}, {"policy": "snapstream", "pool_kernel": 129},
+           {"policy": "snapstream", "budget_tokens": 10**30}, {"policy": "streaming_llm", "sink_tokens": 2**24 + 1}]
     for spec in bad:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="kv_write"):
             make_write_policy(spec)
+    assert make_write_policy({"policy": "snapstream", "pool_kernel": 127}).pool_kernel == 127
 
 
 def test_the_ring_overwrites_the_oldest_recent_row():

@@ -25,9 +25,10 @@ def test_policies_are_built_and_validated_from_json_objects():
     assert make_read_policy(None) is None
     bad = [{"policy": "nope"}, {"budget_tokens": 5}, {"policy": "quest", "budget_tokens": -1},
            {"policy": "quest", "budget_tokens": 100, "recent_tokens": 256}, {"policy": "quest", "window": 3},
-           {"policy": "quest", "budget_tokens": "1024"}, {"policy": "recent", "rescore": 1}, "quest"]
-    for spec in bad:
-        with pytest.raises(ValueError):
+           {"policy": "quest", "budget_tokens": "1024"}, {"policy": "recent", "rescore": 1}, "quest",
+           {"policy": "quest", "budget_tokens": 10**30}, {"policy": "recent", "sink_tokens": 2**24 + 1}]
+    for spec in bad:  # every message names the field (a session spec's 400 takes its param from it)
+        with pytest.raises(ValueError, match="^kv_read"):
             make_read_policy(spec)
 
 

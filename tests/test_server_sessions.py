@@ -220,6 +220,7 @@ def test_bad_session_requests_get_4xx_and_nothing_is_lost(server, client):
         assert resp.status_code == status, (method, path, body, resp.text)
         assert "error" in resp.json() and resp.json()["error"]["message"]
     for body, param in [({"kv_read": {"policy": "everything"}}, "kv_read"), ({"evict": "lru"}, "evict"),
+                        ({"kv_read": {"policy": "quest", "budget_tokens": 1}}, "kv_read"),  # was param null
                         ({"evict": "snapkv", "kv_write": {"sink_tokens": 8}}, "kv_write"),
                         ({"evict": "snapkv", "kv_write": {"observation_tokens": False}}, "kv_write")]:
         resp = httpx.post(server.url + "/v1/sessions", json=body, timeout=30)  # the spec's errors name their field

@@ -214,3 +214,29 @@ def test_a_query_that_finds_no_room_fails_as_retryable_and_leaves_the_pool_clean
     engine.spans.cache.clear()
     engine.check_integrity()
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_cached_spans_make_room_for_a_compressing_request():
+    # a write policy's request needs its prompt's blocks plus the layout's (the kept rows move
+    # there): the cache must give back that many, else it waited forever, and every request
+    # behind it too (nothing unpinned passes a request that cannot be admitted)
+    from streamkv.policies import StreamingLLMPolicy
+
+    policy = StreamingLLMPolicy(sink_tokens=3, window_tokens=6)  # 9 rows: 3 blocks of 4
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for length in range(40, 100, 4):  # prompt blocks at every distance from the free count
+        engine, runner = slot_engine(num_blocks=48, block_size=4)
+        runner.write = policy
+        _run(engine, _notes(3), [])  # cached spans hold part of the pool, unused
+        assert engine.spans.cache.held_blocks() > 0
+        engine.add_request("w", "ab" * (length // 2), params, kv_write=policy.to_dict())
+        engine.add_request("p", "cd", params)  # a plain request behind it
+        done = {}
+        for _ in range(200):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+            if len(done) == 2:
+                break
+        assert sorted(done) == ["p", "w"], (length, engine.pool.num_free, engine.spans.cache.held_blocks())
+        engine.spans.cache.clear()
+        engine.check_integrity()
+        assert engine.pool.num_free == engine.pool.num_blocks

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from streamkv.native import page_select
-from streamkv.policies.registry import build_policy
+from streamkv.policies.registry import MAX_TOKENS, build_policy
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,10 @@ class ReadPolicy(ABC):
             value = getattr(self, f.name)
             if f.name == "rescore":
                 if not isinstance(value, bool):
-                    raise ValueError(f"{self.name}: rescore must be true or false, got {value!r}")
-            elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{self.name}: {f.name} must be an integer >= 0, got {value!r}")
+                    raise ValueError(f"kv_read {self.name}: rescore must be true or false, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKENS:
+                raise ValueError(f"kv_read {self.name}: {f.name} must be an integer in [0, {MAX_TOKENS}], "
+                                 f"got {value!r}")
 
     def keep_pages(self, sink: int, tail: int, end: int, block_size: int) -> int:
         """How many candidate pages may be read besides the sinks and the tail."""
@@ -184,7 +185,7 @@ class QuestPolicy(ReadPolicy):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.budget_tokens < self.sink_tokens + self.recent_tokens:
-            raise ValueError(f"quest: budget_tokens ({self.budget_tokens}) must cover sink_tokens + recent_tokens "
+            raise ValueError(f"kv_read quest: budget_tokens ({self.budget_tokens}) must cover sink_tokens + recent_tokens "
                              f"({self.sink_tokens + self.recent_tokens})")
 
     def keep_pages(self, sink: int, tail: int, end: int, block_size: int) -> int:

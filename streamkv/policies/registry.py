@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Callable
 
+# any token count a policy takes: past every context (a larger one was accepted, never applied,
+# and echoed back in the report as a JSON integer many clients cannot represent)
+MAX_TOKENS = 1 << 24
+
 
 def build_policy(field: str, registry: dict[str, Callable[..., Any] | None], spec: dict[str, Any] | Any,
                  example: str) -> Any:

@@ -29,7 +29,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from streamkv.policies.registry import build_policy
+from streamkv.policies.registry import MAX_TOKENS, build_policy
+
+MAX_POOL_KERNEL = 127  # SnapKV pools over 5-13 keys; the pooling runs on the engine thread (k=1023: 0.6 s at 8k)
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,10 @@ class WritePolicy(ABC):
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"kv_write {self.name}: {f.name} must be an integer >= 0, got {value!r}")
+            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)
+                                           or not 0 <= value <= MAX_TOKENS):
+                raise ValueError(f"kv_write {self.name}: {f.name} must be an integer in [0, {MAX_TOKENS}], "
+                                 f"got {value!r}")
         if self.window_tokens < 1:
             raise ValueError(f"kv_write {self.name}: window_tokens must be >= 1 (the ring holds each new token)")
 
@@ -163,8 +167,9 @@ class SnapStreamPolicy(WritePolicy):
             raise ValueError(f"kv_write snapstream: pooling must be 'max' or 'avg', got {self.pooling!r}")
         if self.observation_tokens < 1:
             raise ValueError("kv_write snapstream: observation_tokens must be >= 1")
-        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
-            raise ValueError(f"kv_write snapstream: pool_kernel must be odd and >= 1, got {self.pool_kernel}")
+        if not 1 <= self.pool_kernel <= MAX_POOL_KERNEL or self.pool_kernel % 2 == 0:
+            raise ValueError(f"kv_write snapstream: pool_kernel must be odd, in [1, {MAX_POOL_KERNEL}], "
+                             f"got {self.pool_kernel}")
         if self.window_tokens < self.observation_tokens:
             raise ValueError(f"kv_write snapstream: window_tokens ({self.window_tokens}) must be >= observation_tokens "
                              f"({self.observation_tokens}): the observed rows are the newest and stay in the window")

@@ -193,8 +193,9 @@ class SpanQueries:
         must never starve."""
         kv, pool = self.engine.kv, self.engine.pool
         demand = self._pending_blocks() + max(1, pool.num_blocks // 8) if self._queries else 0
-        waiting = [kv.blocks_for(len(s.tokens) + 1) for s in self.engine.scheduler.seqs.values()
-                   if s.status is SeqStatus.WAITING and not s.pinned]
+        # a request with a write policy also holds its layout's blocks at the compression point
+        waiting = [kv.blocks_for(len(s.tokens) + 1) + s.extra_blocks(s.write_point, kv.block_size)
+                   for s in self.engine.scheduler.seqs.values() if s.status is SeqStatus.WAITING and not s.pinned]
         demand = min(pool.num_blocks, max([demand, *waiting]))
         if demand > pool.num_free:
             self.cache.trim(demand)
