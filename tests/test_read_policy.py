@@ -338,6 +338,14 @@ def test_the_fused_selecting_step_equals_the_per_layer_path(monkeypatch):
         assert x.token_ids == y.token_ids
         assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
     assert a[0].kv == b[0].kv and a[0].kv["pages_picked"] < a[0].kv["pages_scored"]
+    # pages scored are pages ranked: none for `recent` (it picks no page; 2,250 were reported),
+    # and for quest without rescoring only the first answer row's, which later rows reuse
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    recent = llm.generate([prompt], short, kv_read={"policy": "recent", "sink_tokens": 0, "recent_tokens": 0})[0].kv
+    assert recent["pages_scored"] == recent["pages_picked"] == 0
+    once = llm.generate([prompt], short, kv_read={**quest, "rescore": False})[0].kv
+    every = llm.generate([prompt], short, kv_read=quest)[0].kv
+    assert 0 < once["pages_scored"] < every["pages_scored"]
 
 
 def test_a_server_default_quest_acts_like_the_same_object_in_a_request():

@@ -168,7 +168,8 @@ class LayerSelector:
         for c in self.choices:
             span, tail = spans[c.index], c.slots.full[c.slots.tail_from:]
             picked = c.picks.layers.get(layer) if c.picks is not None and span.is_decode else None
-            if picked is not None:
+            reused = picked is not None  # the first answer row's pages (rescore false): nothing scored
+            if reused:
                 head = c.picks.heads.get(layer)
                 if head is None:
                     head = c.picks.heads[layer] = c.slots.head(picked)
@@ -180,16 +181,17 @@ class LayerSelector:
                     c.picks.heads[layer] = compact[:compact.numel() - tail.numel()]
             slots[c.index] = compact
             spans[c.index] = SeqSpan(span.q_start, span.q_len, compact.numel() - span.q_len, span.block_table)
-            self._count(layer, q, span, c, compact)
+            self._count(layer, q, span, c, compact, scored=not reused and c.plan.keep > 0)
         return spans, slots
 
-    def _count(self, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice, compact: torch.Tensor) -> None:
+    def _count(self, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice, compact: torch.Tensor,
+               scored: bool) -> None:
         count = self.counts.get(span.seq_id)
         if count is None:
             return
         count.layer_rows += compact.numel()
         count.layers += 1
-        count.pages_scored += c.candidates.numel()
+        count.pages_scored += c.candidates.numel() if scored else 0  # keep 0 (recent) ranks nothing
         count.pages_picked += c.plan.keep
         if layer == self._recall_layer(span):
             self._add_recall(count, layer, q, span, c, compact)
