@@ -250,3 +250,30 @@ def test_idle_sessions_are_offloaded_when_requests_need_blocks(tmp_path):
     after = [s.query("what?", max_tokens=4).token_ids for s in sessions]
     assert after == before
     engine.check_integrity()
+
+
+def test_idle_sessions_are_offloaded_when_a_span_query_needs_blocks(tmp_path):
+    # span streams are pinned: offloading looked only at unpinned waiting requests, so a span
+    # query waited for good behind idle sessions, and the requests ranked after it too
+    from streamkv.spans.ir import fragment, gen, plus, seq, user
+
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine = llm.engine
+    sessions = [llm.session("s", chat=False, retention_tokens=60) for _ in range(2)]
+    for s in sessions:
+        s.push([f"record {i} of some data" for i in range(6)])
+        s.ingest()
+    free = engine.pool.num_free
+    words = " ".join(f"w{i}" for i in range(4 * free))
+    engine.spans.submit("q", gen(seq(fragment("sys"), plus(fragment(words)), user("q")), max_tokens=3, temperature=0))
+    engine.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    done = {}
+    for _ in range(500):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(done) == 2:
+            break
+    assert sorted(done) == ["p", "q"] and done["q"].finish_reason == "length", done.get("q")
+    assert "host" in [s.stats()["kv"]["where"] for s in sessions]
+    engine.spans.cache.clear()
+    engine.check_integrity()

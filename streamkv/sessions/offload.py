@@ -120,14 +120,13 @@ class Offloader:
         return 0
 
     def relieve_pressure(self) -> None:
-        """Offload idle sessions while a waiting request, or a session stream with data to
-        ingest, cannot get its blocks."""
-        kv = self.engine.kv
-        needs = [kv.blocks_for(len(s.tokens) + 1) for s in self.engine.scheduler.seqs.values()
-                 if s.status is SeqStatus.WAITING and not s.pinned]
-        busy = [s for s in self.manager.sessions.values()
-                if s.stream is not None and s.stream.num_computed < len(s.stream.tokens)]
-        needs += [kv.growth_cost(s.stream.seq_id, len(s.stream.tokens)) for s in busy if kv.has(s.stream.seq_id)]
+        """Offload idle sessions while a waiting sequence, or a pinned stream with rows to
+        compute (a session ingesting, a span query's: pinned streams preempt nobody and wait,
+        so a span query behind idle sessions waited for good), cannot get its blocks."""
+        kv, seqs = self.engine.kv, self.engine.scheduler.seqs.values()
+        needs = [kv.blocks_for(len(s.tokens) + 1) for s in seqs if s.status is SeqStatus.WAITING]
+        needs += [kv.growth_cost(s.seq_id, len(s.tokens)) for s in seqs
+                  if s.status is SeqStatus.RUNNING and s.pinned and s.has_work and kv.has(s.seq_id)]
         positive = [n for n in needs if n > 0]
         if not positive:
             return
