@@ -157,13 +157,16 @@ def test_bad_trees_are_400_with_the_node_path(http, query, status, words):
     assert words.replace("query", "queries[1]", 1) in b.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("route", ["/v1/spans/bulk", "/v1/spans"])
+@pytest.mark.parametrize("route", ["/v1/spans/bulk", "/v1/spans", "/v1/corpora/left"])
 def test_a_client_that_leaves_a_plain_request_aborts_its_queries(http, route):
-    """Non-streamed span queries and bulks ran to their end after the client had gone (a bulk of
-    thousands of queries would have): the route now watches for the disconnect and aborts."""
+    """Non-streamed span queries, bulks and corpus preparations ran to their end after the client
+    had gone (a bulk of thousands of queries would have): the routes watch for the disconnect."""
     long = {"kind": "gen", "max_tokens": 600, "temperature": 0, "ignore_eos": True,
             "input": {"kind": "user", "text": "Count from one to a thousand."}}
-    body = {"queries": [long] * 4, "concurrency": 4} if route.endswith("bulk") else {"query": long}
+    body = ({"queries": [long] * 4, "concurrency": 4} if route.endswith("bulk") else {"query": long}
+            if route == "/v1/spans" else  # a corpus of 12 fragments of ~780 tokens: ~18 s to prepare
+            {"fragments": [{"id": f"f{i}", "text": f"part {i}: " + "lorem ipsum dolor " * 110} for i in range(12)],
+             "prepare": True})
     with pytest.raises(httpx.TimeoutException):
         httpx.post(http.base_url.join(route), json=body, timeout=1.5)
     assert_left_request_stopped(str(http.base_url).rstrip("/"))

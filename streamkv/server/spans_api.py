@@ -26,7 +26,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.sampling.params import SamplingParams
 from streamkv.server.errors import APIError, error_body
-from streamkv.server.generation import new_id, until_disconnected
+from streamkv.server.generation import last_output, new_id, until_disconnected
 from streamkv.server.protocol import _Body
 from streamkv.spans import ir
 from streamkv.spans.bulk import cluster_order
@@ -188,12 +188,14 @@ async def add_corpus(name: str, body: CorpusBody, request: Request) -> dict[str,
     out: dict[str, Any] = {"object": "corpus", "name": name, **info}
     if body.prepare:  # compute and cache every fragment after the prefix now
         rid = new_id("prep")
-        last = None
-        async for item in engine.generate(rid, "", SamplingParams(),
-                                          submit=lambda e: e.spans.prepare(rid, name, prefix)):
-            last = item
-        if last is None or last.finish_reason == "error":
-            raise APIError(500, f"preparing corpus {name!r} failed: {last.error if last else 'no output'}")
+        outputs = engine.generate(rid, "", SamplingParams(), submit=lambda e: e.spans.prepare(rid, name, prefix))
+        last = await until_disconnected(request, last_output(outputs))  # a client gone: aborted, 499
+        if last is None:
+            raise APIError(500, f"preparing corpus {name!r} failed: no output")
+        if last.finish_reason == "error":
+            status, message = _failure(last)
+            raise APIError(status, f"preparing corpus {name!r}: {message}",
+                           headers={"Retry-After": "1"} if last.retry else None)
         out["prepared"] = last.metrics["spans"]["usage"]
     return out
 
