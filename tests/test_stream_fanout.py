@@ -71,6 +71,28 @@ def test_in_band_errors_keep_their_status():
     assert status_of(RuntimeError("boom")) == (500, "RuntimeError: boom")
 
 
+def test_a_full_kv_cache_is_a_retryable_503_not_a_bad_request():
+    # a session query whose fork finds no free block got a 400 "the KV cache is full; retry
+    # later" (KVCacheFullError is an InvalidRequestError) with no Retry-After
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from streamkv.errors import KVCacheFullError
+    from streamkv.server.errors import install_error_handlers
+
+    assert status_of(KVCacheFullError("the KV cache is full; retry later"))[0] == 503  # in-band (SSE)
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/full")
+    async def full() -> None:
+        raise KVCacheFullError("the KV cache is full; retry later")
+
+    resp = TestClient(app).get("/full")
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["type"] == "service_unavailable"
+
+
 def test_choices_whose_response_never_started_are_aborted():
     """A client that leaves while its request is being accepted: the response body never starts,
     so nothing iterates the choices; dropping them must still abort every one (they ran to their

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from streamkv.errors import (EngineDeadError, InputStreamClosedError, InputStreamNotFoundError, InvalidRequestError,
-                             QueueFullError, SessionExistsError, SessionMovedError,
+                             KVCacheFullError, QueueFullError, SessionExistsError, SessionMovedError,
                              SessionNotFoundError)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -37,7 +37,8 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 # the status of each engine error, here and in the exception handlers below
-_STATUS: dict[type, int] = {InvalidRequestError: 400, QueueFullError: 429, SessionNotFoundError: 404,
+# (first match wins: KVCacheFullError is an InvalidRequestError, but a retryable one)
+_STATUS: dict[type, int] = {KVCacheFullError: 503, InvalidRequestError: 400, QueueFullError: 429, SessionNotFoundError: 404,
                             SessionMovedError: 503, SessionExistsError: 409, InputStreamNotFoundError: 404,
                             InputStreamClosedError: 409, EngineDeadError: 503}
 
@@ -74,6 +75,10 @@ def install_error_handlers(app: Any) -> None:
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
         return error_response(400, str(exc))
+
+    @app.exception_handler(KVCacheFullError)
+    async def _kv_full(_: Request, exc: KVCacheFullError) -> JSONResponse:  # no block for a fork now
+        return error_response(503, str(exc), headers={"Retry-After": "1"})
 
     @app.exception_handler(QueueFullError)
     async def _full(_: Request, exc: QueueFullError) -> JSONResponse:
