@@ -19,10 +19,12 @@ class FakeEngine:
     ``go`` and give two outputs. Records which choices were closed before their end."""
 
     def __init__(self, refuse: int | None) -> None:
-        self.refuse, self.go, self.aborted = refuse, asyncio.Event(), []
+        self.refuse, self.go, self.aborted, self._reserved = refuse, asyncio.Event(), [], 0
 
-    def admit(self, n: int) -> None:
-        pass
+    def admit(self, n: int) -> Any:
+        from streamkv.engine.async_engine import Admission
+
+        return Admission(self, n)  # type: ignore[arg-type]
 
     async def generate(self, rid: str, prompt: Any, params: Any, priority: int = 0, kv: Any = None,
                        on_accept: Any = None, admitted: bool = False):
@@ -135,22 +137,25 @@ def test_a_request_is_queued_whole_or_refused_whole_by_max_waiting(streamed):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine = AsyncEngine(fake_engine()[0], max_waiting=4).start()
 
+    ids = iter(range(100))
+
     async def request(n: int) -> list[Any]:
+        rid = f"r{next(ids)}"
         if not streamed:
-            return await run_all(engine, f"r{n}", [[5, 6]] * n, [params] * n, 0, client=None)
-        outputs = await stream_all(engine, f"r{n}", [[5, 6]] * n, [params] * n, 0)
+            return await run_all(engine, rid, [[5, 6]] * n, [params] * n, 0, client=None)
+        outputs = await stream_all(engine, rid, [[5, 6]] * n, [params] * n, 0)
         return [out async for _, out in outputs if out.finished]
 
     async def run() -> None:
         assert len(await request(4)) == 4
         with pytest.raises(InvalidRequestError, match="queues at most 4"):  # never fits: a 400
             await request(5)
-        engine.num_queued = 3  # as if 3 waited: 2 more cannot fit now (a 429), 1 can
-        with pytest.raises(QueueFullError, match="3 requests are already waiting"):
-            await request(2)
-        engine.admit(1)
-        engine.num_queued = 0
-        assert len(await request(2)) == 2
+        # admitted at once, before any choice runs: the places are reserved at admission (checked
+        # one by one, 12 concurrent requests past a limit of 2 were all let in)
+        results = await asyncio.gather(*(request(2) for _ in range(4)), return_exceptions=True)
+        assert [len(r) if isinstance(r, list) else type(r) for r in results] == [2, 2, QueueFullError, QueueFullError]
+        assert engine.num_queued == engine._reserved == 0  # every place given back
+        assert len(await request(4)) == 4
 
     try:
         asyncio.run(run())

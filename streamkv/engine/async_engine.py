@@ -69,6 +69,7 @@ class AsyncEngine:
         self.num_waiting = 0
         self.num_running = 0
         self.num_queued = 0  # submitted, no output yet (owned by the event loop that calls generate)
+        self._reserved = 0  # places admitted requests hold for sequences not yet submitted (admit)
         self.accepting = True
         self.last_step_time = 0.0
         self._inputs: dict[str, AsyncInputStream] = {}  # open on the event loop side, by request id
@@ -86,23 +87,25 @@ class AsyncEngine:
         return self
 
     # --------------------------------------------------------------- client side
-    def admit(self, n: int) -> None:
-        """Refuse a request of ``n`` sequences (prompts x choices) before any is queued: a 400
-        (InvalidRequestError) when the queue could never hold them all, a 429 (QueueFullError)
-        when it cannot now. Its sequences then pass ``generate(..., admitted=True)``: checked one
-        by one, a request of more than the limit was refused on every retry, on an idle server."""
-        if self.max_waiting is None:
-            return
-        if n > self.max_waiting:
-            raise InvalidRequestError(f"this request makes {n} sequences (prompts x n); the server queues at "
-                                      f"most {self.max_waiting} (--max-waiting)")
-        if self.num_queued + n > self.max_waiting:
-            raise QueueFullError(f"{self.num_queued} requests are already waiting; {n} more would pass the "
-                                 f"limit ({self.max_waiting})")
+    def admit(self, n: int) -> "Admission":
+        """Reserve queue places for a request of ``n`` sequences (prompts x choices) before any is
+        queued, or refuse it whole: a 400 (InvalidRequestError) when the queue could never hold
+        them all, a 429 (QueueFullError) when it cannot now. Each of its ``generate(...,
+        admitted=...)`` calls takes one place; ``release()`` returns those never taken. (Checked
+        one by one, a request of more sequences than the limit was refused on every retry.)"""
+        if self.max_waiting is not None:
+            if n > self.max_waiting:
+                raise InvalidRequestError(f"this request makes {n} sequences (prompts x n); the server queues at "
+                                          f"most {self.max_waiting} (--max-waiting)")
+            if self.num_queued + self._reserved + n > self.max_waiting:
+                raise QueueFullError(f"{self.num_queued + self._reserved} requests are already waiting; {n} more "
+                                     f"would pass the limit ({self.max_waiting})")
+        self._reserved += n
+        return Admission(self, n)
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                        priority: int = 0, submit: Any = None, kv: dict[str, Any] | None = None,
-                       on_accept: Any = None, admitted: bool = False) -> AsyncIterator[RequestOutput]:
+                       on_accept: Any = None, admitted: "Admission | None" = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; raises the engine's validation error, if any.
         ``on_accept()``, when given, is called once the engine has accepted the request, before
         its first output (a refusal raises instead, and never calls it).
@@ -112,11 +115,13 @@ class AsyncEngine:
         Cancelling the consuming task (client disconnect) aborts the request. ``kv``:
         ``{"kv_write": ..., "kv_read": ...}`` policies of the request.
         """
+        if admitted is not None:
+            admitted.take()  # its reserved place becomes this request's queued count
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         if not self.accepting:
             raise EngineDeadError("server is shutting down")
-        if not admitted and self.max_waiting is not None and self.num_queued >= self.max_waiting:
+        if admitted is None and self.max_waiting is not None and self.num_queued + self._reserved >= self.max_waiting:
             raise QueueFullError(f"{self.num_queued} requests are already waiting (limit {self.max_waiting})")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
@@ -295,3 +300,21 @@ def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> Non
         fut.set_exception(exc)
     else:
         fut.set_result(result)
+
+
+@dataclass
+class Admission:
+    """Queue places ``AsyncEngine.admit`` reserved for one request's sequences (event loop only)."""
+
+    engine: AsyncEngine
+    left: int
+
+    def take(self) -> None:
+        if self.left:
+            self.left -= 1
+            self.engine._reserved -= 1
+
+    def release(self) -> None:
+        """Give back the places of sequences that never started (the request ended first)."""
+        self.engine._reserved -= self.left
+        self.left = 0

@@ -104,11 +104,11 @@ async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], par
                   priority: int, kv: dict[str, Any] | None = None, *, client: Any) -> list[RequestOutput]:
     """Non-streaming: final output of every (prompt, params) pair, in order. A ``client`` (the
     HTTP request) that disconnects first aborts them all (499; they ran to their end before)."""
-    engine.admit(len(prompts))
+    admission = engine.admit(len(prompts))
 
     async def one(i: int) -> RequestOutput:
         last = await last_output(engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv,
-                                                 admitted=True))
+                                                 admitted=admission))
         if last is None:
             raise APIError(500, "the engine returned no output")
         return last
@@ -121,7 +121,10 @@ async def run_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], par
             for t in tasks:
                 t.cancel()
 
-    return await until_disconnected(client, every())
+    try:
+        return await until_disconnected(client, every())
+    finally:
+        admission.release()
 
 
 _ACCEPTED = object()  # a choice's mark in stream_all()'s queue: the engine accepted it
@@ -133,12 +136,12 @@ async def stream_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], 
     a refusal (a validation error, a full queue) raises here, before a response has started, and
     gets its status; then the iterator yields ``(choice index, output)`` as they come. A refusal
     of one choice aborts the others; closing the iterator aborts every choice."""
-    engine.admit(len(prompts))
+    admission = engine.admit(len(prompts))
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv, admitted=True,
+            async for out in engine.generate(f"{base_id}-{i}", prompts[i], params[i], priority, kv=kv, admitted=admission,
                                              on_accept=lambda: queue.put_nowait((i, _ACCEPTED))):
                 await queue.put((i, out))
         except Exception as exc:
@@ -158,6 +161,8 @@ async def stream_all(engine: AsyncEngine, base_id: str, prompts: Sequence[Any], 
     except BaseException:
         _cancel(tasks)
         raise
+    finally:
+        admission.release()  # every accepted choice took its place; the others never will
     return _Choices(queue, tasks, early)
 
 
