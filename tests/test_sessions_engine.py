@@ -233,14 +233,20 @@ def test_concurrent_queries_on_one_session_during_ingestion_equal_their_solo_ans
     engine.check_integrity()
 
 
-def test_idle_sessions_are_offloaded_when_requests_need_blocks(tmp_path):
+def _idle_sessions(tmp_path):
+    """A tiny model whose 40-block pool two ingested, idle sessions hold most of."""
     path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
     llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
-    engine = llm.engine
     sessions = [llm.session("s", chat=False, retention_tokens=60) for _ in range(2)]
     for s in sessions:
         s.push([f"record {i} of some data" for i in range(6)])
         s.ingest()
+    return llm, sessions
+
+
+def test_idle_sessions_are_offloaded_when_requests_need_blocks(tmp_path):
+    llm, sessions = _idle_sessions(tmp_path)
+    engine = llm.engine
     before = [s.query("what?", max_tokens=4).token_ids for s in sessions]
     out = llm.generate([list(range(3, 110))], SamplingParams(max_tokens=4, temperature=0))[0]
     assert out.finish_reason == "length"  # needed more blocks than were free
@@ -257,13 +263,8 @@ def test_idle_sessions_are_offloaded_when_a_span_query_needs_blocks(tmp_path):
     # query waited for good behind idle sessions, and the requests ranked after it too
     from streamkv.spans.ir import fragment, gen, plus, seq, user
 
-    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    llm, sessions = _idle_sessions(tmp_path)
     engine = llm.engine
-    sessions = [llm.session("s", chat=False, retention_tokens=60) for _ in range(2)]
-    for s in sessions:
-        s.push([f"record {i} of some data" for i in range(6)])
-        s.ingest()
     free = engine.pool.num_free
     words = " ".join(f"w{i}" for i in range(4 * free))
     engine.spans.submit("q", gen(seq(fragment("sys"), plus(fragment(words)), user("q")), max_tokens=3, temperature=0))

@@ -205,7 +205,7 @@ def test_a_query_that_finds_no_room_fails_as_retryable_and_leaves_the_pool_clean
         engine.step()
     out = _run(engine, [query], [])["q0"]
     assert out.finish_reason == "error" and out.retry and "KVCacheFullError" in out.error
-    assert _failure(out)[0] == 503
+    assert _failure(out).status == 503
     assert not engine.spans.has_work() and engine.spans._reserved == 0
     engine.seq_ops.close(hog)
     engine.step()

@@ -115,14 +115,11 @@ class AsyncEngine:
         Cancelling the consuming task (client disconnect) aborts the request. ``kv``:
         ``{"kv_write": ..., "kv_read": ...}`` policies of the request.
         """
-        if admitted is not None:
-            admitted.take()  # its reserved place becomes this request's queued count
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         if not self.accepting:
             raise EngineDeadError("server is shutting down")
-        if admitted is None and self.max_waiting is not None and self.num_queued + self._reserved >= self.max_waiting:
-            raise QueueFullError(f"{self.num_queued} requests are already waiting (limit {self.max_waiting})")
+        (admitted or self.admit(1)).take()  # its reserved place becomes this request's queued count
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Add(request_id, prompt, params, priority, loop, sink, submit, kv))

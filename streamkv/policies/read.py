@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from streamkv.native import page_select
-from streamkv.policies.registry import MAX_TOKENS, build_policy
+from streamkv.policies.registry import build_policy, check_count
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,8 @@ class ReadPolicy(ABC):
             if f.name == "rescore":
                 if not isinstance(value, bool):
                     raise ValueError(f"kv_read {self.name}: rescore must be true or false, got {value!r}")
-            elif not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKENS:
-                raise ValueError(f"kv_read {self.name}: {f.name} must be an integer in [0, {MAX_TOKENS}], "
-                                 f"got {value!r}")
+            else:
+                check_count(f"kv_read {self.name}", f.name, value)
 
     def keep_pages(self, sink: int, tail: int, end: int, block_size: int) -> int:
         """How many candidate pages may be read besides the sinks and the tail."""

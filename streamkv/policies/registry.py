@@ -9,6 +9,13 @@ from typing import Any, Callable
 MAX_TOKENS = 1 << 24
 
 
+def check_count(where: str, name: str, value: Any) -> None:
+    """ValueError naming ``where`` and ``name`` unless ``value`` is a token count: an int (not a
+    bool) in [0, MAX_TOKENS]."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKENS:
+        raise ValueError(f"{where}: {name} must be an integer in [0, {MAX_TOKENS}], got {value!r}")
+
+
 def build_policy(field: str, registry: dict[str, Callable[..., Any] | None], spec: dict[str, Any] | Any,
                  example: str) -> Any:
     """``registry[spec["policy"]](**rest)``, or None for a ``none`` entry; ValueError (starting with

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from streamkv.policies.registry import MAX_TOKENS, build_policy
+from streamkv.policies.registry import build_policy, check_count
 
 MAX_POOL_KERNEL = 127  # SnapKV pools over 5-13 keys; the pooling runs on the engine thread (k=1023: 0.6 s at 8k)
 
@@ -73,10 +73,8 @@ class WritePolicy(ABC):
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)
-                                           or not 0 <= value <= MAX_TOKENS):
-                raise ValueError(f"kv_write {self.name}: {f.name} must be an integer in [0, {MAX_TOKENS}], "
-                                 f"got {value!r}")
+            if f.type in ("int", int):
+                check_count(f"kv_write {self.name}", f.name, value)
         if self.window_tokens < 1:
             raise ValueError(f"kv_write {self.name}: window_tokens must be >= 1 (the ring holds each new token)")
 

@@ -97,15 +97,17 @@ def _generate(engine: AsyncEngine, rid: str, tree: ir.Node, priority: int,
     return engine.generate(rid, "", SamplingParams(), priority=priority, submit=submit)
 
 
-def _failure(out: Any) -> tuple[int, str]:
-    """(status, message) of a failed query: 503 when it lacked room (KV blocks held by others
-    for RETRY_STEPS steps; retry later), else 500."""
-    return (503, f"span query failed, retry later: {out.error}") if out.retry else (500, f"span query failed: {out.error}")
+def _failure(out: Any, what: str = "") -> APIError:
+    """The error of a failed query (``what`` heads its message): a 503 with Retry-After when it
+    lacked room (KV blocks held by others for RETRY_STEPS steps; retry later), else a 500."""
+    if out.retry:
+        return APIError(503, f"{what}span query failed, retry later: {out.error}", headers={"Retry-After": "1"})
+    return APIError(500, f"{what}span query failed: {out.error}")
 
 
 def _result(rid: str, out: Any, t0: float) -> dict[str, Any]:
     if out.finish_reason == "error":
-        raise APIError(*_failure(out), headers={"Retry-After": "1"} if out.retry else None)
+        raise _failure(out)
     report = out.metrics.get("spans", {})
     usage = dict(report.get("usage", {}))
     usage["completion_tokens"] = len(out.token_ids)
@@ -118,7 +120,8 @@ async def _frames(rid: str, first: Any, outputs: AsyncIterator[Any], t0: float) 
     try:
         while True:
             if out.finish_reason == "error":
-                yield f"data: {json.dumps(error_body(*_failure(out)))}\n\n"
+                failed = _failure(out)
+                yield f"data: {json.dumps(error_body(failed.status, failed.message))}\n\n"
                 break
             if out.delta_text:
                 yield f"data: {json.dumps({'id': rid, 'delta': out.delta_text}, ensure_ascii=False)}\n\n"
@@ -193,9 +196,7 @@ async def add_corpus(name: str, body: CorpusBody, request: Request) -> dict[str,
         if last is None:
             raise APIError(500, f"preparing corpus {name!r} failed: no output")
         if last.finish_reason == "error":
-            status, message = _failure(last)
-            raise APIError(status, f"preparing corpus {name!r}: {message}",
-                           headers={"Retry-After": "1"} if last.retry else None)
+            raise _failure(last, f"preparing corpus {name!r}: ")
         out["prepared"] = last.metrics["spans"]["usage"]
     return out
 
