@@ -216,6 +216,36 @@ def test_a_query_that_finds_no_room_fails_as_retryable_and_leaves_the_pool_clean
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+@pytest.mark.parametrize("leave", [3, 6, 13])
+def test_a_query_whose_streams_can_never_grow_fails_and_lets_the_rest_go_on(leave):
+    # the fork found its blocks, but a stream (3, 6) or the answer (13) then needs more while
+    # a pinned holder keeps the rest: nothing runs, nothing would ever free a block, and the
+    # request queued behind waited too (it used to step empty plans for good)
+    from streamkv.server.spans_api import _failure
+
+    engine, _ = slot_engine(num_blocks=32, block_size=4, span_host_bytes=0)
+    query = _notes(1)[0]
+    hog = engine.seq_ops.open(list(range(1, 4 * (engine.pool.num_free - leave) - 1)))
+    while not engine.seq_ops.is_idle(hog):
+        engine.step()
+    done = _run(engine, [query], [("zz", 3)])
+    out = done["q0"]
+    assert out.finish_reason == "error" and out.retry and "found no free block" in out.error, out.error
+    assert _failure(out).status == 503 and out.metrics["spans"]["usage"]["prompt_tokens"] >= 0
+    assert done["p0"].finish_reason == "length"
+    assert not engine.spans.has_work() and engine.spans._reserved == 0
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks - engine.kv.num_blocks_held(hog.seq_id)
+    engine.seq_ops.close(hog)
+    again = _run(engine, [query], [])["q0"]
+    alone, _ = slot_engine(num_blocks=32, block_size=4, span_host_bytes=0)
+    assert again.token_ids == _run(alone, [query], [])["q0"].token_ids
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
 def test_cached_spans_make_room_for_a_compressing_request():
     # a write policy's request needs its prompt's blocks plus the layout's (the kept rows move
     # there): the cache must give back that many, else it waited forever, and every request

@@ -261,6 +261,19 @@ class Engine:
         self._pending.append(self._finish(req))
         return True
 
+    def fail(self, request_id: str, message: str, retry: bool = False) -> bool:
+        """End a request with an error (``retry``: for want of room, so it may succeed later);
+        its output comes out of the next step. False when unknown."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        req.error = message
+        self.scheduler.finish(req.seq.seq_id, "error")
+        out = self._finish(req)
+        out.retry = retry
+        self._pending.append(out)
+        return True
+
     # ------------------------------------------------------------------- loop
     def has_unfinished(self) -> bool:
         # open streaming inputs with all their arrived tokens computed wait for input, not steps

@@ -54,6 +54,9 @@ class EngineCore(Protocol):
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its KV; False when unknown."""
 
+    def fail(self, request_id: str, message: str, retry: bool = False) -> bool:
+        """End a request with an error (``retry``: a retryable one); False when unknown."""
+
     def step(self) -> list[Any]:
         """Run one engine step."""
 

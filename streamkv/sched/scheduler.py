@@ -65,6 +65,10 @@ class Scheduler:
         self.cadence = StepCadence(config.stall_factor) if config.stall_factor is not None else None
         self.groups = (PrefillGroups(kv) if config.grouped_prefill and kv.pool.enable_prefix_caching
                        else None)
+        # pinned sequences that found no block in a step that computes nothing: only their
+        # owners (span queries, sessions) or a client can change that (see ``stalled``)
+        self.stalled: frozenset[int] = frozenset()
+        self._starved: list[int] = []
 
     # ------------------------------------------------------------- bookkeeping
     def add(self, seq: Sequence) -> None:
@@ -120,6 +124,7 @@ class Scheduler:
         released, self._released = tuple(self._released), []
         work = tuple(self._to_plan(p) for p in scheduled if p.end > p.seq.num_computed)
         swaps, self._swap_out, self._swap_in = (tuple(self._swap_out), tuple(self._swap_in)), [], []
+        self.stalled = frozenset() if work or preempted or any(swaps) else frozenset(self._starved)
         return StepPlan(work, tuple(preempted), released, *swaps)
 
     def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
@@ -254,6 +259,7 @@ class Scheduler:
         done: list[_Proposal] = []
         done_ids: set[int] = set()
         blocked = False
+        self._starved = []
         for prop in proposals:
             seq = prop.seq
             if (seq.status is SeqStatus.WAITING and seq.seq_id in preempted) or (blocked and not seq.pinned):
@@ -275,6 +281,7 @@ class Scheduler:
                 done_ids.add(seq.seq_id)
                 continue
             if seq.pinned:
+                self._starved.append(seq.seq_id)
                 continue  # a stream waits for blocks; it is never preempted
             if seq.status is SeqStatus.RUNNING:
                 self._cannot_grow(seq, done, preempted)

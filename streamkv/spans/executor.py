@@ -17,7 +17,7 @@ from streamkv.errors import InvalidRequestError, KVCacheFullError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sched.sequence import SeqStatus
 from streamkv.spans.cache import SpanCache
-from streamkv.spans.execution import Execution
+from streamkv.spans.execution import RETRY_STEPS, Execution
 from streamkv.spans.ir import Node, SpanQueryError
 from streamkv.spans.lower import Renderer, SpanPlan, check_ids, layout, lower, lower_prepare
 from streamkv.spans.query import Query, Usage, forks
@@ -223,7 +223,35 @@ class SpanQueries:
         for query in list(self._queries.values()):
             if query.admitted:
                 passed.extend(self._advance(query))
+        passed.extend(self._fail_stalled())
         return passed
+
+    def _fail_stalled(self) -> list[Any]:
+        """A query whose pinned sequences find no block while nothing at all runs waits for
+        blocks that only other pinned holders (busy sessions, other queries' streams) could
+        free, maybe never: after RETRY_STEPS such steps in a row the latest such query fails
+        as retryable (a 503 with Retry-After) and gives its blocks back, so the others and
+        the requests behind it go on."""
+        stalled = self.engine.scheduler.stalled
+        victim: Query | None = None
+        for query in self._queries.values():  # arrival order: the latest over the bound fails
+            hit = bool(stalled) and not stalled.isdisjoint(query.seq_ids())
+            query.stalled_steps = query.stalled_steps + 1 if hit else 0
+            if query.stalled_steps > RETRY_STEPS:
+                victim = query
+        if victim is None:
+            return []
+        message = (f"KVCacheFullError: the query's KV found no free block for {RETRY_STEPS} steps; "
+                   f"the rest of the KV cache is held by sessions or other span queries")
+        victim.task.gen.close()
+        victim.stalled_steps = 0
+        if victim.final is not None and victim.final.status is not SeqStatus.FINISHED:
+            self.engine.fail(victim.request_id, message, retry=True)  # its output ends the query
+            return []
+        self._end(victim)
+        out = self._error_output(victim, message)
+        out.retry = True
+        return [out]
 
     def abort(self, request_id: str) -> bool:
         query = self._queries.get(request_id)

@@ -38,6 +38,12 @@ class Query:
     kept: list[Sequence] = field(default_factory=list)  # finished inner gens whose KV it takes over
     final: Sequence | None = None
     submitted: float = field(default_factory=time.perf_counter)
+    stalled_steps: int = 0  # steps in a row its sequences found no block while nothing ran
+
+    def seq_ids(self) -> set[int]:
+        """Its pinned sequences: streams, inner gens (until it takes their KV over), the answer."""
+        ids = {s.seq_id for s in self.private} | {s.seq_id for s in self.kept}
+        return ids | ({self.final.seq_id} if self.final is not None else set())
 
     def report(self) -> dict[str, Any]:
         return {"usage": self.usage.as_dict(), "inner": list(self.inner), "submitted": self.submitted}
