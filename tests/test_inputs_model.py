@@ -57,6 +57,25 @@ def test_updates_keep_the_lcp_and_equal_the_fresh_request(llm):
     assert _result(h.result()) == _fresh(llm, final)
 
 
+def test_every_handle_gets_its_answer_whoever_steps_the_engine(llm):
+    # h2 finishes while h1.result() steps the engine, then h3 while h2.advance() does: their
+    # results used to be dropped by that call, and result() then stepped forever
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    h1, h2 = llm.open_input(DOC, PARAMS), llm.open_input(QUESTION, short)
+    h1.finish()
+    h2.finish()
+    h3 = llm.open_input(QUESTION, short)
+    h3.finish()
+    assert _result(h1.result()) == _fresh(llm, DOC)
+    h4 = llm.open_input(DOC[:40], PARAMS)
+    h4.append(DOC[40:])
+    h4.advance()
+    assert h2.result().token_ids == h3.result().token_ids == llm.generate(QUESTION, short)[0].token_ids
+    assert _result(h4.result()) == _fresh(llm, DOC)
+    assert not llm.engine._kept  # taken, not kept for good
+    llm.engine.check_integrity()
+
+
 def test_chat_input_equals_llm_chat(llm):
     msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": DOC + QUESTION}]
     h = llm.open_input([msgs[0], {"role": "user", "content": DOC[:60]}], PARAMS)

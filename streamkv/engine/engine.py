@@ -85,6 +85,9 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._pending: list[RequestOutput] = []
+        # final outputs kept for an in-process owner that steps the engine only now and then
+        # (``LLM.open_input`` handles): whoever steps first must not lose another's answer
+        self._kept: dict[str, RequestOutput | None] = {}
         self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
         self.inputs = InputStreams(self)
@@ -285,7 +288,17 @@ class Engine:
         outputs, self._pending = self._pending, []
         self.sessions.before_step()
         self.spans.before_step()
-        return self.spans.after_step(self.sessions.after_step(outputs + self._step()))
+        outputs = self.spans.after_step(self.sessions.after_step(outputs + self._step()))
+        if self._kept:
+            for out in outputs:
+                if out.finished and out.request_id in self._kept:
+                    self._kept[out.request_id] = out
+        return outputs
+
+    def keep_output(self, request_id: str) -> None:
+        """Keep ``request_id``'s final output until :meth:`run_to_completion` asks for it,
+        whichever call steps the engine when it finishes."""
+        self._kept[request_id] = None
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -395,9 +408,11 @@ class Engine:
 
     def run_to_completion(self, request_ids: Seq[str]) -> dict[str, RequestOutput]:
         wanted = set(request_ids)
-        done: dict[str, RequestOutput] = {}
+        done = {rid: out for rid in wanted if (out := self._kept.get(rid)) is not None}
         while wanted - done.keys():
             for out in self.step():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
+        for rid in done:
+            self._kept.pop(rid, None)
         return done

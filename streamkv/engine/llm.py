@@ -82,6 +82,7 @@ class LLM:
         rid = f"llm-in-{next(self._ids)}"
         prompt, messages = (source, None) if isinstance(source, str) else (None, list(source))
         self.engine.inputs.open(rid, prompt, messages, params, priority, kv_write=kv_write, kv_read=kv_read)
+        self.engine.keep_output(rid)
         return InputHandle(self.engine, rid)
 
     def span_queries(self, queries: Any, locality_k: int | None = None,

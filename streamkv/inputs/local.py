@@ -11,7 +11,8 @@ class InputHandle:
     """``append`` / ``update`` / ``finish`` / ``result`` on a synchronous engine.
 
     Nothing runs in the background here: :meth:`advance` (or ``LLM.step``) runs engine
-    steps so the arrived input is prefilled while more is coming.
+    steps so the arrived input is prefilled while more is coming. The engine keeps the
+    final output for :meth:`result` (``Engine.keep_output``), whoever steps it meanwhile.
     """
 
     def __init__(self, engine: "EngineCore", request_id: str) -> None:
@@ -34,7 +35,7 @@ class InputHandle:
         seq = self._engine.inputs.get(self.request_id).seq
         steps = 0
         while steps < max_steps and seq.num_computed < seq.computable and not seq.finished:
-            self._collect(self._engine.step())
+            self._engine.step()
             steps += 1
         return steps
 
@@ -52,8 +53,3 @@ class InputHandle:
                     raise
             self._output = self._engine.run_to_completion([self.request_id])[self.request_id]
         return self._output
-
-    def _collect(self, outputs: list[Any]) -> None:
-        for out in outputs:
-            if out.request_id == self.request_id and out.finished:
-                self._output = out
