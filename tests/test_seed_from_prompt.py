@@ -62,3 +62,16 @@ def test_n_choices_get_prompt_seed_plus_i():
     off = SimpleNamespace(engine=SimpleNamespace(engine=SimpleNamespace(
         config=SimpleNamespace(cache=SimpleNamespace(seed_from_prompt=False)))))
     assert all(p.seed is None for p in per_choice(params, 3, off, [5, 6, 7]))
+
+
+def test_a_streaming_input_gets_the_seed_of_its_final_prompt(seeded):
+    # the seed is FNV-1a of the final prompt, set at finish (it was never set for inputs, so
+    # an unseeded sampled input differed from the plain request and from itself)
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    outs = []
+    for cut in (9, 20):
+        h = seeded.open_input(PROMPT[:cut], params)
+        h.advance()
+        h.append(PROMPT[cut:])
+        outs.append(h.result().token_ids)
+    assert outs[0] == outs[1] == seeded.generate([PROMPT], params)[0].token_ids

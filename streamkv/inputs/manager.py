@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, InvalidRequestError, QueueFullError
 from streamkv.inputs.source import ChatSource, InputSource, make_source
 from streamkv.policies.read import ReadPolicy
 from streamkv.policies.write import WritePolicy
-from streamkv.sampling.params import SamplingParams
+from streamkv.sampling.params import SamplingParams, prompt_seed
 from streamkv.sched.sequence import Sequence, SeqStatus
 
 if TYPE_CHECKING:
@@ -127,6 +127,8 @@ class InputStreams:
         self._set_text(stream, stream.text, final=True, event="input_finished")
         seq = stream.seq
         seq.write, seq.read, seq.read_from = stream.write, stream.read, len(seq.tokens)  # the answer's rows
+        if self.engine.config.cache.seed_from_prompt and seq.params.seed is None and not seq.params.greedy:
+            seq.params = replace(seq.params, seed=prompt_seed(seq.tokens))  # as a plain request's, now final
         seq.partial = False
         self._close(stream, "finished")
         self.stats.finished += 1
