@@ -179,6 +179,54 @@ def test_structured_output_applies_to_the_finished_stream(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
 
 
+def test_chat_fields_are_read_as_chat_completions_reads_them(http):
+    # max_completion_tokens and logprobs=true + top_logprobs were ignored or refused, tools
+    # silently dropped: now the chat form is honoured and tools are a 400
+    msgs = [{"role": "user", "content": TEXT}]
+    body = {"temperature": 0, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2}
+    ref = http.post("/v1/chat/completions", json={"messages": msgs, **body}).json()
+    r = http.post("/v1/input_streams", json={"messages": [{"role": "user", "content": TEXT[:30]}], **body})
+    assert r.status_code == 201, r.text
+    http.post(f"/v1/input_streams/{r.json()['id']}/append", json={"text": TEXT[30:]})
+    done = http.post(f"/v1/input_streams/{r.json()['id']}/finish", json={}).json()
+    assert done["usage"]["completion_tokens"] == 5 == ref["usage"]["completion_tokens"]
+    assert done["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    got, want = done["choices"][0]["logprobs"]["content"], ref["choices"][0]["logprobs"]["content"]
+    assert [len(t["top_logprobs"]) for t in got] == [2] * 5 and got == want
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for bad, param in (({"messages": msgs, "tools": [tool]}, "tools"),
+                       ({"messages": msgs, "tool_choice": "required"}, "tool_choice"),
+                       ({"messages": msgs, "top_logprobs": 2}, "top_logprobs"),
+                       ({"messages": msgs, "max_completion_tokens": 0}, "max_completion_tokens"),
+                       ({"prompt": "x", "logprobs": True}, "logprobs"),
+                       ({"prompt": "x", "max_completion_tokens": 5}, "max_completion_tokens")):
+        r = http.post("/v1/input_streams", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_a_finish_may_carry_the_last_piece_of_input(server, http):
+    from websockets.sync.client import connect
+
+    ref = http.post("/v1/completions", json={"prompt": TEXT, **T0}).json()["choices"][0]["text"]
+    sid = _open(http, prompt=TEXT[:40])
+    r = http.post(f"/v1/input_streams/{sid}/finish", json={"text": " word" * 600})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]  # refused, still open
+    done = http.post(f"/v1/input_streams/{sid}/finish", json={"text": TEXT[40:]})  # was dropped
+    assert done.status_code == 200 and done.json()["choices"][0]["text"] == ref, done.text
+    before = [metric(server.url, m) for m in ("streamkv_prompt_tokens_total", "streamkv_generation_tokens_total")]
+    sid = _open(http, prompt=TEXT[:40])
+    with connect(server.url.replace("http", "ws") + f"/v1/input_streams/{sid}/ws") as ws:
+        ws.send(json.dumps({"type": "finish", "text": TEXT[40:]}))
+        frames = []
+        while not frames or not frames[-1]["finished"]:
+            frames.append(json.loads(ws.recv()))
+    assert frames[-1]["text"] == ref
+    after = [metric(server.url, m) for m in ("streamkv_prompt_tokens_total", "streamkv_generation_tokens_total")]
+    # a WebSocket answer is counted like an HTTP one (it was missing from the metrics)
+    assert after[0] - before[0] == done.json()["usage"]["prompt_tokens"]
+    assert after[1] - before[1] == done.json()["usage"]["completion_tokens"]
+
+
 def test_errors_and_limits(http):
     assert http.post("/v1/input_streams/istr_nope/append", json={"text": "x"}).status_code == 404
     assert http.post("/v1/input_streams", json={"prompt": "a", "messages": []}).status_code == 400

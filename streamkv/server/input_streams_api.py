@@ -7,6 +7,7 @@
     POST /v1/input_streams/{id}/append    {"text": "..."}   -> {"tokens": N, "computed": M}
     POST /v1/input_streams/{id}/update    {"text": "..."}   -> {"tokens": N, "lcp": K, "invalidated": J}
     POST /v1/input_streams/{id}/finish    {"stream": false} -> text_completion | chat.completion (or SSE)
+                                          (+ "text": a last piece, appended first)
     GET  /v1/input_streams/{id}           -> state;   DELETE -> abort
     WS   /v1/input_streams/{id}/ws        frames {"type": "append"|"update"|"finish", ...}
 
@@ -43,7 +44,12 @@ class OpenInput(_Sampling):
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     max_tokens: StrictInt | None = None
-    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    max_completion_tokens: StrictInt | None = None  # chat form (wins over max_tokens)
+    # an int (alternatives per token, /v1/completions' form) or, with messages, true + top_logprobs
+    logprobs: StrictBool | Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None  # refused with a 400 (see _open_params), never ignored
+    tool_choice: StrictStr | dict[str, Any] | None = None
     kv_write: dict[str, Any] | None = None  # KV policies, applied once the input is finished
     kv_read: dict[str, Any] | None = None
 
@@ -53,6 +59,7 @@ class InputText(_Body):
 
 
 class FinishInput(_Body):
+    text: StrictStr | None = None  # the last piece of input: appended, then the input finishes
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
@@ -92,16 +99,11 @@ async def open_input(body: OpenInput, request: Request) -> dict[str, Any]:
         raise APIError(400, "input streams generate one choice (n=1)", param="n")
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' or 'messages'")
-    if body.max_tokens is not None and not 1 <= body.max_tokens < state.limits.max_model_len:
-        raise APIError(400, f"max_tokens must be in [1, {state.limits.max_model_len - 1}] (the context is "
-                            f"{state.limits.max_model_len} tokens), got {body.max_tokens}", param="max_tokens")
     if any(m.tool_calls for m in body.messages or []):  # the stream's template renders text turns only
         raise APIError(400, "input streams take text messages; a turn with tool_calls goes to "
                             "/v1/chat/completions", param="messages")
-    default = 16 if body.prompt is not None else state.limits.max_model_len
     guided, field = guided_spec(body)
-    params = make_params(max_tokens=body.max_tokens or default, logprobs=body.logprobs, guided=guided,
-                         **sampling_fields(body))
+    params = make_params(guided=guided, **_open_params(body, state.limits.max_model_len), **sampling_fields(body))
     await compile_guided(state.engine, guided, field)
     messages = None if body.messages is None else [
         {"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
@@ -110,6 +112,31 @@ async def open_input(body: OpenInput, request: Request) -> dict[str, Any]:
     handle = await state.engine.open_input(rid, body.prompt, messages, params, body.priority, kv_options(state, body))
     info = await handle.info()
     return {"id": rid, "object": "input_stream", "kind": "chat" if messages else "completion", **info}
+
+
+def _open_params(body: OpenInput, context: int) -> dict[str, Any]:
+    """``max_tokens`` and ``logprobs`` from the open body, read as /v1/completions reads them
+    (a prompt) or /v1/chat/completions (messages); a field the stream cannot honour is a 400."""
+    chat = body.messages is not None
+    if body.tools or body.tool_choice not in (None, "none"):
+        raise APIError(400, "input streams do not take tools (the growing message is rendered without tool "
+                            "schemas); send the final messages to /v1/chat/completions",
+                       param="tools" if body.tools else "tool_choice")
+    for name in ("max_completion_tokens", "top_logprobs"):
+        if not chat and getattr(body, name) is not None:
+            raise APIError(400, f"{name} is a chat field: this stream has a prompt (as /v1/completions)", param=name)
+    if isinstance(body.logprobs, bool) and not chat:
+        raise APIError(400, "logprobs is an integer 0-5 for a prompt stream (as /v1/completions)", param="logprobs")
+    if body.top_logprobs is not None and body.logprobs is not True:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs is True else (None if body.logprobs is False else body.logprobs)
+    chosen = body.max_completion_tokens is not None
+    requested = body.max_completion_tokens if chosen else body.max_tokens
+    param = "max_completion_tokens" if chosen else "max_tokens"
+    if requested is not None and not 1 <= requested < context:
+        raise APIError(400, f"{param} must be in [1, {context - 1}] (the context is {context} tokens), "
+                            f"got {requested}", param=param)
+    return {"max_tokens": requested or (context if chat else 16), "logprobs": logprobs}
 
 
 @router.get("/{stream_id}")
@@ -142,6 +169,8 @@ async def update_input(stream_id: str, body: InputText, request: Request) -> dic
 async def finish_input(stream_id: str, request: Request, body: FinishInput | None = None) -> Any:
     state, body = _state(request), body or FinishInput()
     handle = await _handle(request, stream_id)
+    if body.text:  # an append that fails (past the context) is a 400: the input stays open
+        await handle.append(body.text)
     info = await handle.finish()
     chat = info["chat"]
     head = {"id": stream_id, "created": int(time.time()), "model": state.model_name,
@@ -216,7 +245,8 @@ async def _sse(state: ServerState, request: Request, head: dict[str, Any], handl
 # ----------------------------------------------------------------- websocket
 @router.websocket("/{stream_id}/ws")
 async def input_ws(websocket: WebSocket, stream_id: str) -> None:
-    """Frames in: ``{"type": "append"|"update", "text": ...}``, ``{"type": "finish"}``. Frames out:
+    """Frames in: ``{"type": "append"|"update", "text": ...}``, ``{"type": "finish"}`` (with an
+    optional last ``"text"``). Frames out:
     ``{"type": "ack", ...}`` per change, ``{"type": "error", "error": {...}}`` (the stream is
     unchanged), and after finish ``{"type": "output", "delta_text": ..., ...}`` until ``finished``."""
     try:
@@ -256,13 +286,10 @@ async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str,
             late = _late_fields(frame)
             if late:
                 raise APIError(400, late)
+            if frame.get("text") is not None:  # the last piece, appended first (as over HTTP)
+                await handle.append(InputText.model_validate({"text": frame["text"]}).text)
             await handle.finish()
-            async with aclosing(handle.outputs()) as outputs:  # left early (client gone): aborted
-                async for out in outputs:
-                    await websocket.send_json({"type": "output", "delta_text": out.delta_text,
-                                               "finished": out.finished, "finish_reason": finish_reason(out),
-                                               **({"text": out.text, "streamkv": _extension(out)}
-                                                  if out.finished else {})})
+            await _ws_answer(websocket, handle)
             return None
         text = InputText.model_validate({"text": frame.get("text")}).text
         ack = await (handle.append(text) if kind == "append" else handle.update(text))
@@ -277,6 +304,22 @@ async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str,
         reply = {"type": "error", **error_body(_status(exc), str(exc))}
     await websocket.send_json(reply)
     return reply
+
+
+async def _ws_answer(websocket: WebSocket, handle: AsyncInputStream) -> None:
+    """Send the finished input's outputs as ``output`` frames (a failed answer ends with an
+    ``error`` frame instead) and count it in the server's metrics, as the HTTP finish does."""
+    async with aclosing(handle.outputs()) as outputs:  # left early (client gone): aborted
+        async for out in outputs:
+            if out.finished and out.finish_reason == "error":
+                status = 503 if out.retry else 500
+                await websocket.send_json({"type": "error", **error_body(status, f"generation failed: {out.error}")})
+                return
+            if out.finished:
+                _state(websocket).observe(out, websocket)
+            await websocket.send_json({"type": "output", "delta_text": out.delta_text,
+                                       "finished": out.finished, "finish_reason": finish_reason(out),
+                                       **({"text": out.text, "streamkv": _extension(out)} if out.finished else {})})
 
 
 def _status(exc: StreamKVError) -> int:
