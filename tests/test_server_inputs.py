@@ -276,3 +276,29 @@ def test_a_client_that_leaves_a_plain_finish_aborts_the_answer(http, server):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.url}/v1/input_streams/{sid}/finish", json={}, timeout=1.5)
     assert_left_request_stopped(server.url)
+
+
+def test_a_failed_answer_over_the_websocket_is_an_error_frame():
+    # it went out as an ordinary last output with finish_reason "stop" and no error
+    import asyncio
+    from types import SimpleNamespace
+
+    from streamkv.engine.outputs import RequestOutput
+    from streamkv.server.input_streams_api import _ws_answer
+
+    sent, seen = [], []
+
+    class Handle:
+        async def outputs(self):
+            yield RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], token_ids=[], text="",
+                                finished=True, finish_reason="error", error="KVCacheFullError: full", retry=True)
+
+    async def send_json(frame):
+        sent.append(frame)
+
+    state = SimpleNamespace(observe=lambda out, req: seen.append(out))
+    ws = SimpleNamespace(send_json=send_json, app=SimpleNamespace(state=SimpleNamespace(streamkv=state)))
+    asyncio.run(_ws_answer(ws, Handle()))
+    assert [f["type"] for f in sent] == ["error"], sent
+    assert sent[0]["error"]["type"] == "service_unavailable_error"  # retryable: the 503 kind
+    assert "KVCacheFullError" in sent[0]["error"]["message"] and not seen
