@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +85,37 @@ def test_a_rebuild_keeps_the_machines_choice_through_near_ties(tmp_path, monkeyp
 TINY_F32 = ModelShapes(**{**TINY.__dict__, "bf16": False})
 
 
+@pytest.mark.parametrize("retune", [False, True], ids=["cached", "measured-again"])
+def test_forcing_one_kind_never_re_decides_the_others(retune, tmp_path, monkeypatch):
+    """A force (even to the path already in use) filed its measurement and its near-tie memory
+    under a key of its own, so the other kinds were decided afresh and could flip (helper-20:
+    `--kernels gemm=avx512`, this CPU's only gemm path, turned linear=q4 into dense)."""
+    import streamkv.native.kernel_bench as kernel_bench
+
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    shapes = ModelShapes(**{**TINY.__dict__, "hidden": 112})  # a key of its own
+    paths = runnable(shapes)
+    choices = [k for k in paths if len(paths[k]) > 1 and k != "gemm"]
+    if len(choices) < 2:
+        pytest.skip("fewer than two kinds with a choice on this CPU")
+    timings = {}
+    monkeypatch.setattr(kernel_bench, "measure", lambda k, s, chosen: timings[k])
+
+    def favour(rank: int, ms: float) -> None:  # the path at ``rank`` takes ``ms``, the others 1.0
+        for k, ps in paths.items():
+            timings[k] = {p: {"decode x1": ms if i == rank % len(ps) else 1.0} for i, p in enumerate(ps)}
+
+    favour(-1, 0.5)  # the last path of each kind, 2x faster: chosen
+    first = choose(shapes, {}).paths
+    favour(0, 0.95)  # the first paths now 5% faster: a near tie, the machine's choice stays
+    again = choose(shapes, {}, retune=True).paths
+    assert again == first
+    for kind in [*choices, *(["gemm"] if len(paths.get("gemm", [])) == 1 else [])]:
+        forced = choose(shapes, {kind: first[kind]}, retune=retune)
+        assert forced.paths == first, kind
+        assert forced.source[kind] == "forced"
+
+
 @pytest.mark.parametrize("shapes", [TINY, TINY_F32], ids=["bfloat16", "float32"])
 def test_measured_once_then_read_from_the_cache(shapes, tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
@@ -115,7 +147,9 @@ def test_measured_once_then_read_from_the_cache(shapes, tmp_path, monkeypatch):
     p0 = next(iter(g["timings"][k0]))
     # timings that `streamkv info` crashed on (AttributeError, StopIteration, a format error, NaN
     # printed as invalid JSON), and row thresholds that contradict the kind's path or exactness
-    bad_timings = ["x", {}, {p0: {"decode x1": "fast"}}, {p0: {"decode x1": float("nan")}}, {"bogus": {"x1": 1.0}}]
+    p1 = list(g["timings"][k0])[1]
+    bad_timings = ["x", {}, {p0: {"decode x1": "fast"}}, {p0: {"decode x1": float("nan")}}, {"bogus": {"x1": 1.0}},
+                   {p0: {"decode x1": 1.0}, p1: {"decode x2": 1.0}}]  # paths timed on other shapes: KeyError
     bad_rows = [{**g["rows"], k0: 2 ** 40}, {**g["rows"], k0: (0 if g["paths"][k0] == EXACT_PACKED.get(k0) else 5)}]
     for damaged in ("{not json", json.dumps({"paths": {k: "bogus" for k in measured}, "timings": {}}),
                     json.dumps({"paths": {k: 1 for k in measured}, "timings": {}}),
@@ -291,12 +325,27 @@ def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
     assert report["flags"] is not None
 
 
+def test_invariant_numerics_without_native_kernels_are_a_clear_error(tiny_gguf, capsys, monkeypatch):
+    # serve / generate died with a RuntimeError traceback while building the model, and `info`
+    # printed a choice (exit 0) for a configuration that cannot run
+    import streamkv.native as native
+
+    monkeypatch.setattr(native, "_library", lambda: None)
+    for argv in (["info", "--model", tiny_gguf], ["generate", "--model", tiny_gguf, "--max-tokens", "2", "hi"]):
+        assert cli_main(argv) == 2, argv
+        assert "numerics=invariant needs the native kernels" in capsys.readouterr().err
+
+
 def test_a_4bit_path_on_a_model_without_4bit_weights_names_the_flag_that_asked(tiny_gguf, capsys):
     hf = str(os.path.dirname(tiny_gguf))  # the same model as a transformers checkpoint: no 4-bit layers
     for flags, named in ((["--kernels", "linear=q4"], "kernels linear=q4"),
                          (["--decode-weights", "q4"], "decode_weights=q4")):
         assert cli_main(["info", "--model", hf, *flags]) != 0
         assert f"{named} needs a GGUF model" in capsys.readouterr().err  # not the flag the user did not pass
+    # a 4-bit path that cannot run under fast float32 numerics: the message named --kernels too
+    assert cli_main(["info", "--model", tiny_gguf, "--decode-weights", "q4", "--dtype", "float32",
+                     "--numerics", "fast"]) == 2
+    assert "decode_weights=q4 cannot run here" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("threads", [0, 4097, 10**20])
@@ -329,3 +378,47 @@ def test_the_default_thread_count_follows_the_cpu_affinity(tiny_gguf):
                          preexec_fn=lambda: os.sched_setaffinity(0, {one}), check=True).stdout
     report = json.loads(out)
     assert (report["cores"], report["threads"]) == (1, 1)
+
+
+def test_a_damaged_cached_native_library_is_built_again(tmp_path, monkeypatch):
+    """A truncated kernels-<tag>.so in the cache was loaded, failed, and disabled the native
+    kernels on every start (invariant numerics then refused to run) until removed by hand."""
+    import shutil
+
+    import streamkv.native as native
+
+    built = native._build()  # this machine's library (already built for the suite)
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    damaged = tmp_path / "native" / built.name
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"")
+    compiled = []
+    monkeypatch.setattr(native, "_compile", lambda cc, target: compiled.append(target) or Path(shutil.copy(built, target)))
+    lib = native._library.__wrapped__()  # the loader itself (the process keeps its cached library)
+    assert lib is not None and compiled == [damaged] and damaged.stat().st_size == built.stat().st_size
+
+
+def test_info_says_why_nothing_was_measured():
+    from streamkv.engine.info import render
+
+    r = {"cpu": "x", "cores": 2, "flags": [], "torch": "2", "threads": 2, "native": {"built": False},
+         "model": "m", "dtype": "bfloat16", "numerics": "fast", "timings_ms": {},
+         "kernels": {"linear": {"path": "q4", "how": "default"}, "gemm": {"path": "avx512", "how": "only path"}}}
+    assert "timed through the native kernels, not built here" in render(r)  # it said "one path, or forced"
+    r["kernels"]["linear"]["how"] = "forced"
+    assert "every kind here has one path, or was forced" in render(r)
+
+
+def test_the_library_is_named_for_what_march_native_means_here(monkeypatch):
+    # two CPUs alike in model name and VECTOR_FLAGS shared one library although -march=native
+    # enables other extensions on each (instructions the other may not have)
+    import streamkv.native as native
+
+    here = native._native_target.__wrapped__(native._compiler())
+    if native._compiler() is not None and os.uname().machine == "x86_64":
+        assert "-mavx2" in here or "-mno-avx2" in here, here  # the compiler's own expansion
+    tags = set()
+    for target in ("znver4 -mavx512f -mno-avx512vp2intersect", "znver5 -mavx512f -mavx512vp2intersect"):
+        monkeypatch.setattr(native, "_native_target", lambda cc, t=target: t)
+        tags.add(native.build_tag.__wrapped__())  # the process keeps its own tag (lru_cache)
+    assert len(tags) == 2

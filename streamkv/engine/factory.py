@@ -69,6 +69,7 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
         if forced:
             raise ValueError("kernels and decode_weights choose CPU kernels: use them with device=cpu")
         return KernelChoice()
+    backend = _backend_name(config, device)  # a ValueError where invariant numerics have no native kernels
     arch, bf16 = ckpt.arch, dtype == torch.bfloat16
     q4, q8 = quant_summary(ckpt.gguf, arch.tie_word_embeddings) if ckpt.gguf is not None else (False, False)
     if forced.get("linear") == "q4" and not q4:
@@ -76,7 +77,7 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
     shapes = ModelShapes(arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                          arch.vocab_size, arch.num_layers, config.runtime.numerics, bf16, q4, q8,
                          cache_bf16=kv_dtype(config, dtype) == torch.bfloat16,
-                         backend=_backend_name(config, device) if config.runtime.numerics == "fast" else "cpu_invariant")
+                         backend=backend if config.runtime.numerics == "fast" else "cpu_invariant")
     try:
         return choose(shapes, forced, retune)
     except ValueError as exc:
@@ -84,6 +85,8 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
             raise ValueError(f"{asked} with numerics=invariant needs the native 4-bit kernel "
                              "(AVX512-BF16 CPUs for bfloat16; float32 on any CPU with a C compiler); "
                              "use numerics=fast or decode_weights=dense") from exc
+        if mode != "auto" and str(exc).startswith("kernels: linear="):  # the flag the user passed
+            raise ValueError(str(exc).replace("kernels: linear=", "decode_weights=", 1)) from exc
         raise
 
 

@@ -52,5 +52,8 @@ def render(r: dict[str, Any]) -> str:
         for path, t in paths.items():
             lines.append("  " + f"{path:8s}" + "".join(f"{t[sh]:>20.3f}" for sh in shapes))
     if not r["timings_ms"]:
-        lines += ["", "(no kernel was measured: every kind here has one path, or was forced)"]
+        why = "every kind here has one path, or was forced"
+        if any(c["how"] == "default" for c in r["kernels"].values()):  # two paths, not timeable here
+            why = "the kinds marked default are timed through the native kernels, not built here"
+        lines += ["", f"(no kernel was measured: {why})"]
     return "\n".join(lines)

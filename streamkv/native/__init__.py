@@ -54,8 +54,25 @@ def build_tag() -> str:
     builds for this one: a cache directory shared with another CPU must not hand it this
     library, whose instructions may not run there or give other bits): names the built library."""
     source = b"".join(src.read_bytes() for src in [*_SOURCES, *_EXACT_SOURCES, *_HEADERS])
-    machine = [cpu_model(), *cpu_flags()]
-    return hashlib.sha256(source + " ".join([str(_compiler()), *_FLAGS, *_EXACT_FLAGS, *machine]).encode()).hexdigest()[:16]
+    cc = _compiler()
+    machine = [cpu_model(), *cpu_flags(), _native_target(cc)]
+    return hashlib.sha256(source + " ".join([str(cc), *_FLAGS, *_EXACT_FLAGS, *machine]).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=4)
+def _native_target(cc: str | None) -> str:
+    """What ``-march=native`` expands to for ``cc`` here (every ISA extension it enables or
+    not): two CPUs alike in model name and VECTOR_FLAGS (VMs often say just "AMD EPYC") may
+    still differ in what the compiler emits for them. Empty where the compiler does not say."""
+    if cc is None:
+        return ""
+    try:
+        proc = subprocess.run([cc, "-march=native", "-E", "-v", "-x", "c", os.devnull, "-o", os.devnull],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    line = next((ln for ln in proc.stderr.splitlines() if " -march=" in ln and "cc1" in ln), "")
+    return line.split(" -march=", 1)[1] if line else ""
 
 
 def object_files(tmp: Path) -> list[tuple[Path, Path]]:
@@ -118,7 +135,15 @@ def _library() -> ctypes.CDLL | None:
         path = _build()
         if path is None:
             return None
-        lib = ctypes.CDLL(str(path))
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:  # a damaged cached build (truncated, another file): build it again
+            log.warning("the cached native kernels %s do not load (%s): building them again", path, exc)
+            path.unlink(missing_ok=True)
+            path = _build()
+            if path is None:
+                return None
+            lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("native kernels unavailable (%s); using PyTorch", exc)
         return None

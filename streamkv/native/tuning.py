@@ -250,7 +250,10 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
     """The cached choice of ``kinds`` when it names paths that can run here (``allowed``), else a
     new measurement, cached. A cache directory that cannot be written (read-only, not a directory)
     costs the cache, not the start: the measurement is used without it (logged)."""
-    path = _cache_dir() / f"{_cache_key(s, forced)}.json"
+    # a forced path changes the other kinds' measurements only through gemm (their dense
+    # candidates run on it), and only where gemm has a choice: any other force reads and
+    # writes the unforced measurement, so forcing one kind never re-decides the others
+    path = _cache_dir() / f"{_cache_key(s, _shaping(forced, allowed))}.json"
     with _lock(path.with_suffix(".lock")):  # a concurrent start waits, then reads this measurement
         cached = None if retune else _read(path)
         if cached is not None and _valid(cached, s, kinds, allowed):
@@ -263,7 +266,7 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         t0 = time.perf_counter()
         from streamkv.native.kernel_bench import measure
 
-        last_path = _cache_dir() / f"last-{_cache_key(s, forced, build=False)}.json"
+        last_path = _cache_dir() / f"last-{_cache_key(s, {}, build=False)}.json"
         last = _read(last_path)
         choice = KernelChoice()
         for kind in kinds:  # gemm first: the dense candidates of the other kinds use its choice
@@ -276,9 +279,25 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
             default = next(p for p in KINDS[kind] if p in choice.timings[kind])
             choice.paths[kind] = pick(choice.timings[kind], prefer=last.paths.get(kind, default) if last else default)
         _write(path, choice)
-        _write(last_path, choice)
+        _write(last_path, _merged(last, choice))  # the kinds not measured now keep their last choice
         log.info("kernels measured in %.1f s: %s", time.perf_counter() - t0, choice.describe())
         return choice
+
+
+def _shaping(forced: dict[str, str], allowed: dict[str, list[str]]) -> dict[str, str]:
+    """The forced paths that change other kinds' measurements (``kernel_bench.measure``'s
+    ``chosen``: gemm), where the kind has more than one path."""
+    return {k: v for k, v in forced.items() if k == "gemm" and len(allowed.get(k, ())) > 1}
+
+
+def _merged(last: KernelChoice | None, new: KernelChoice) -> KernelChoice:
+    """``new``'s kinds over ``last``'s (the last-choice file of a run that measured some kinds)."""
+    if last is None:
+        return new
+    keep = [k for k in last.paths if k not in new.paths]
+    return KernelChoice({**{k: last.paths[k] for k in keep}, **new.paths},
+                        {**{k: last.timings[k] for k in keep if k in last.timings}, **new.timings},
+                        rows={**{k: last.rows[k] for k in keep if k in last.rows}, **new.rows})
 
 
 def _valid(choice: KernelChoice, s: ModelShapes, kinds: list[str], allowed: dict[str, list[str]]) -> bool:
@@ -333,10 +352,10 @@ def _well_formed(c: KernelChoice) -> bool:
     def positive_ms(v: object) -> bool:
         return isinstance(v, float) and math.isfinite(v) and v > 0
 
-    def timed(kind: str, per_path: object) -> bool:
+    def timed(kind: str, per_path: object) -> bool:  # every path timed on the same shapes
         return (isinstance(per_path, dict) and bool(per_path) and all(
             p in KINDS[kind] and isinstance(t, dict) and t and all(isinstance(sh, str) and positive_ms(v) for sh, v in t.items())
-            for p, t in per_path.items()))
+            for p, t in per_path.items()) and len({frozenset(t) for t in per_path.values()}) == 1)
     return (all(k in KINDS and isinstance(p, str) and p in KINDS[k] for k, p in c.paths.items())
             and all(k in KINDS and timed(k, t) for k, t in c.timings.items())
             and all(k in EXACT_PACKED and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= ALL_ROWS
