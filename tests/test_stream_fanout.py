@@ -161,3 +161,30 @@ def test_a_request_is_queued_whole_or_refused_whole_by_max_waiting(streamed):
         asyncio.run(run())
     finally:
         engine.shutdown()
+
+
+def test_an_engine_with_nothing_it_can_run_waits_instead_of_spinning():
+    # every request waits for blocks a pinned stream holds: each step runs nothing, and the loop
+    # stepped again at once, a core at 100% (thousands of empty steps a second) for as long as
+    # it lasted; it now waits a moment for a command between empty steps
+    import time
+
+    from streamkv import SamplingParams
+    from streamkv.engine.async_engine import AsyncEngine
+    from tests.fakes import slot_engine
+
+    core, _ = slot_engine(num_blocks=32, block_size=4)
+    hog = core.seq_ops.open(list(range(1, 4 * 30)))  # 30 of the 32 blocks, pinned
+    while not core.seq_ops.is_idle(hog):
+        core.step()
+    core.add_request("waits", list(range(1, 40)), SamplingParams(max_tokens=2, temperature=0.0))
+    steps = [0]
+    step = core.step
+    core.step = lambda: steps.__setitem__(0, steps[0] + 1) or step()
+    engine = AsyncEngine(core).start()
+    try:
+        time.sleep(0.5)
+        assert 1 <= steps[0] < 300, steps[0]  # at most one per 5 ms wait (spinning: thousands)
+        assert core.has_unfinished()  # still waiting: the state this is about
+    finally:
+        engine.shutdown(timeout=0.1)

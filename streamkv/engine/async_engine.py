@@ -29,6 +29,9 @@ __all__ = ["AsyncEngine", "QueueFullError"]
 # put on a request's sink once the engine thread has accepted it (add_request returned): a
 # refusal, if any, always comes before it
 _ACCEPTED = object()
+# a step that ran nothing (every request waits for blocks or input) changes nothing until a
+# command or time does: the loop waits this long for a command instead of spinning a core
+_IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -212,14 +215,16 @@ class AsyncEngine:
     # --------------------------------------------------------------- owner side
     def _run(self) -> None:
         try:
+            idle = False  # the last step ran nothing: wait a moment for a command, do not spin
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_unfinished())
+                self._drain(block=not self.engine.has_unfinished(), wait=_IDLE_WAIT_S if idle else 0.0)
                 self.engine.sessions.maintain()
                 self.engine.inputs.maintain()
                 if self.engine.has_unfinished():
-                    t = time.perf_counter()
+                    t, steps = time.perf_counter(), self.engine.stats.steps
                     outputs = self.engine.step()
                     self.last_step_time = time.perf_counter() - t
+                    idle = not outputs and self.engine.stats.steps == steps
                     for out in outputs:
                         self._deliver(out.request_id, out, out.finished)
                 self.num_waiting = self.engine.scheduler.num_waiting
@@ -230,9 +235,12 @@ class AsyncEngine:
             for rid in list(self._sinks):
                 self._deliver(rid, EngineDeadError(f"engine stopped: {exc}"), True)
 
-    def _drain(self, block: bool) -> None:
+    def _drain(self, block: bool, wait: float = 0.0) -> None:
+        """Handle the queued commands; ``block``: wait up to 0.5 s for one (nothing to step),
+        else up to ``wait`` seconds."""
         try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            timeout = 0.5 if block else wait
+            cmd = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
         except queue.Empty:
             return
         while cmd is not None:
