@@ -158,13 +158,19 @@ def test_bad_trees_are_400_with_the_node_path(http, query, status, words):
     assert words.replace("query", "queries[1]", 1) in b.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("route", ["/v1/spans/bulk", "/v1/spans", "/v1/corpora/left"])
+@pytest.mark.parametrize("route", ["/v1/spans/bulk", "/v1/spans", "/v1/spans:inner", "/v1/spans:inner-sse",
+                                   "/v1/corpora/left"])
 def test_a_client_that_leaves_a_plain_request_aborts_its_queries(http, route):
     """Non-streamed span queries, bulks and corpus preparations ran to their end after the client
-    had gone (a bulk of thousands of queries would have): the routes watch for the disconnect."""
+    had gone (a bulk of thousands of queries would have): the routes watch for the disconnect.
+    A query whose inner gens run before its first output (:inner) was not watched until then."""
     long = {"kind": "gen", "max_tokens": 600, "temperature": 0, "ignore_eos": True,
             "input": {"kind": "user", "text": "Count from one to a thousand."}}
-    body = ({"queries": [long] * 4, "concurrency": 4} if route.endswith("bulk") else {"query": long}
+    inner = {**long, "max_tokens": 300}  # two inner answers and the judge's prompt fit the context
+    judge = rag([inner, {**inner, "input": {"kind": "user", "text": "Count from two to a thousand."}}])
+    route, _, inner = route.partition(":")
+    body = ({"queries": [long] * 4, "concurrency": 4} if route.endswith("bulk")
+            else {"query": judge, "stream": inner.endswith("sse")} if inner else {"query": long}
             if route == "/v1/spans" else  # a corpus of 24 fragments of ~780 tokens
             {"fragments": [{"id": f"f{i}", "text": f"part {i}: " + "lorem ipsum dolor " * 110} for i in range(24)],
              "prepare": True})

@@ -77,7 +77,9 @@ async def run_span(body: SpanBody, request: Request) -> Any:
     rid = new_id("span")
     t0 = time.perf_counter()
     outputs = _generate(engine, rid, tree, body.priority, body.locality_k)
-    first = await outputs.__anext__()  # a bad tree is a 400 before the response starts
+    # a bad tree is a 400 before the response starts; the inner gens and the prefill all run
+    # before the first output, so a client that leaves meanwhile aborts the query (499)
+    first = await until_disconnected(request, outputs.__anext__())
     if body.stream:
         return StreamingResponse(_frames(rid, first, outputs, t0), media_type="text/event-stream")
 
