@@ -144,18 +144,48 @@ def test_bulk_runs_in_clustered_order_and_returns_input_order(http):
     (rag(DOCS, logprobs=True), 400, "query: logprobs must be an integer"),
     (rag([{"kind": "gen", "max_tokens": True, "input": {"kind": "user", "text": "x"}}]), 400,
      "query.input.children[1].children[0]: max_tokens must be an integer"),
+    # paths of the client's tree, not of the optimized one (flatten_seq renumbered this to children[2])
+    ({"kind": "gen", "max_tokens": 2, "input": {"kind": "seq", "children": [
+        {"kind": "seq", "children": [{"kind": "system", "text": "A"}, {"kind": "user", "text": "B"}]},
+        {"kind": "plus", "children": [{"kind": "fragment", "text": ""}, {"kind": "fragment", "text": "x"}]}]}},
+     400, "query.input.children[1].children[0]: a plus operand must not be empty"),
+    (rag(DOCS, "ab\ud800"), 400, "query.input.children[2]: text is not valid Unicode: a lone surrogate at character 2"),
+    (rag([{"kind": "gen", "logprobs": 2, "input": {"kind": "user", "text": "x"}}]), 400,
+     "query.input.children[1].children[0]: logprobs are returned for the root gen only"),
 ])
 def test_bad_trees_are_400_with_the_node_path(http, query, status, words):
-    r = http.post("/v1/spans", json={"query": query})
+    def post(route, body):  # ASCII JSON: a lone surrogate travels as its \ud800 escape
+        return http.post(route, content=json.dumps(body), headers={"content-type": "application/json"})
+
+    r = post("/v1/spans", {"query": query})
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"]
     assert r.json()["error"]["type"] == "invalid_request_error"
-    e = http.post("/v1/spans/explain", json={"query": query})
+    e = post("/v1/spans/explain", {"query": query})
     assert e.status_code == status and words in e.json()["error"]["message"]
     # in a bulk request, behind a good query, the path names the query: queries[1]...
-    b = http.post("/v1/spans/bulk", json={"queries": [rag(DOCS[:1]), query]})
+    b = post("/v1/spans/bulk", {"queries": [rag(DOCS[:1]), query]})
     assert b.status_code == status, b.text
     assert words.replace("query", "queries[1]", 1) in b.json()["error"]["message"]
+
+
+def test_inner_paths_name_the_clients_nodes_and_the_root_returns_logprobs(http):
+    ig = lambda t: {"kind": "gen", "max_tokens": 4, "temperature": 0, "input": {"kind": "seq", "children": [  # noqa: E731
+        {"kind": "system", "text": "Summarize."}, {"kind": "fragment", "text": t}, {"kind": "user", "text": "Summary:"}]}}
+    query = {"kind": "gen", "max_tokens": 4, "temperature": 0, "logprobs": 2, "input": {"kind": "seq", "children": [
+        {"kind": "plus", "children": [ig("The cat sat.\n"), ig("Rain fell.\n")]}, {"kind": "user", "text": "Which?"}]}}
+    r = http.post("/v1/spans", json={"query": query})
+    assert r.status_code == 200, r.text
+    body = r.json()  # the shared system message moved in front of the plus (distribute_plus)
+    assert sorted(e["path"] for e in body["inner"]) == [f"query.input.children[0].children[{i}]" for i in (0, 1)]
+    lp = body["logprobs"]  # accepted and dropped before; /v1/completions' shape
+    assert len(lp["tokens"]) == body["usage"]["completion_tokens"] and all(len(t) == 2 for t in lp["top_logprobs"])
+    with http.stream("POST", "/v1/spans", json={"query": query, "stream": True}) as resp:
+        frames = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    assert frames[-1]["logprobs"] == lp and frames[-1]["output"] == body["output"]
+    bad = {"fragments": [{"id": "ok", "text": "fine"}, {"id": "bad", "text": "a\ud800"}]}
+    r = http.post("/v1/corpora/uni", content=json.dumps(bad), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "fragment 'bad' is not valid Unicode" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("route", ["/v1/spans/bulk", "/v1/spans", "/v1/spans:inner", "/v1/spans:inner-sse",

@@ -112,6 +112,36 @@ def test_locality_k_builds_a_k_way_tree_of_judges():
     assert locality_k(shuffled, OptimizerOptions(locality_k=2)) == right
 
 
+def test_locality_k_applies_to_a_gen_whose_input_is_the_plus_itself():
+    # seq(plus(gens)) flattens to the bare plus, which the rule never matched: k was ignored
+    gens = [gen(user(f"name {i}"), max_tokens=2) for i in range(5)]
+    opts = OptimizerOptions(locality_k=2)
+    for left in (gen(plus(*gens), max_tokens=9), gen(seq(plus(*gens)), max_tokens=9)):
+        right = optimize(left, opts)
+        judges = [g for g in ir.inner_gens(right) if g not in gens]
+        assert len(judges) >= 3, ir.draw(right)  # ceil(5 / 2) judges (and judges over them)
+        assert all(len(p.children) <= 2 for p in _pluses(right))
+
+
+def _pluses(node):
+    if isinstance(node, ir.Plus):
+        yield node
+    for child in getattr(node, "children", ()) or ((node.input,) if isinstance(node, ir.Gen) else ()):
+        yield from _pluses(child)
+
+
+def test_origins_keep_the_clients_paths_through_the_optimizer():
+    # distribute_plus moved the shared system message in front of the plus, so an inner gen at
+    # query.input.children[0].children[1] was reported as query.input.children[1].children[1]
+    ig = lambda t: gen(seq(system("Summarize."), fragment(t), user("Summary:")), max_tokens=4)  # noqa: E731
+    tree = ir.with_origins(gen(seq(plus(ig("cat"), ig("rain")), user("Which?")), max_tokens=4))
+    right = optimize(tree)
+    assert right == optimize(gen(seq(plus(ig("cat"), ig("rain")), user("Which?")), max_tokens=4))  # no effect on equality
+    assert sorted(g.origin for g in ir.inner_gens(right)) == [
+        "query.input.children[0].children[0]", "query.input.children[0].children[1]"]
+    assert all(repr(g).count("origin") == 0 for g in ir.inner_gens(right))  # nor on repr (cache keys, order)
+
+
 def test_optimize_reaches_a_fixed_point():
     tree = ir.chat(system("s"), seq(user("u"), plus(plus(fragment("a")), fragment("b"))), max_tokens=2)
     out = optimize(tree)

@@ -27,6 +27,7 @@ from streamkv.engine.async_engine import AsyncEngine
 from streamkv.sampling.params import SamplingParams
 from streamkv.server.errors import APIError, error_body
 from streamkv.server.generation import last_output, new_id, until_disconnected
+from streamkv.server.openai_api import completion_logprobs
 from streamkv.server.protocol import _Body
 from streamkv.spans import ir
 from streamkv.spans.bulk import cluster_order
@@ -81,14 +82,14 @@ async def run_span(body: SpanBody, request: Request) -> Any:
     # before the first output, so a client that leaves meanwhile aborts the query (499)
     first = await until_disconnected(request, outputs.__anext__())
     if body.stream:
-        return StreamingResponse(_frames(rid, first, outputs, t0), media_type="text/event-stream")
+        return StreamingResponse(_frames(rid, first, outputs, t0, engine.tokenizer), media_type="text/event-stream")
 
     async def rest() -> Any:
         last = first
         async for out in outputs:
             last = out
         return last
-    return _result(rid, await until_disconnected(request, rest()), t0)
+    return _result(rid, await until_disconnected(request, rest()), t0, engine.tokenizer)
 
 
 def _generate(engine: AsyncEngine, rid: str, tree: ir.Node, priority: int,
@@ -107,17 +108,18 @@ def _failure(out: Any, what: str = "") -> APIError:
     return APIError(500, f"{what}span query failed: {out.error}")
 
 
-def _result(rid: str, out: Any, t0: float) -> dict[str, Any]:
+def _result(rid: str, out: Any, t0: float, tokenizer: Any) -> dict[str, Any]:
     if out.finish_reason == "error":
         raise _failure(out)
     report = out.metrics.get("spans", {})
     usage = dict(report.get("usage", {}))
     usage["completion_tokens"] = len(out.token_ids)
     return {"id": rid, "object": "span_query", "output": out.text, "finish_reason": out.finish_reason,
-            "inner": report.get("inner", []), "usage": usage, "latency_ms": (time.perf_counter() - t0) * 1000.0}
+            "inner": report.get("inner", []), "usage": usage, "latency_ms": (time.perf_counter() - t0) * 1000.0,
+            **({"logprobs": completion_logprobs(out.logprobs, tokenizer)} if out.logprobs is not None else {})}
 
 
-async def _frames(rid: str, first: Any, outputs: AsyncIterator[Any], t0: float) -> AsyncIterator[str]:
+async def _frames(rid: str, first: Any, outputs: AsyncIterator[Any], t0: float, tokenizer: Any) -> AsyncIterator[str]:
     out = first
     try:
         while True:
@@ -128,7 +130,7 @@ async def _frames(rid: str, first: Any, outputs: AsyncIterator[Any], t0: float) 
             if out.delta_text:
                 yield f"data: {json.dumps({'id': rid, 'delta': out.delta_text}, ensure_ascii=False)}\n\n"
             if out.finished:
-                yield f"data: {json.dumps(_result(rid, out, t0), ensure_ascii=False)}\n\n"
+                yield f"data: {json.dumps(_result(rid, out, t0, tokenizer), ensure_ascii=False)}\n\n"
                 break
             out = await outputs.__anext__()
         yield "data: [DONE]\n\n"
@@ -166,7 +168,7 @@ async def bulk(body: BulkBody, request: Request) -> dict[str, Any]:
             last = None
             async for out in _generate(engine, new_id("span"), trees[i], 0, body.locality_k):
                 last = out
-            return _result(last.request_id, last, t0)
+            return _result(last.request_id, last, t0, engine.tokenizer)
 
     tasks = {i: asyncio.ensure_future(one(i)) for i in order}  # created (and admitted) in execution order
 

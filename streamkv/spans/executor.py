@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from streamkv.errors import InvalidRequestError, KVCacheFullError
+from streamkv.errors import InvalidRequestError, KVCacheFullError, check_unicode
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sched.sequence import SeqStatus
 from streamkv.spans.cache import SpanCache
 from streamkv.spans.execution import RETRY_STEPS, Execution
-from streamkv.spans.ir import Node, SpanQueryError
+from streamkv.spans.ir import Node, SpanQueryError, inner_gens, with_origins
 from streamkv.spans.lower import Renderer, SpanPlan, check_ids, layout, lower, lower_prepare
 from streamkv.spans.query import Query, Usage, forks
 from streamkv.spans.rules import OptimizerOptions, optimize
@@ -63,6 +63,11 @@ class SpanQueries:
             opts = OptimizerOptions(locality_k=locality_k, corpora=self.corpora)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        tree = with_origins(tree)  # paths in plans and errors: the client's
+        for inner in inner_gens(tree):
+            if dict(inner.sampling).get("logprobs") is not None:
+                raise SpanQueryError(inner.origin or "query", "logprobs are returned for the root gen only "
+                                                                "(an inner gen's text is in the report's inner)")
         optimized = optimize(tree, opts)
         plan = lower(optimized, self.renderer, self.engine.max_model_len)
         check_ids(plan, self.engine.bundle.vocab_size)  # type: ignore[attr-defined]
@@ -153,6 +158,7 @@ class SpanQueries:
             raise InvalidRequestError(f"a corpus holds at most {MAX_FRAGMENTS} fragments")
         tokens = 0
         for fid, text in fragments.items():  # every fragment is checked before any is added
+            check_unicode(text, f"fragment {fid!r}")
             n = len(self.engine.tokenizer.encode(text))
             if n == 0:  # a zero-token span has no KV to compute or reuse (its prepare never finished)
                 raise InvalidRequestError(f"fragment {fid!r} is empty: it tokenizes to no tokens")

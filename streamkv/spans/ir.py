@@ -19,8 +19,8 @@ into nodes and rejects bad trees before any work, naming the node's path
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Mapping, Union
 
 from streamkv.errors import InvalidRequestError
 from streamkv.sampling.params import SamplingParams
@@ -54,16 +54,19 @@ class Text:
 
     kind: str
     text: str
+    origin: str | None = field(default=None, repr=False, compare=False)  # its path in the client's tree
 
 
 @dataclass(frozen=True)
 class Seq:
     children: tuple["Node", ...]
+    origin: str | None = field(default=None, repr=False, compare=False)  # its path in the client's tree
 
 
 @dataclass(frozen=True)
 class Plus:
     children: tuple["Node", ...]
+    origin: str | None = field(default=None, repr=False, compare=False)  # its path in the client's tree
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Gen:
 
     input: "Node"
     sampling: tuple[tuple[str, Any], ...] = ()
+    origin: str | None = field(default=None, repr=False, compare=False)  # its path in the client's tree
 
     def params(self) -> SamplingParams:
         return SamplingParams(**dict(self.sampling))
@@ -81,12 +85,14 @@ class Gen:
 class Chat:
     messages: tuple["Node", ...]
     sampling: tuple[tuple[str, Any], ...] = ()
+    origin: str | None = field(default=None, repr=False, compare=False)  # its path in the client's tree
 
 
 @dataclass(frozen=True)
 class Retrieve:
     corpus: str
     ids: tuple[str, ...]
+    origin: str | None = field(default=None, repr=False, compare=False)  # its path in the client's tree
 
 
 Node = Union[Text, Seq, Plus, Gen, Chat, Retrieve]
@@ -196,6 +202,30 @@ def _only(fields: Mapping[str, Any], allowed: set[str], path: str) -> None:
     extra = sorted(set(fields) - allowed)
     if extra:
         raise SpanQueryError(path, f"unexpected field(s) {extra}")
+
+
+def with_origins(node: Node, path: str = "query") -> Node:
+    """``node`` with every node's ``origin`` set to its path in this tree (the client's): the
+    optimizer moves and merges nodes, and an inner gen's report or an error must still name
+    the node the client wrote. Origins never take part in equality, hashing or ``repr``."""
+    if isinstance(node, (Seq, Plus)):
+        kids = tuple(with_origins(c, f"{path}.children[{i}]") for i, c in enumerate(node.children))
+        return replace(node, children=kids, origin=path)
+    if isinstance(node, Gen):
+        return replace(node, input=with_origins(node.input, f"{path}.input"), origin=path)
+    if isinstance(node, Chat):
+        msgs = tuple(with_origins(m, f"{path}.messages[{i}]") for i, m in enumerate(node.messages))
+        return replace(node, messages=msgs, origin=path)
+    return replace(node, origin=path)
+
+
+def inner_gens(node: Node, root: bool = True) -> Iterator[Gen | Chat]:
+    """Every gen and chat below the root ``node``."""
+    if isinstance(node, (Gen, Chat)) and not root:
+        yield node
+    for child in (node.children if isinstance(node, (Seq, Plus)) else (node.input,) if isinstance(node, Gen)
+                  else node.messages if isinstance(node, Chat) else ()):
+        yield from inner_gens(child, root=False)
 
 
 def _list(value: Any, path: str, nonempty: bool) -> list[Any]:

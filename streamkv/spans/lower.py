@@ -16,7 +16,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from streamkv.errors import InvalidRequestError
+from streamkv.errors import InvalidRequestError, check_unicode
 from streamkv.sampling.params import SamplingParams
 from streamkv.spans.ir import Gen, Node, Plus, Seq, SpanQueryError, Text
 
@@ -133,6 +133,7 @@ class Renderer:
         self.bos = tuple(tokenizer.encode("", add_special_tokens=True))
 
     def text(self, node: Text) -> tuple[int, ...]:
+        check_unicode(node.text)  # before the template: the offset is the node's own
         if node.kind == "fragment" or not self.has_template:
             return tuple(self.tok.encode(node.text))
         head = self.tok.apply_chat_template([self._PROBE], add_generation_prompt=False)
@@ -180,6 +181,7 @@ def lower_prepare(prefix: Node | None, fragments: dict[str, str], renderer: Rend
 
 
 def _gen(node: Gen, path: str, r: Renderer) -> SpanPlan:
+    path = node.origin or path  # the client's path (the optimizer moves nodes)
     try:
         node.params()
     except (TypeError, ValueError) as exc:
@@ -195,8 +197,12 @@ def _segments(node: Node, path: str, r: Renderer) -> tuple[Segment, ...]:
     paths = [f"{path}.children[{i}]" for i in range(len(items))] if isinstance(node, Seq) else [path]
     out: list[Segment] = []
     for item, p in zip(items, paths):
+        p = item.origin or p
         if isinstance(item, Text):
-            ids = r.text(item)
+            try:
+                ids = r.text(item)
+            except InvalidRequestError as exc:  # e.g. a lone surrogate: name the node
+                raise SpanQueryError(p, str(exc)) from None
             if ids:
                 _append_piece(out, Piece(ids, p))
         elif isinstance(item, Seq):
@@ -213,6 +219,7 @@ def _segments(node: Node, path: str, r: Renderer) -> tuple[Segment, ...]:
 
 
 def _operand(node: Node, path: str, r: Renderer) -> SpanPlan:
+    path = node.origin or path
     if isinstance(node, Gen):
         return _gen(node, path, r)
     segments = _segments(node, path, r)

@@ -21,7 +21,7 @@ the ``plus``, every inner gen runs after it, and the parent's operands are their
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from streamkv.spans.ir import Chat, Gen, Node, Plus, Retrieve, Seq, SpanQueryError, Text
@@ -47,14 +47,16 @@ Rule = Callable[[Node, OptimizerOptions], "Node | None"]
 
 def desugar_chat(node: Node, opts: OptimizerOptions) -> Node | None:
     if isinstance(node, Chat):
-        return Gen(Seq(node.messages), node.sampling)
+        return Gen(Seq(node.messages, origin=node.origin), node.sampling, origin=node.origin)
     return None
 
 
 def desugar_retrieve(node: Node, opts: OptimizerOptions) -> Node | None:
     if isinstance(node, Retrieve):
         corpus = opts.corpora[node.corpus]  # checked by check_refs before optimizing
-        return Plus(tuple(Text("fragment", corpus[i]) for i in node.ids))
+        at = node.origin or "retrieve"
+        return Plus(tuple(Text("fragment", corpus[i], origin=f"{at}.ids[{k}]") for k, i in enumerate(node.ids)),
+                    origin=node.origin)
     return None
 
 
@@ -73,7 +75,8 @@ def _flatten(node: Node, kind: type[Seq] | type[Plus]) -> Node | None:
     if len(node.children) == 1:
         return node.children[0]
     if any(isinstance(c, kind) for c in node.children):
-        return kind(tuple(g for c in node.children for g in (c.children if isinstance(c, kind) else (c,))))
+        return replace(node, children=tuple(g for c in node.children
+                                            for g in (c.children if isinstance(c, kind) else (c,))))
     return None
 
 
@@ -90,28 +93,33 @@ def distribute_plus(node: Node, opts: OptimizerOptions) -> Node | None:
         common += 1
     if not common:
         return None
-    rest = tuple(Gen(_join(i[common:]), c.sampling) for i, c in zip(inputs, node.children))  # type: ignore[union-attr]
-    return Seq(tuple(inputs[0][:common]) + (Plus(rest),))
+    rest = tuple(replace(c, input=_join(i[common:], c.input.origin))  # type: ignore[union-attr]
+                 for i, c in zip(inputs, node.children))
+    return Seq(tuple(inputs[0][:common]) + (replace(node, children=rest),), origin=node.origin)
 
 
 def locality_k(node: Node, opts: OptimizerOptions) -> Node | None:
+    """A gen over a plus of more than k gens (its input, or a part of its input) becomes a
+    k-way tree of judge gens over the same instruction (README "Attention locality")."""
     k = opts.locality_k
-    if k is None or not isinstance(node, Gen) or not isinstance(node.input, Seq):
+    if k is None or not isinstance(node, Gen):
         return None
-    kids = node.input.children
+    kids = node.input.children if isinstance(node.input, Seq) else (node.input,)  # a bare plus too
     at = next((i for i, c in enumerate(kids) if isinstance(c, Plus)
                and len(c.children) > k and all(isinstance(g, Gen) for g in c.children)), None)
     if at is None:
         return None
-    pre, post = kids[:at], kids[at + 1:]
+    pre, group, post = kids[:at], kids[at], kids[at + 1:]
     # a plus is order-free: which gens share a judge must not depend on the order they came in
-    gens = tuple(sorted(kids[at].children, key=repr))  # type: ignore[union-attr]
-    judges = tuple(Gen(Seq(pre + (Plus(gens[j:j + k]),) + post), node.sampling) for j in range(0, len(gens), k))
-    return Gen(Seq(pre + (Plus(judges),) + post), node.sampling)
+    gens = tuple(sorted(group.children, key=repr))  # type: ignore[union-attr]
+    name = f"{node.origin or 'query'}.judge"  # judges are new nodes, named after the gen they serve
+    judges = tuple(Gen(Seq(pre + (Plus(gens[j:j + k]),) + post), node.sampling, origin=f"{name}[{j // k}]")
+                   for j in range(0, len(gens), k))
+    return replace(node, input=Seq(pre + (replace(group, children=judges),) + post, origin=node.input.origin))
 
 
-def _join(children: tuple[Node, ...]) -> Node:
-    return children[0] if len(children) == 1 else Seq(children)
+def _join(children: tuple[Node, ...], origin: str | None = None) -> Node:
+    return children[0] if len(children) == 1 else Seq(children, origin=origin)
 
 
 RULES: tuple[Rule, ...] = (desugar_chat, desugar_retrieve, flatten_seq, flatten_plus, distribute_plus, locality_k)
@@ -132,11 +140,11 @@ def optimize(node: Node, opts: OptimizerOptions | None = None) -> Node:
 
 def _pass(node: Node, opts: OptimizerOptions) -> Node:
     if isinstance(node, (Seq, Plus)):
-        node = type(node)(tuple(_pass(c, opts) for c in node.children))
+        node = replace(node, children=tuple(_pass(c, opts) for c in node.children))
     elif isinstance(node, Gen):
-        node = Gen(_pass(node.input, opts), node.sampling)
+        node = replace(node, input=_pass(node.input, opts))
     elif isinstance(node, Chat):
-        node = Chat(tuple(_pass(m, opts) for m in node.messages), node.sampling)
+        node = replace(node, messages=tuple(_pass(m, opts) for m in node.messages))
     for rule in RULES:
         new = rule(node, opts)
         if new is not None:
