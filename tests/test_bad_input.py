@@ -60,3 +60,20 @@ def test_bad_engine_options():
         LLM(kv_cache_size=3)
     with pytest.raises(ValueError, match="dtype"):
         LLM(dtype="float8")
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("spec_max_draft", 2.5, "spec_max_draft must be an integer"),  # accepted, then every step failed
+    ("spec_draft_budget", float("nan"), "spec_draft_budget must be an integer"),  # the cap silently off
+    ("seed_from_prompt", "false", "seed_from_prompt must be true or false"),  # turned it on
+    ("grouped_prefill", "no", "grouped_prefill must be true or false"),
+    ("kv_cache_memory", float("nan"), "kv_cache_memory must be an integer"),  # a 1-block pool
+    ("max_num_seqs", "4", "max_num_seqs must be an integer"),  # TypeError
+    ("chunk_min_tokens", 1.5, "chunk_min_tokens must be an integer"),  # TypeError at the first step
+    ("stall_factor", float("nan"), "stall_factor must be a number"),
+    ("queue_policy", ["fcfs"], "queue_policy must be a string"),
+    ("kv_write", {"policy": "snapstream"}, "kv_write must be a string"),  # TypeError in json.loads
+])
+def test_engine_options_of_the_wrong_kind_are_value_errors(option, value, words):
+    with pytest.raises(ValueError, match=words):
+        LLM(**{option: value})

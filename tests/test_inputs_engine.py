@@ -327,3 +327,40 @@ def test_profile_key_follows_the_sizes_the_pool_and_context_let_it_measure():
     ref = key()
     assert key() == ref and key(num_blocks=1024, max_model_len=4096) == ref   # every size fits in both
     assert key(max_model_len=3) != ref and key(num_blocks=2) != ref and key(max_model_len=513) != ref
+
+
+def test_advance_gives_up_on_an_input_that_can_get_no_block():
+    # two open inputs hold the pool (background work preempts nobody above it): advance() ran
+    # empty steps for ever (max_steps 1 << 30); now a typed error, and the input stays open
+    from streamkv.engine.llm import LLM
+    from streamkv.errors import KVCacheFullError
+    from streamkv.inputs.local import STALL_STEPS, InputHandle
+
+    engine, _ = slot_engine(num_blocks=10, block_size=4)
+    for rid in ("a", "b"):
+        engine.inputs.open(rid, prompt="x" * 19, params=GREEDY)
+    _drain(engine, 6)
+    engine.inputs.open("c", prompt="y" * 19, params=GREEDY)
+    handle = InputHandle(engine, "c")
+    with pytest.raises(KVCacheFullError, match="no KV block"):
+        handle.advance()
+    assert engine.stats.steps < STALL_STEPS + 10 and engine.inputs.get_state("c") == "open"
+    with pytest.raises(InvalidRequestError, match="max_steps"):
+        handle.advance("3")
+    llm = LLM.__new__(LLM)  # the Python API's own checks, on this engine
+    llm.engine, llm._ids = engine, iter(range(100))
+    for bad in (float("nan"), 0, "2", True):  # NaN hung: nothing was ever submitted
+        with pytest.raises(InvalidRequestError, match="concurrency"):
+            llm.span_bulk([], concurrency=bad)
+    with pytest.raises(InvalidRequestError, match="queries must be a list"):
+        llm.span_bulk(None)
+    with pytest.raises(InvalidRequestError, match="open_input takes"):
+        llm.open_input(None)
+    with pytest.raises(InvalidRequestError, match="request id"):  # was accepted, then unreachable
+        engine.inputs.open(None, prompt="x", params=GREEDY)
+    import asyncio
+
+    from streamkv.engine.async_engine import AsyncEngine
+
+    with pytest.raises(InvalidRequestError, match="kv must be"):  # a TypeError before
+        asyncio.run(AsyncEngine(engine).open_input("z", prompt="x", kv={"kv_wrte": {}}))

@@ -174,8 +174,9 @@ def test_failing_step_fails_only_its_requests():
 
 
 def test_a_read_policy_covers_only_the_fork_own_rows_even_after_preemption():
-    """The plan carries a fork's read policy for rows at or after the fork point only: after a
-    preemption the recomputed shared prefix is exact again."""
+    """The plan carries a fork's read policy for rows at or after the fork point only; a
+    recompute preemption drops only the fork's own rows (its parent's stay: a session's
+    re-positioned window is nothing a prefill of the ids gives back), so it resumes there."""
     from streamkv.policies import QuestPolicy
 
     engine, runner = fake_engine(num_blocks=64, block_size=4, budget=16)
@@ -185,11 +186,15 @@ def test_a_read_policy_covers_only_the_fork_own_rows_even_after_preemption():
     policy = QuestPolicy(budget_tokens=16, sink_tokens=4, recent_tokens=4)
     fork = engine.add_fork_request("q", stream, 40, [5, 6, 7], GREEDY, read=policy)
     assert fork.read_from == 40 and not fork.cacheable
-    engine.scheduler._preempt(fork)          # recompute: the shared prefix is computed again
+    engine.step()                            # the fork's own rows get KV
+    assert fork.num_computed > 40
+    engine.scheduler._preempt(fork)          # recompute: back to the fork point, still running
+    assert fork.num_computed == fork.forked_rows == 40 and fork.status.name == "RUNNING"
+    assert engine.scheduler.preemptions_by_kind["recompute"] == 1
     engine.run_to_completion(["q"])
     items = [s for p in runner.plans for s in p.seqs if s.seq_id == fork.seq_id]
-    assert items[0].start == 0 and any(s.start >= 40 for s in items)
-    assert all((s.read is policy) == (s.start >= 40) for s in items)
+    assert [s.start for s in items][:2] == [40, 40]  # its rows computed twice, the prefix never
+    assert all(s.read is policy for s in items)
 
 
 def test_a_waiting_request_that_cannot_fit_does_not_stall_pinned_streams():
@@ -265,6 +270,22 @@ def test_cell_budget_admission_delays_never_rejects_and_keeps_outputs():
         fake_engine(admission="fair")
 
 
+def test_a_fork_is_charged_only_its_own_rows():
+    # a session query forks the session's window: charged prompt + max_tokens, one 100-token
+    # window's query held back every new request under a 128-token ceiling (helper-23)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine, _ = fake_engine(num_blocks=64, budget=64, admission="cell-budget")
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(100)])  # a pinned window: exempt
+    while not engine.seq_ops.is_idle(stream):
+        engine.step()
+    engine.add_fork_request("q", stream, 100, [5, 6], params)  # its own rows: 2 + 10
+    engine.step()
+    engine.add_request("r", [7] * 20, params)  # 30 more: well under the ceiling beside 12
+    engine.step()
+    assert engine.scheduler.admission.stats.charged_tokens == 12 and engine.scheduler.admission.stats.deferred_requests == 0
+    assert engine.run_to_completion(["q", "r"])["r"].finish_reason == "length"
+
+
 @pytest.mark.parametrize("first,second,queue", [(5, -5, "fcfs"), (0, 0, "lcas")])
 def test_a_deferred_request_ranked_above_a_running_one_lets_it_finish(first, second, queue):
     # the deferred request outranks the running one (a lower priority value; under LCAS, the
@@ -298,3 +319,30 @@ def test_high_water_holds_prompt_chunks_back_and_outputs_stay():
     assert engine.scheduler.admission.stats.deferred_chunks > 0
     # every step still makes progress: some sequence computes rows
     assert all(plan.num_tokens > 0 for plan in runner.plans if plan.seqs or not plan.released)
+
+
+def test_a_fork_that_can_never_grow_fails_as_retryable():
+    # a fork keeps its parent's rows (never dropped); when the rest of the pool is pinned and
+    # nothing runs, its request fails after STALL_STEPS empty steps (a 503), not a spin for ever
+    from streamkv.engine.engine import STALL_STEPS
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=20, block_size=4)
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(60)])  # 15 of the 20 blocks, pinned
+    other = engine.seq_ops.open([2 + i % 50 for i in range(16)])  # 4 more: one block left
+    while not (engine.seq_ops.is_idle(stream) and engine.seq_ops.is_idle(other)):
+        engine.step()
+    fork = engine.add_fork_request("q", stream, 60, list(range(1, 9)), SamplingParams(max_tokens=4, temperature=0))
+    assert fork.forked_rows == 60
+    done = {}
+    for _ in range(STALL_STEPS + 20):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if done:
+            break
+    out = done["q"]
+    assert out.finish_reason == "error" and out.retry and "KVCacheFullError" in out.error
+    assert engine.scheduler.preemptions_by_kind["recompute"] == 0  # waited: nothing of its own to drop
+    engine.seq_ops.close(stream)
+    engine.seq_ops.close(other)
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks

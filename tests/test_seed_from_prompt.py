@@ -75,3 +75,14 @@ def test_a_streaming_input_gets_the_seed_of_its_final_prompt(seeded):
         h.append(PROMPT[cut:])
         outs.append(h.result().token_ids)
     assert outs[0] == outs[1] == seeded.generate([PROMPT], params)[0].token_ids
+
+
+def test_a_session_question_gets_the_seed_of_its_prompt(seeded):
+    # a session query forks the session's KV (add_fork_request), which skipped the prompt seed:
+    # the same question on the same version gave a different sampled answer each time
+    session = seeded.session("You watch sensor readings.", chat=False)
+    session.push(["t=1 temp=20", "t=2 temp=21"])
+    session.ingest()
+    answers = {tuple(session.query("Summarize.", max_tokens=16, temperature=1.0, ignore_eos=True).token_ids)
+               for _ in range(3)}
+    assert len(answers) == 1

@@ -300,5 +300,5 @@ def test_a_failed_answer_over_the_websocket_is_an_error_frame():
     ws = SimpleNamespace(send_json=send_json, app=SimpleNamespace(state=SimpleNamespace(streamkv=state)))
     asyncio.run(_ws_answer(ws, Handle()))
     assert [f["type"] for f in sent] == ["error"], sent
-    assert sent[0]["error"]["type"] == "service_unavailable_error"  # retryable: the 503 kind
+    assert sent[0]["error"]["type"] == "service_unavailable"  # retryable: the 503 kind
     assert "KVCacheFullError" in sent[0]["error"]["message"] and not seen

@@ -278,3 +278,23 @@ def test_idle_sessions_are_offloaded_when_a_span_query_needs_blocks(tmp_path):
     assert "host" in [s.stats()["kv"]["where"] for s in sessions]
     engine.spans.cache.clear()
     engine.check_integrity()
+
+
+def test_idle_sessions_make_room_for_the_request_that_blocks_the_queue(tmp_path):
+    # a long request L (more than is free) and a short one S (fits) wait together: offloading
+    # freed only the smallest need (S's: nothing), but nothing unpinned passes L, so neither
+    # ever ran (helper-23: a server frozen for 140 s until clients gave up)
+    llm, sessions = _idle_sessions(tmp_path)
+    engine = llm.engine
+    free = engine.pool.num_free
+    params = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_request("L", list(range(3, 3 + 4 * (free + 3))), params)
+    engine.add_request("S", [5, 6, 7], params)
+    done = {}
+    for _ in range(300):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(done) == 2:
+            break
+    assert sorted(done) == ["L", "S"], (engine.scheduler.blocked_need, engine.pool.num_free)
+    assert "host" in [s.stats()["kv"]["where"] for s in sessions]
+    engine.check_integrity()

@@ -149,3 +149,21 @@ def test_optimize_reaches_a_fixed_point():
     assert optimize(out) == out
     with pytest.raises(ValueError, match="locality_k"):
         OptimizerOptions(locality_k=1)
+
+
+@pytest.mark.parametrize("tree, path", [
+    (gen(seq(user("a"), plus()), max_tokens=3), "query.input.children[1].children"),  # IndexError
+    (None, "query"), ("text", "query"), (gen(seq("raw")), "query.input.children[0]"),  # TypeError
+    (gen(fragment(None)), "query.input"),  # AttributeError
+])
+def test_trees_built_in_python_are_checked_like_json_ones(tree, path):
+    with pytest.raises(SpanQueryError) as exc:
+        ir.with_origins(tree)
+    assert exc.value.path == path
+    deep = user("x")
+    for _ in range(3000):  # RecursionError
+        deep = seq(deep)
+    with pytest.raises(SpanQueryError, match="deeper than"):
+        ir.with_origins(gen(deep))
+    with pytest.raises(ValueError, match="locality_k must be an integer"):
+        OptimizerOptions(locality_k="2")  # TypeError

@@ -163,6 +163,8 @@ class AsyncEngine:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         if not self.accepting:
             raise EngineDeadError("server is shutting down")
+        if kv is not None and (not isinstance(kv, dict) or not set(kv) <= {"kv_write", "kv_read"}):
+            raise InvalidRequestError(f"kv must be a dict with kv_write and/or kv_read, got {kv!r}")
         await self.call(lambda engine: engine.inputs.open(request_id, prompt, messages, params, priority, **(kv or {})))
         handle = AsyncInputStream(self, request_id)
         self._inputs[request_id] = handle

@@ -54,6 +54,9 @@ class _Request:
     cache_key: object = None
 
 
+STALL_STEPS = 64  # empty steps in a row a waiting fork may stall before its request fails (retryable)
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -88,6 +91,7 @@ class Engine:
         # final outputs kept for an in-process owner that steps the engine only now and then
         # (``LLM.open_input`` handles): whoever steps first must not lose another's answer
         self._kept: dict[str, RequestOutput | None] = {}
+        self._stalls: dict[int, int] = {}  # seq id -> steps in a row it waited in a step that ran nothing
         self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
         self.inputs = InputStreams(self)
@@ -174,6 +178,8 @@ class Engine:
         params = self._check_request(request_id, params, priority)
         ids = list(parent.tokens[:num_tokens]) + [int(t) for t in suffix]
         self._validate_ids(ids)
+        if self.config.cache.seed_from_prompt and params.seed is None and not params.greedy:
+            params = replace(params, seed=prompt_seed(ids))  # as add_request does (session questions)
         seq = self._new_seq(ids, params, priority, klass)
         seq.cacheable = parent.cacheable and read is None
         seq.read, seq.read_from = read, num_tokens
@@ -185,6 +191,8 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"a request id is a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -289,11 +297,28 @@ class Engine:
         self.sessions.before_step()
         self.spans.before_step()
         outputs = self.spans.after_step(self.sessions.after_step(outputs + self._step()))
+        self._fail_stalled()
         if self._kept:
             for out in outputs:
                 if out.finished and out.request_id in self._kept:
                     self._kept[out.request_id] = out
         return outputs
+
+    def _fail_stalled(self) -> None:
+        """A request whose fork waits for blocks (never dropped: its parent's rows are nothing a
+        prefill gives back) in steps that run nothing, STALL_STEPS in a row, fails as retryable
+        (a 503 with Retry-After), the latest first: the rest of the pool is held by pinned KV
+        (sessions, other such forks) that only its release can unblock. (Span queries' own
+        sequences are their executor's.)"""
+        stalled = [sid for sid in self.scheduler.stalled
+                   if sid in self._by_seq and not self._by_seq[sid].seq.pinned]
+        self._stalls = {sid: self._stalls.get(sid, 0) + 1 for sid in stalled}
+        over = [self._by_seq[sid] for sid, n in self._stalls.items() if n > STALL_STEPS]
+        if over:
+            req = max(over, key=lambda r: r.arrival)
+            self._stalls.pop(req.seq.seq_id, None)
+            self.fail(req.request_id, f"KVCacheFullError: no KV block for {STALL_STEPS} steps; the rest of "
+                                      f"the KV cache is held by sessions and their queries", retry=True)
 
     def keep_output(self, request_id: str) -> None:
         """Keep ``request_id``'s final output until :meth:`run_to_completion` asks for it,

@@ -80,6 +80,9 @@ class LLM:
         from streamkv.inputs.local import InputHandle
 
         rid = f"llm-in-{next(self._ids)}"
+        if not isinstance(source, (str, list, tuple)):
+            raise InvalidRequestError(f"open_input takes the text so far or a list of chat messages, "
+                                      f"got {type(source).__name__}")
         prompt, messages = (source, None) if isinstance(source, str) else (None, list(source))
         self.engine.inputs.open(rid, prompt, messages, params, priority, kv_write=kv_write, kv_read=kv_read)
         self.engine.keep_output(rid)
@@ -105,8 +108,11 @@ class LLM:
         from streamkv.spans.bulk import cluster_order
         from streamkv.spans.ir import parse
 
-        if order not in ("clustered", "given") or concurrency < 1:
-            raise InvalidRequestError("order must be 'clustered' or 'given' and concurrency >= 1")
+        if order not in ("clustered", "given") or not _count(concurrency):
+            raise InvalidRequestError(f"order must be 'clustered' or 'given' and concurrency an integer >= 1, "
+                                      f"got {order!r}, {concurrency!r}")
+        if not isinstance(queries, (list, tuple)):
+            raise InvalidRequestError(f"queries must be a list of span queries, got {type(queries).__name__}")
         trees = [parse(q) if isinstance(q, dict) else q for q in queries]
         plans = [self.engine.spans.plan(t, locality_k)[1] for t in trees]
         run = cluster_order(plans) if order == "clustered" else list(range(len(trees)))
@@ -135,6 +141,11 @@ class LLM:
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
         return self.generate(prompts, params)
+
+
+def _count(value: object) -> bool:
+    """An integer >= 1 (not a bool, a float or NaN)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _as_batch(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

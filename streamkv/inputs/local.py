@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from streamkv.errors import InvalidRequestError, KVCacheFullError
+
 if TYPE_CHECKING:
     from streamkv.ops.core import EngineCore
+
+
+STALL_STEPS = 100  # advance() gives up after this many steps in a row without progress
 
 
 class InputHandle:
@@ -31,12 +36,21 @@ class InputHandle:
         return {"tokens": len(s.seq.tokens), "lcp": lcp, "invalidated": dropped}
 
     def advance(self, max_steps: int = 1 << 30) -> int:
-        """Run engine steps until every arrived token has KV (or ``max_steps``); returns steps run."""
+        """Run engine steps until every arrived token has KV (or ``max_steps``); returns steps run.
+        Raises KVCacheFullError when STALL_STEPS steps in a row computed none of it (the pool is
+        held by others: open inputs rank above nobody; ``result()`` still gets its turn)."""
+        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
+            raise InvalidRequestError(f"max_steps must be an integer >= 0, got {max_steps!r}")
         seq = self._engine.inputs.get(self.request_id).seq
-        steps = 0
+        steps = stalled = 0
         while steps < max_steps and seq.num_computed < seq.computable and not seq.finished:
+            before = seq.num_computed
             self._engine.step()
             steps += 1
+            stalled = stalled + 1 if seq.num_computed == before else 0
+            if stalled >= STALL_STEPS:
+                raise KVCacheFullError(f"input {self.request_id!r}: no KV block for {STALL_STEPS} steps "
+                                       f"({seq.num_computed} of {seq.computable} tokens computed); it stays open")
         return steps
 
     def finish(self) -> None:

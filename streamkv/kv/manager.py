@@ -196,6 +196,18 @@ class KVManager:
         self.pool.release(reversed(dropped))
         return copy
 
+    def truncates_in_place(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether :meth:`truncate` to ``num_tokens`` needs no fresh block and no copy (its
+        partial last block, if any, is the sequence's own and unindexed)."""
+        kv = self._seqs.get(seq_id)
+        full, part = divmod(num_tokens, self.block_size)
+        if kv is None or len(kv.block_ids) < self.blocks_for(num_tokens):
+            return False
+        if not part:
+            return True
+        block = self.pool.blocks[kv.block_ids[full]]
+        return block.ref_count == 1 and block.block_hash is None
+
     def compact(self, seq_id: int, first_block: int) -> None:
         """The blocks from ``first_block`` on become the whole table (a write policy moved the
         rows it keeps there); the ones before go back to the pool, keeping their prefix-cache

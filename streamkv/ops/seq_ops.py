@@ -64,7 +64,7 @@ class SeqOps:
             raise KVCacheFullError("the KV cache is full; retry later") from None
         if copy is not None:
             self._copy_head(copy, num_tokens % self._kv.block_size)
-        child.num_computed = child.num_cached_tokens = num_tokens
+        child.num_computed = child.num_cached_tokens = child.forked_rows = num_tokens
 
     def append(self, seq: Sequence, tokens: Seq[int]) -> None:
         """Add prompt ``tokens`` at the end of a sequence that has not sampled yet."""

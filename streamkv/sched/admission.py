@@ -28,8 +28,9 @@ class AdmissionStats:
 
 
 def projected_tokens(seq: Sequence) -> int:
-    """The KV a sequence may come to hold: its prompt plus every token it may generate."""
-    return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len)
+    """The KV a sequence may come to hold: its prompt plus every token it may generate, less
+    the rows a fork shares with its parent (a session query's window is the session's)."""
+    return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len) - seq.forked_rows
 
 
 class CellBudget:

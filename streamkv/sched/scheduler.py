@@ -27,6 +27,11 @@ from streamkv.sched.speculation import SpecState, SpecStats, Speculator, specula
 log = logging.getLogger(__name__)
 
 
+def _droppable(seq: Sequence) -> bool:
+    """Whether preempting ``seq`` gives KV back: a fork keeps its parent's rows (``forked_rows``)."""
+    return not seq.forked_rows or seq.num_computed > seq.forked_rows
+
+
 def _decodes(item: ScheduledSeq) -> bool:
     """A decode row: one generated token's row (plus its drafts), sampled."""
     return item.sample and item.start >= item.num_prompt and item.num_tokens - len(item.draft) == 1
@@ -65,10 +70,14 @@ class Scheduler:
         self.cadence = StepCadence(config.stall_factor) if config.stall_factor is not None else None
         self.groups = (PrefillGroups(kv) if config.grouped_prefill and kv.pool.enable_prefix_caching
                        else None)
-        # pinned sequences that found no block in a step that computes nothing: only their
-        # owners (span queries, sessions) or a client can change that (see ``stalled``)
+        # pinned sequences, and forks at their fork point, that found no block in a step that
+        # computes nothing: only their owners (span queries, sessions) or a client can change
+        # that (the engine fails such a fork's request after a while, the span executor its query)
         self.stalled: frozenset[int] = frozenset()
         self._starved: list[int] = []
+        # blocks the first waiting request that cannot be admitted needs (it holds up every
+        # unpinned one behind it), latest step; 0: none (sessions offload idle KV for it)
+        self.blocked_need = 0
 
     # ------------------------------------------------------------- bookkeeping
     def add(self, seq: Sequence) -> None:
@@ -144,6 +153,7 @@ class Scheduler:
         deferred = False  # a request admission defers: no new request passes it (running ones
         # go on: their charge only drops as they finish, so stalling them stalled both forever)
         reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
+        self.blocked_need = 0
         out: list[_Proposal] = []
         followers, hits = (self.groups.plan(ranked, self.policy.background) if self.groups is not None
                            else (set(), {}))
@@ -183,6 +193,8 @@ class Scheduler:
                             self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
                             if s.status is SeqStatus.RUNNING and not s.pinned)
                     if cost > reclaimable:
+                        if not blocked and not seq.partial:
+                            self.blocked_need = cost
                         blocked = blocked or not seq.partial  # background work holds nobody up
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
@@ -262,13 +274,14 @@ class Scheduler:
         self._starved = []
         for prop in proposals:
             seq = prop.seq
-            if (seq.status is SeqStatus.WAITING and seq.seq_id in preempted) or (blocked and not seq.pinned):
+            if seq.seq_id in preempted or (blocked and not seq.pinned):
                 continue
             while not self._try_take(prop):
                 if victims is None:
                     ranking = rank_all()
                     place = {s.seq_id: i for i, s in enumerate(ranking)}
-                    victims = [s for s in reversed(ranking) if s.status is SeqStatus.RUNNING and not s.pinned]
+                    victims = [s for s in reversed(ranking) if s.status is SeqStatus.RUNNING and not s.pinned
+                               and _droppable(s)]
                 victim = next((v for v in victims if v is not seq and v.seq_id not in preempted
                                and v.seq_id not in done_ids
                                and (not seq.partial or (v.partial and place[v.seq_id] > place[seq.seq_id]))), None)
@@ -340,6 +353,9 @@ class Scheduler:
     def _cannot_grow(self, seq: Sequence, done: list[_Proposal], preempted: list[int]) -> None:
         """A running sequence found no block and nobody below it to preempt."""
         if done or any(s.status is SeqStatus.RUNNING and s is not seq for s in self.seqs.values()):
+            if not _droppable(seq):  # a fork at its fork point: nothing of its own to give back, it waits
+                self._starved.append(seq.seq_id)
+                return
             self._preempt(seq)
             preempted.append(seq.seq_id)
         else:
@@ -350,15 +366,20 @@ class Scheduler:
         """Requeue ``seq``: swap its KV to host blocks, or drop it (recompute), as the
         preemption policy decides; the tokens are kept either way."""
         n = seq.kv_rows(seq.num_computed)
-        kind = "recompute"
+        kind, seq.status = "recompute", SeqStatus.WAITING
+        forked = seq.kv_rows(seq.forked_rows)
         if self.kv.can_swap_out(n) and self.preemption.swap(n, self.kv.blocks_for(n)):
             self._swap_out.extend(self.kv.swap_out(seq.seq_id, n))
             seq.swapped, kind = True, "swap"
+        elif forked and seq.layout is None and self.kv.truncates_in_place(seq.seq_id, forked):
+            # a fork keeps its parent's rows (nothing a prefill of its ids would give back) and
+            # goes on running from the fork point: its own rows are recomputed
+            self.kv.truncate(seq.seq_id, forked)
+            seq.num_computed, seq.status = seq.forked_rows, SeqStatus.RUNNING
         else:  # a compressed sequence re-runs its prefill and compression, reaching the same rows
             self.kv.free(seq.seq_id)
             seq.num_computed = 0
             seq.layout = None
-        seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.preemptions_by_kind[kind] += 1

@@ -55,6 +55,10 @@ class Sequence:
     samples: bool = True
     pinned: bool = False
     cacheable: bool = True
+    # ``forked_rows``: leading rows whose KV a copy-on-write fork gave it (a session's window,
+    # re-positioned or compressed: no prefill of the ids need reproduce it); a recompute
+    # preemption drops only the rows after them, and they are never charged as its own KV.
+    forked_rows: int = 0
     # ``keep_kv``: finishing leaves the KV in place for its owner to take over (a span query
     # reuses an inner generate's KV as it was written); the owner frees it (SeqOps.release_kv).
     keep_kv: bool = False

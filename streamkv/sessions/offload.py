@@ -125,12 +125,14 @@ class Offloader:
         so a span query behind idle sessions waited for good), cannot get its blocks."""
         kv, seqs = self.engine.kv, self.engine.scheduler.seqs.values()
         needs = [kv.blocks_for(len(s.tokens) + 1) for s in seqs if s.status is SeqStatus.WAITING]
-        needs += [kv.growth_cost(s.seq_id, len(s.tokens)) for s in seqs
-                  if s.status is SeqStatus.RUNNING and s.pinned and s.has_work and kv.has(s.seq_id)]
+        needs += [kv.growth_cost(s.seq_id, len(s.tokens)) for s in seqs  # forks wait too (never dropped)
+                  if s.status is SeqStatus.RUNNING and (s.pinned or s.forked_rows) and s.has_work and kv.has(s.seq_id)]
         positive = [n for n in needs if n > 0]
         if not positive:
             return
-        need = min(positive) - self.engine.pool.num_free
+        # at least the smallest need; the request that blocks the queue may need more (nothing
+        # unpinned passes it, so room for a smaller one behind it served nobody)
+        need = max(min(positive), self.engine.scheduler.blocked_need) - self.engine.pool.num_free
         while need > 0:
             freed = self._offload_one()
             if not freed:

@@ -155,11 +155,7 @@ def parse(obj: Any, path: str = "query") -> Node:
 
 
 def _parse(obj: Any, path: str, depth: int, counter: list[int]) -> Node:
-    if depth > MAX_DEPTH:
-        raise SpanQueryError(path, f"the tree is deeper than {MAX_DEPTH} levels (or has a cycle)")
-    counter[0] += 1
-    if counter[0] > MAX_NODES:
-        raise SpanQueryError(path, f"the tree has more than {MAX_NODES} nodes")
+    _count_node(path, depth, counter)
     if not isinstance(obj, Mapping):
         raise SpanQueryError(path, f"a node must be an object with a 'kind', got {type(obj).__name__}")
     kind = obj.get("kind")
@@ -207,16 +203,45 @@ def _only(fields: Mapping[str, Any], allowed: set[str], path: str) -> None:
 def with_origins(node: Node, path: str = "query") -> Node:
     """``node`` with every node's ``origin`` set to its path in this tree (the client's): the
     optimizer moves and merges nodes, and an inner gen's report or an error must still name
-    the node the client wrote. Origins never take part in equality, hashing or ``repr``."""
+    the node the client wrote. Origins never take part in equality, hashing or ``repr``.
+    Checks what :func:`parse` checks of JSON, for trees built in Python (a bare ``plus()`` or
+    a tree 3,000 levels deep failed deep inside): SpanQueryError naming the node."""
+    return _stamp(node, path, 0, [0])
+
+
+def _count_node(path: str, depth: int, counter: list[int]) -> None:
+    """One more node at ``depth``: SpanQueryError past MAX_DEPTH levels or MAX_NODES nodes."""
+    if depth > MAX_DEPTH:
+        raise SpanQueryError(path, f"the tree is deeper than {MAX_DEPTH} levels (or has a cycle)")
+    counter[0] += 1
+    if counter[0] > MAX_NODES:
+        raise SpanQueryError(path, f"the tree has more than {MAX_NODES} nodes")
+
+
+def _stamp(node: Node, path: str, depth: int, counter: list[int]) -> Node:
+    _count_node(path, depth, counter)
     if isinstance(node, (Seq, Plus)):
-        kids = tuple(with_origins(c, f"{path}.children[{i}]") for i, c in enumerate(node.children))
+        _nonempty(node.children, f"{path}.children")
+        kids = tuple(_stamp(c, f"{path}.children[{i}]", depth + 1, counter) for i, c in enumerate(node.children))
         return replace(node, children=kids, origin=path)
     if isinstance(node, Gen):
-        return replace(node, input=with_origins(node.input, f"{path}.input"), origin=path)
+        return replace(node, input=_stamp(node.input, f"{path}.input", depth + 1, counter), origin=path)
     if isinstance(node, Chat):
-        msgs = tuple(with_origins(m, f"{path}.messages[{i}]") for i, m in enumerate(node.messages))
+        _nonempty(node.messages, f"{path}.messages")
+        msgs = tuple(_stamp(m, f"{path}.messages[{i}]", depth + 1, counter) for i, m in enumerate(node.messages))
         return replace(node, messages=msgs, origin=path)
+    if isinstance(node, Text):
+        if node.kind not in TEXT_KINDS or not isinstance(node.text, str):
+            raise SpanQueryError(path, f"a text node needs a kind in {list(TEXT_KINDS)} and a string text")
+    elif not isinstance(node, Retrieve) or not isinstance(node.corpus, str) or not all(
+            isinstance(i, str) for i in node.ids):
+        raise SpanQueryError(path, f"a node must be text, seq, plus, gen, chat or retrieve, got {type(node).__name__}")
     return replace(node, origin=path)
+
+
+def _nonempty(items: object, path: str) -> None:
+    if not isinstance(items, tuple) or not items:
+        raise SpanQueryError(path, "must be a non-empty sequence of nodes")
 
 
 def inner_gens(node: Node, root: bool = True) -> Iterator[Gen | Chat]:

@@ -38,7 +38,8 @@ class OptimizerOptions:
     corpora: Corpora = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.locality_k is not None and (isinstance(self.locality_k, bool) or self.locality_k < 2):
+        if self.locality_k is not None and (not isinstance(self.locality_k, int) or isinstance(self.locality_k, bool)
+                                           or self.locality_k < 2):
             raise ValueError(f"locality_k must be an integer >= 2, got {self.locality_k!r}")
 
 
