@@ -298,3 +298,23 @@ def test_idle_sessions_make_room_for_the_request_that_blocks_the_queue(tmp_path)
     assert sorted(done) == ["L", "S"], (engine.scheduler.blocked_need, engine.pool.num_free)
     assert "host" in [s.stats()["kv"]["where"] for s in sessions]
     engine.check_integrity()
+
+
+def test_a_session_question_takes_its_block_from_an_idle_streaming_input(tmp_path):
+    # an input waiting for more text held the last free block: the question's fork (it copies
+    # its partial block at once) failed with "the KV cache is full" (a 503), although a span
+    # query's fork would have preempted that input (background work)
+    llm, sessions = _idle_sessions(tmp_path)
+    engine = llm.engine
+    before = sessions[0].query("what?", max_tokens=4).token_ids
+    handle = llm.open_input("w", SamplingParams(max_tokens=3, temperature=0))
+    for i in range(400):  # one short word at a time until the input holds every free block
+        if engine.pool.num_free == 0:
+            break
+        handle.append(f" w{i % 10}")
+        handle.advance()
+    assert engine.pool.num_free == 0 and "host" not in [s.stats()["kv"]["where"] for s in sessions]
+    assert sessions[0].query("what?", max_tokens=4).token_ids == before
+    assert engine.scheduler.num_preemptions > 0
+    handle.result()
+    engine.check_integrity()
