@@ -302,3 +302,4 @@ def test_a_failed_answer_over_the_websocket_is_an_error_frame():
     assert [f["type"] for f in sent] == ["error"], sent
     assert sent[0]["error"]["type"] == "service_unavailable"  # retryable: the 503 kind
     assert "KVCacheFullError" in sent[0]["error"]["message"] and not seen
+

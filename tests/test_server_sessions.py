@@ -330,3 +330,25 @@ def test_a_client_that_leaves_a_plain_query_aborts_it(server, client):
         httpx.post(url, json=body, timeout=1.5)
     assert_left_request_stopped(server.url)
     sess.delete()
+
+
+def test_a_session_answer_that_found_no_block_is_a_retryable_error():
+    # a question's fork that waited for a block in steps that ran nothing ends as retryable: the
+    # route answered a 500 "internal_error" (helper-25), in-band too
+    import asyncio
+
+    from streamkv.engine.outputs import RequestOutput
+    from streamkv.server.sessions_api import _stream
+
+    out = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], token_ids=[], text="", finished=True,
+                        finish_reason="error", error="KVCacheFullError: no KV block for 64 steps", retry=True)
+
+    async def rest():
+        return
+        yield
+
+    async def frames():
+        return [f async for f in _stream(out, rest(), {}, "s", 0.0, lambda o: None)]
+
+    sent = asyncio.run(frames())
+    assert json.loads(sent[0][6:])["error"]["type"] == "service_unavailable", sent

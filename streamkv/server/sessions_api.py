@@ -171,6 +171,8 @@ async def query_session(session_id: str, body: SessionQuery, request: Request) -
         frames = _stream(first, outputs, info, session_id, t0, lambda out: state.observe(out, request))
         return StreamingResponse(frames, media_type="text/event-stream")
     last = await until_disconnected(request, last_output(outputs))  # a client gone: aborted, 499
+    if last is not None and last.error and last.retry:  # no KV block for it (a stalled fork): retryable
+        raise APIError(503, f"query failed, retry later: {last.error}", headers={"Retry-After": "1"})
     if last is None or last.error:
         raise APIError(500, f"query failed: {last.error if last else 'no output'}")
     state.observe(last, request)
@@ -209,7 +211,7 @@ async def _stream(first: Any, outputs: AsyncIterator[Any], info: dict[str, Any],
     try:
         while True:
             if out.error:
-                yield f"data: {json.dumps(error_body(500, out.error))}\n\n"
+                yield f"data: {json.dumps(error_body(503 if out.retry else 500, out.error))}\n\n"
                 return
             if out.delta_text:
                 yield f"data: {json.dumps({'delta': out.delta_text, 'data_version': info.get('data_version')})}\n\n"
