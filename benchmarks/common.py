@@ -324,13 +324,16 @@ def measure_ceilings(threads: int = 2, d_in: int = 576, d_out: int = 1536, vocab
 def decode_bytes(cost: dict, dtype: str, weights: str = "dense") -> float:
     """Weight bytes read per decode step: dense (every weight in dtype), q4 (streamkv's packed
     decode: the GGUF's 4-bit linear layers as stored, and the Q8_0 LM head as two int4 halves with
-    bf16 scale + zero per 32 weights each, i.e. 1.25 bytes per weight) or gguf (every tensor as
-    stored, as llama.cpp)."""
+    bf16 scale + zero per 32 weights each, i.e. 1.25 bytes per weight), deq (bf16 models'
+    linear=deq: the 4-bit linears with float32 d and m, 0.75 bytes per weight where Q4_1 stores
+    0.625, and the LM head dense) or gguf (every tensor as stored, as llama.cpp)."""
     if weights == "gguf":
         return cost["gguf_tensor_bytes"]
     bpe = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     if weights == "q4":
         return cost["gguf_linear_bytes"] + cost["params_lm_head"] * 1.25
+    if weights == "deq":
+        return cost["gguf_linear_bytes"] * 0.75 / 0.625 + cost["params_lm_head"] * bpe
     return cost["params_read_per_decode"] * bpe
 
 

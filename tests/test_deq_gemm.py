@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkv import LLM, SamplingParams
 from streamkv.loading.q4_blocks import Q4Matrix, read_q4_matrices, read_q8_lm_head
 from streamkv.models.deq_linear import DeqWeights, pack_deq, pack_deq8
 from streamkv.models.linear import KernelOptions, LogitsHead, make_linear, pack_dense
 from streamkv.native import deq_gemm, invariant_gemm
+from tests.engine_checks import same_everywhere
 
 pytestmark = pytest.mark.skipif(deq_gemm() is None, reason="no C compiler: the native kernels are not built")
 
@@ -127,30 +127,16 @@ def test_a_float32_engine_gives_the_same_bits_packed_dense_or_switching(tiny_ggu
         packed = {sh: t * (0.5 if kernel_bench.EXACT_ROWS[sh] <= 8 else 2.0) for sh, t in dense.items()}
         return {{"linear": "q4", "lm_head": "q8"}[kind]: packed, "dense": dense}
     monkeypatch.setattr(kernel_bench, "measure", measure)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 384, (int(n),), generator=g).tolist() for n in (3, 9, 22, 31)]
+    def check(kernels):
+        def look(llm):
+            choice = llm.engine.bundle.kernels
+            layer = llm.engine.bundle.runner.model.layers[0].qkv
+            if kernels == "auto":
+                assert choice.packed_rows("linear") == 8 and choice.packed_rows("lm_head") == 8
+                assert layer.deq is not None and layer.deq.max_rows == 8
+            assert (layer.deq is None) == (kernels.startswith("linear=dense"))
+        return look
 
-    def run(llm, batch):
-        return [(o.token_ids, [(lp.token_id, lp.logprob) for lp in o.logprobs]) for o in llm.generate(batch, params)]
-
-    results = []
-    for kernels in ("linear=q4,lm_head=q8", "linear=dense,lm_head=dense", "auto"):
-        llm = LLM(model=tiny_gguf, dtype="float32", num_blocks=128, block_size=4, kernels=kernels)
-        choice = llm.engine.bundle.kernels
-        layer = llm.engine.bundle.runner.model.layers[0].qkv
-        if kernels == "auto":
-            assert choice.packed_rows("linear") == 8 and choice.packed_rows("lm_head") == 8
-            assert layer.deq is not None and layer.deq.max_rows == 8
-        assert (layer.deq is None) == (kernels.startswith("linear=dense"))
-        batched = run(llm, prompts)
-        for p, expected in zip(prompts, batched):
-            llm.engine.pool.reset_prefix_cache()
-            assert run(llm, [p]) == [expected], kernels
-        chunked = LLM(model=tiny_gguf, dtype="float32", num_blocks=128, block_size=4, kernels=kernels,
-                      max_chunk_tokens=5)
-        assert run(chunked, prompts) == batched, kernels
-        tight = LLM(model=tiny_gguf, dtype="float32", num_blocks=24, block_size=4, kernels=kernels)
-        assert run(tight, prompts) == batched and tight.engine.scheduler.num_preemptions > 0, kernels
-        results.append(batched)
+    results = [same_everywhere(tiny_gguf, "float32", kernels, check=check(kernels))
+               for kernels in ("linear=q4,lm_head=q8", "linear=dense,lm_head=dense", "auto")]
     assert results[0] == results[1] == results[2]

@@ -50,7 +50,7 @@ class ModelBundle:
     num_blocks: int
     dtype: torch.dtype = torch.float32
     model_name: str = "model"
-    decode_weights: str = "dense"  # resolved: "dense" or "q4"
+    decode_weights: str = "dense"  # resolved: "dense", "q4" or "deq" (4-bit blocks for small steps, dense bits)
     kernels: KernelChoice = field(default_factory=KernelChoice)  # what was measured / forced (``streamkv info``)
 
 
@@ -97,7 +97,7 @@ def _packed_weights(kernels: KernelChoice, gguf: GGUFFile | None, arch: Any) -> 
     if gguf is None:
         return None
     out: dict[str, Any] = {}
-    if kernels.get("linear") == "q4":
+    if kernels.get("linear") in ("q4", "deq"):
         out.update(read_q4_matrices(gguf, arch,
                                     permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM")))
     if kernels.get("lm_head") == "q8":
@@ -184,4 +184,4 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     name = os.path.basename(ckpt.source.rstrip("/")) or "model"
     linear_q4 = any(k.endswith("proj.weight") for k in (q4 or {}))
     return ModelBundle(runner, ckpt.tokenizer, max_len, arch.vocab_size, num_blocks, dtype, name,
-                       "q4" if linear_q4 else "dense", kernels)
+                       kernels.get("linear", "q4") if linear_q4 else "dense", kernels)

@@ -14,6 +14,9 @@ stay batch-invariant. Decode reads 0.625 (4-bit) or 1.06 (8-bit) bytes per weigh
                 dm [T, G, 2, 16] float16 d, m of the panel's 16 columns
     pack_deq8:  q [T, G, 32, 16] int8    q[16t + c, 32g + k]
                 dm [T, G, 1, 16] float16 d
+    pack_deq_bf16 (bf16 models: ``native/deq_bf16.c``, the dense bf16 GEMM's bits)
+                q [T, G, 16, 16] uint8   column c's 32 nibbles in the kernel's lookup order (_q4_order)
+                dm [T, G, 16, 2] float32 d, m of column c (float16 values)
 """
 from __future__ import annotations
 
@@ -57,8 +60,32 @@ def pack_deq(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.T
     """q [N, K] in 0..15, d and m [N, K / 32] (float16 values) -> the 4-bit layout above."""
     g = _groups(q, torch.int32)
     qp = (g[..., :8] | (g[..., 8:] << 4)).to(torch.uint8).contiguous()
-    dm = torch.stack([_panels(_half(d, "a scale"), q.shape[0]), _panels(_half(m, "an offset"), q.shape[0])], dim=2)
-    return qp, dm.contiguous()
+    return qp, _scales(d, m, q.shape[0])
+
+
+def _scales(d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+    """d, m [N, G] (float16 values) -> [T, G, 2, 16] float16."""
+    return torch.stack([_panels(_half(d, "a scale"), n), _panels(_half(m, "an offset"), n)], dim=2).contiguous()
+
+
+def _q4_order() -> tuple[torch.Tensor, torch.Tensor]:
+    """For nibble k (0..31) of a column's group: its byte (0..15) and its shift (0 or 4) in the 16
+    bytes ``native/deq_bf16.c`` broadcasts (its shift control: qword i of the broadcast reads half
+    i % 2; its words 4i .. 4i + 3 are the low and high nibbles of bytes b, b + 1 there, b = i - i % 2)."""
+    k = torch.arange(32)
+    i, j = k // 4, k % 4
+    return 8 * (i % 2) + (i - i % 2) + j // 2, 4 * (j % 2)
+
+
+def pack_deq_bf16(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] in 0..15, d and m [N, K / 32] (float16 values) -> the bf16 kernel's 4-bit layout above."""
+    g = _groups(q, torch.int64).transpose(2, 3)  # [T, G, 16 columns, 32 k]
+    byte, shift = _q4_order()
+    packed = torch.zeros(*g.shape[:3], 16, dtype=torch.int64)
+    packed.index_add_(3, byte, g << shift)
+    n = q.shape[0]
+    dm = torch.stack([_panels(_half(d, "a scale"), n), _panels(_half(m, "an offset"), n)], dim=3)  # [T, G, 16, 2]
+    return packed.to(torch.uint8).contiguous(), dm.float().contiguous()
 
 
 def pack_deq8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,21 +95,26 @@ def pack_deq8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 class DeqWeights(nn.Module):
-    """One GGUF matrix packed for ``deq_gemm.c``: x [M, K] float32 -> [M, N] with the bits of the
-    dense float32 GEMM over the loader's weights; serves steps of at most ``max_rows`` rows."""
+    """One GGUF matrix packed for ``deq_gemm.c`` (float32 models: x [M, K] float32 -> [M, N] with the
+    bits of the dense float32 GEMM over the loader's weights) or ``deq_bf16.c`` (bf16 models, 4-bit:
+    x [M, K] bf16 -> the bits of the dense bf16 GEMM, ``tiles`` alike); serves steps of at most
+    ``max_rows`` rows."""
 
-    def __init__(self, packed: torch.Tensor, dm: torch.Tensor, out_features: int, max_rows: int) -> None:
+    def __init__(self, packed: torch.Tensor, dm: torch.Tensor, out_features: int, max_rows: int,
+                 bf16: bool = False, tiles: bool = False) -> None:
         super().__init__()
-        from streamkv.native import deq_gemm
+        from streamkv.native import deq_gemm, deq_gemm_bf16
 
-        kernel = deq_gemm()
+        kernel = deq_gemm_bf16() if bf16 else deq_gemm()
         if kernel is None:
-            raise RuntimeError("packed float32 weights need the native kernels (a C compiler)")
+            raise RuntimeError("packed weights with the dense bits need the native kernels (a C compiler; "
+                               "bf16: an AVX512-BF16 CPU with VBMI)")
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         self.kernel = kernel
         self.out_features = out_features
         self.max_rows = max_rows
+        self.bf16, self.tiles = bf16, tiles
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("dm", dm, persistent=False)
 
@@ -91,10 +123,11 @@ class DeqWeights(nn.Module):
         return 4 if self.packed.dtype == torch.uint8 else 8
 
     @classmethod
-    def from_q4(cls, w: Q4Matrix, max_rows: int) -> DeqWeights:
+    def from_q4(cls, w: Q4Matrix, max_rows: int, bf16: bool = False, tiles: bool = False) -> DeqWeights:
         if w.m is None:
             raise ValueError("this 4-bit matrix has no stored offset (m): it cannot reproduce the dense weights")
-        return cls(*pack_deq(w.q, w.scale, w.m), w.q.shape[0], max_rows)
+        pack = pack_deq_bf16 if bf16 else pack_deq
+        return cls(*pack(w.q, w.scale, w.m), w.q.shape[0], max_rows, bf16, tiles)
 
     @classmethod
     def from_q8(cls, w: Q8Matrix, max_rows: int) -> DeqWeights:
@@ -103,5 +136,8 @@ class DeqWeights(nn.Module):
     def serves(self, rows: int) -> bool:
         return rows <= self.max_rows
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.kernel(x.float(), self.packed, self.dm, self.out_features, out_dtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.bf16:
+            return self.kernel(x.to(torch.bfloat16), self.packed, self.dm, self.out_features,
+                               out_dtype or torch.bfloat16, self.tiles)
+        return self.kernel(x.float(), self.packed, self.dm, self.out_features, out_dtype or torch.float32)

@@ -37,8 +37,9 @@ class KernelOptions:
     """The measured kernel choice as the layers see it (``native/tuning.py``).
 
     ``tiles``: dense bf16 GEMMs on AMX tiles. ``deq_rows`` / ``head_deq_rows``: a float32 model's
-    GGUF 4-bit layers / Q8_0 LM head are also kept packed, and steps of at most that many rows read
-    them (``models/deq_linear.py``: the same bits as the dense weights); 0: never.
+    GGUF 4-bit layers / Q8_0 LM head (a bf16 model's 4-bit layers: ``linear=deq``) are also kept
+    packed, and steps of at most that many rows read them (``models/deq_linear.py``: the same bits
+    as the dense weights); 0: never.
     """
 
     tiles: bool = False
@@ -121,10 +122,10 @@ class SplitLinear(Linear):
 class InvariantLinear(Linear):
     """Invariant mode: one batch-invariant chain per output element for every row.
 
-    bf16 weights with 4-bit blocks (``q4``): the native q4 kernel for every row. float32 weights
-    with 4-bit blocks and ``options.deq_rows``: dense panels plus the packed copy, which steps of at
-    most that many rows read (the same bits). Otherwise the dense panels (``options.tiles``: bf16 on
-    AMX tiles)."""
+    Weights with 4-bit blocks (``q4``) and ``options.deq_rows``: dense panels plus the packed copy,
+    which steps of at most that many rows read (the same bits; float32: ``deq_gemm.c``, bf16:
+    ``deq_bf16.c``). bf16 weights with 4-bit blocks otherwise: the native q4 kernel for every row.
+    Otherwise the dense panels (``options.tiles``: bf16 on AMX tiles)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Matrix | None,
                  options: KernelOptions = NO_OPTIONS) -> None:
@@ -132,8 +133,9 @@ class InvariantLinear(Linear):
         self.dtype = weight.dtype
         self.q4: PackedQ4 | None = None
         self.deq: DeqWeights | None = None
-        if q4 is not None and weight.dtype == torch.float32:
-            self.deq = DeqWeights.from_q4(q4, options.deq_rows) if options.deq_rows else None
+        bf16 = weight.dtype == torch.bfloat16
+        if q4 is not None and (not bf16 or options.deq_rows):
+            self.deq = DeqWeights.from_q4(q4, options.deq_rows, bf16, options.tiles) if options.deq_rows else None
         elif q4 is not None:
             self.q4 = PackedQ4(q4.q, q4.scale, q4.zero)
             if not self.q4.native:

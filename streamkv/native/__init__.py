@@ -30,8 +30,9 @@ _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c"
 # The batch-invariant kernels are compiled without -ffast-math: each output element's chain of
 # roundings is written out in the source and the compiler may not reassociate or contract it.
 _EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "deq_gemm.c",
-                                      "layer.c", "kv_move.c")]
-_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h", "attn_bf16_rows.h", "attn_amx_rows.h", "amx.h")]
+                                      "deq_bf16.c", "layer.c", "kv_move.c")]
+_HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h", "attn_bf16_rows.h", "attn_amx_rows.h", "amx.h",
+                                 "nibbles.h")]
 # STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
 # CPU that would not take it; tests do this in a subprocess with their own cache directory)
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", *os.environ.get("STREAMKV_NATIVE_FLAGS", "").split()]
@@ -179,6 +180,11 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn = lib.streamkv_deq_gemm_bf16
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.streamkv_deq_bf16_available.restype = ctypes.c_int
     lib.streamkv_inv_gemm_bf16_dot.restype = ctypes.c_int
     lib.streamkv_inv_gemm_bf16_path.restype = ctypes.c_char_p
     fn = lib.streamkv_inv_attn
@@ -455,6 +461,34 @@ def _deq_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: torch.
             int(out_dtype == torch.bfloat16))
     if rc != 0:
         raise ValueError(f"deq GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    return out
+
+
+def deq_gemm_bf16() -> Callable[..., torch.Tensor] | None:
+    """The bf16 GEMM over packed 4-bit GGUF weights with the dense bf16 GEMM's bits (``inv_gemm.c``:
+    ``streamkv_deq_gemm_bf16``; AVX512-BF16 CPUs), or None where it cannot run."""
+    lib = _library()
+    if lib is None or not lib.streamkv_deq_bf16_available():
+        return None
+    return functools.partial(_deq_gemm_bf16, lib.streamkv_deq_gemm_bf16)
+
+
+def _deq_gemm_bf16(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor, n: int,
+                   out_dtype: torch.dtype = torch.bfloat16, tiles: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 @ the packed [n, K] weight (``models/deq_linear.py: pack_deq_bf16``) -> [M, n] in
+    ``out_dtype``, the bits of ``invariant_gemm`` over the dense bf16 weights (``tiles`` alike)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise TypeError(f"bf16 deq GEMM needs a 2-D bfloat16 input, got {x.dtype} {tuple(x.shape)}")
+    if q.dtype != torch.uint8 or dm.dtype != torch.float32 or not (q.is_contiguous() and dm.is_contiguous()):
+        raise TypeError(f"bf16 deq GEMM needs contiguous uint8 values and float32 scales, got {q.dtype}, {dm.dtype}")
+    x, out = _gemm_out(x, n, out_dtype, "bf16 deq GEMM")
+    m, k = x.shape
+    if m == 0:
+        return out
+    rc = fn(x.data_ptr(), m, k, q.data_ptr(), dm.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
+            int(tiles))
+    if rc != 0:
+        raise ValueError(f"bf16 deq GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
     return out
 
 

@@ -205,6 +205,7 @@ static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
             if (!pad) pad = calloc((size_t)32 * K, 2);
             memset(pad, 0, (size_t)32 * K * 2);
             memcpy(pad, x, (size_t)rows * K * 2);
+            __asm__ volatile("" : : "r"(pad) : "memory");  /* _tile_loadd's asm does not say it reads pad */
             x = pad;
         }
         for (int t = t0; t < t1; t += 2) {

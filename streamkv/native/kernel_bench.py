@@ -106,12 +106,15 @@ def _linear_f32(s) -> dict[str, dict[str, float]]:
 
 
 def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
-    from streamkv.native import invariant_gemm, q4_gemm
+    from streamkv.models.deq_linear import pack_deq_bf16
+    from streamkv.native import deq_gemm_bf16, invariant_gemm, q4_gemm
 
     if not s.bf16:
         return _linear_f32(s)
     shapes = _layer_shapes(s)
     q4k, dense = q4_gemm(), invariant_gemm()
+    # linear=deq (the dense bits from the 4-bit blocks) switches with dense by row count: finer rows
+    deq = deq_gemm_bf16() if s.q4 and s.numerics == "invariant" else None
     tiles = chosen.get("gemm") == "amx"
     params = sum(n * k for n, k in shapes)
     # fast numerics run dense layers, and every prompt row, through torch (F.linear: oneDNN,
@@ -120,9 +123,16 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     q4_layers = [_q4_layer(shapes) for _ in range(_copies(params * 5 // 8, s.layers))]
     dense_layers = [_torch_layer(shapes) if fast else _dense_layer(shapes)
                     for _ in range(_copies(params * 2, s.layers))]
-    out: dict[str, dict[str, float]] = {"q4": {}, "dense": {}}
-    for label, m in ROWS.items():
+    deq_layers = [[(*pack_deq_bf16(*_random_q4(n, k)), n) for n, k in shapes]
+                  for _ in range(_copies(params * 3 // 4, s.layers))] if deq else []
+    out: dict[str, dict[str, float]] = {"q4": {}, "dense": {}, **({"deq": {}} if deq else {})}
+    for label, m in (EXACT_ROWS if deq else ROWS).items():
         xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
+
+        def run_deq() -> None:
+            for layer in deq_layers:
+                for (q, dm, n), (_, k) in zip(layer, shapes):
+                    deq(xs[k], q, dm, n, torch.bfloat16, tiles)
 
         def run_q4() -> None:
             for layer in q4_layers:
@@ -136,9 +146,12 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
 
         # a fast-numerics prompt chunk takes torch's GEMM on either path: one time for both
         same = fast and label.startswith("prompt")
-        t = _best_each({"dense": run_dense} if same else {"q4": run_q4, "dense": run_dense})
+        t = _best_each({"dense": run_dense} if same else {"q4": run_q4, "dense": run_dense,
+                                                          **({"deq": run_deq} if deq else {})})
         out["dense"][label] = t["dense"] / len(dense_layers)
         out["q4"][label] = out["dense"][label] if same else t["q4"] / len(q4_layers)
+        if deq:
+            out["deq"][label] = t["deq"] / len(deq_layers)
     return out
 
 

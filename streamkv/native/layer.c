@@ -37,6 +37,8 @@ int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const ui
                      int bf16_out);
 int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uint16_t* dm, int bits, int N,
                       void* out, int out_bf16);
+int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int N,
+                           void* out, int out_bf16, int use_tiles);
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
                       const int64_t* slots, int H, int Hk, int D, float scale, float* out);
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
@@ -49,7 +51,8 @@ typedef struct {
     const void* w;       /* panels, or packed nibbles */
     const void* sz;      /* 4-bit: scales and zeros */
     const float* bias;   /* [N] or NULL */
-    const void* deq;     /* dense float32: the GGUF's 4-bit values for deq_gemm.c (same bits), or NULL */
+    const void* deq;     /* the GGUF's 4-bit values with the panels' bits, or NULL: float32 panels
+                            deq_gemm.c (deq_dm float16), bf16 panels deq_bf16.c (deq_dm float32) */
     const uint16_t* deq_dm;
     int deq_rows;        /* steps of at most this many rows read deq instead of the panels */
 } SkLinear;
@@ -132,8 +135,11 @@ int streamkv_rms_norm(const float* x, int64_t T, int d, const float* w, float ep
 static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
     int rc = l->kind == 1 ? streamkv_q4_gemm((const uint16_t*)x, (int)T, l->K, (const uint8_t*)l->w,
                                              (const uint16_t*)l->sz, l->N, out, 0)
-           : l->deq && T <= l->deq_rows ? streamkv_deq_gemm((const float*)x, T, l->K, l->deq, l->deq_dm, 4, l->N, out, 0)
-                          : streamkv_inv_gemm(x, T, l->K, l->w, l->wbf16, l->N, out, 0, l->tiles);
+           : l->deq && T <= l->deq_rows
+               ? (l->wbf16 ? streamkv_deq_gemm_bf16((const uint16_t*)x, T, l->K, (const uint8_t*)l->deq,
+                                                    (const float*)(const void*)l->deq_dm, l->N, out, 0, l->tiles)
+                           : streamkv_deq_gemm((const float*)x, T, l->K, l->deq, l->deq_dm, 4, l->N, out, 0))
+               : streamkv_inv_gemm(x, T, l->K, l->w, l->wbf16, l->N, out, 0, l->tiles);
     if (rc == 0 && l->bias)
         for (int64_t t = 0; t < T; t++) for (int n = 0; n < l->N; n++) out[t * l->N + n] += l->bias[n];
     return rc;

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "vec16.h"
+#include "nibbles.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -54,19 +55,7 @@ static inline __m512i q4_table(void) {
 }
 
 #if defined(__AVX512VBMI__)
-/* qword i of the broadcast holds half (i % 2) of the 16 bytes; its lanes 2i, 2i + 1 are at byte
- * positions b = i - i % 2 and b + 1 of that half; word 2L takes the low nibble, 2L + 1 the high */
-static inline __m512i shift_ctrl(void) {
-    uint8_t c[64] = {0};
-    for (int i = 0; i < 8; i++) {
-        const int b = i - i % 2;
-        c[8 * i + 0] = (uint8_t)(8 * b);
-        c[8 * i + 2] = (uint8_t)(8 * b + 4);
-        c[8 * i + 4] = (uint8_t)(8 * (b + 1));
-        c[8 * i + 6] = (uint8_t)(8 * (b + 1) + 4);
-    }
-    return _mm512_loadu_si512((const void*)c);
-}
+static inline __m512i shift_ctrl(void) { return nibble_ctrl(); }  /* nibbles.h */
 
 static inline __m512i expand(const uint8_t* p16, __m512i ctrl, __m512i table) {
     const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p16));

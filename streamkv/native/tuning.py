@@ -4,7 +4,8 @@ shapes on this CPU, keep the fastest, and cache the choice.
 Kinds and their paths (a kind only exists where more than one path can run):
 
     kind               paths            what it decides
-    linear             q4 | dense       GGUF 4-bit layers: the 4-bit kernel or dense weights
+    linear             q4 | dense | deq GGUF 4-bit layers: the 4-bit kernel, dense weights, or (bf16) both
+                                        with the dense bits: 4-bit blocks for small steps (deq_bf16.c)
     gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on the vector units (AMX CPUs only)
     lm_head            q8 | dense       a Q8_0 LM head read as int8, or dense
     attention          bf16 | f32 | amx invariant attention: bf16 dot products, float32, or bf16 on AMX tiles
@@ -21,6 +22,11 @@ Float32 models are the exception: their packed 4-bit layers and int8 head give t
 weights' bits (``native/deq_gemm.c``), so ``linear`` and ``lm_head`` are *exact* kinds there: no
 single path is chosen, a step takes the packed weights when it has at most ``rows[kind]`` rows
 (the largest row count, from 1 up, at which they measured faster) and the dense ones above.
+bf16 models get the same through ``linear=deq`` (``native/deq_bf16.c`` rebuilds the dense bf16
+weights from the 4-bit blocks on the fly): it is scored as one path with ``dense`` (a step takes
+whichever its row count measured faster, so the path's time at a shape is that one's), the row
+threshold set as for the exact kinds, and when the dense bits win the near-tie rule is not needed
+between the two (switching changes no bit): ``deq`` whenever its threshold is above 0.
 ``--kernels KIND=PATH,...`` forces any of them (an exact kind forced to its packed path takes it at
 every row count); ``--kernels auto`` measures the rest. The choice is
 cached under ``~/.cache/streamkv/kernels`` (``STREAMKV_CACHE_DIR``), keyed by the CPU model and
@@ -51,16 +57,17 @@ import torch
 log = logging.getLogger(__name__)
 
 KINDS: dict[str, tuple[str, ...]] = {
-    "linear": ("q4", "dense"),
+    "linear": ("q4", "dense", "deq"),
     "gemm": ("amx", "avx512"),
     "lm_head": ("q8", "dense"),
     "attention": ("bf16", "f32", "amx"),
     "prefill_attention": ("native", "sdpa"),
 }
-CACHE_VERSION = 3  # 2: the near-tie rule (MARGIN); 3: float32 models' exact kinds and their row thresholds
+CACHE_VERSION = 4  # 2: the near-tie rule (MARGIN); 3: float32 models' exact kinds and their row thresholds; 4: linear=deq
 MARGIN = 1.10  # another path displaces the preferred one only with a score more than 10% lower
 EXACT_PACKED = {"linear": "q4", "lm_head": "q8"}  # exact kinds (float32 models) and their packed path
 ALL_ROWS = 2 ** 31 - 1  # an exact kind forced to its packed path takes it at every row count
+SWITCHED = {"linear": "deq"}  # bf16 paths that switch by row count between packed and dense, same bits
 
 
 def parse_kernels(spec: str) -> dict[str, str]:
@@ -121,7 +128,7 @@ class KernelChoice:
 
     def packed_rows(self, kind: str) -> int:
         """Steps of at most this many rows read an exact kind's packed weights (0: none)."""
-        return self.rows.get(kind, 0) if self.paths.get(kind) == EXACT_PACKED.get(kind) else 0
+        return self.rows.get(kind, 0) if self.paths.get(kind) in (EXACT_PACKED.get(kind), SWITCHED.get(kind)) else 0
 
     def describe(self) -> str:
         def one(k: str, v: str) -> str:
@@ -142,6 +149,7 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
     ok = {
         ("linear", "q4"): s.q4 and (exact or s.bf16 and (fast or native.q4_gemm() is not None)),
         ("linear", "dense"): True,
+        ("linear", "deq"): s.q4 and s.bf16 and not fast and native.deq_gemm_bf16() is not None,
         ("gemm", "amx"): s.bf16 and amx,
         ("gemm", "avx512"): True,
         ("lm_head", "q8"): s.q8_head and (exact or s.bf16 and (fast or native.q8_gemm() is not None)),
@@ -238,7 +246,7 @@ def choose(s: ModelShapes, forced: dict[str, str], retune: bool = False) -> Kern
     for kind, options in paths.items():
         if kind in forced:
             choice.paths[kind], choice.source[kind] = forced[kind], "forced"
-            if is_exact(s, kind) and forced[kind] == EXACT_PACKED[kind]:
+            if forced[kind] == SWITCHED.get(kind) or is_exact(s, kind) and forced[kind] == EXACT_PACKED[kind]:
                 choice.rows[kind] = ALL_ROWS
         elif kind not in choice.paths:
             choice.paths[kind], choice.source[kind] = options[0], "only path" if len(options) == 1 else "default"
@@ -277,11 +285,35 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
                 choice.paths[kind] = EXACT_PACKED[kind] if choice.rows[kind] else "dense"
                 continue
             default = next(p for p in KINDS[kind] if p in choice.timings[kind])
-            choice.paths[kind] = pick(choice.timings[kind], prefer=last.paths.get(kind, default) if last else default)
+            prefer = last.paths.get(kind, default) if last else default
+            if SWITCHED.get(kind) in choice.timings[kind]:
+                choice.paths[kind], rows = pick_switched(choice.timings[kind], SWITCHED[kind], prefer)
+                if rows:
+                    choice.rows[kind] = rows
+                continue
+            choice.paths[kind] = pick(choice.timings[kind], prefer=prefer)
         _write(path, choice)
         _write(last_path, _merged(last, choice))  # the kinds not measured now keep their last choice
         log.info("kernels measured in %.1f s: %s", time.perf_counter() - t0, choice.describe())
         return choice
+
+
+def pick_switched(times: dict[str, dict[str, float]], switched: str, prefer: str) -> tuple[str, int]:
+    """(path, row threshold) where ``switched`` (packed up to the threshold, dense above, the dense
+    bits) competes with the kind's other paths. The threshold comes from ``switched`` vs ``dense`` at
+    every measured shape; the paths are then scored on the shapes they all share with ``dense``
+    taking the switched times (the kind's usual shapes, ``kernel_bench.ROWS``; the finer ones only
+    place the threshold), and the near-tie rule runs between the two numerics (dense or switched vs
+    the rest). Threshold 0: plain ``dense``."""
+    from streamkv.native.kernel_bench import ROWS
+
+    rows = crossover({switched: times[switched], "dense": times["dense"]}, switched)
+    scored = {p: {sh: v for sh, v in t.items() if sh in ROWS} for p, t in times.items() if p != switched}
+    scored["dense"] = {sh: times[switched][sh] if rows_of(sh) <= rows else t for sh, t in scored["dense"].items()}
+    winner = pick(scored, prefer="dense" if prefer == switched else prefer)
+    if winner != "dense":
+        return winner, 0
+    return (switched, rows) if rows else ("dense", 0)
 
 
 def _shaping(forced: dict[str, str], allowed: dict[str, list[str]]) -> dict[str, str]:
@@ -304,6 +336,8 @@ def _valid(choice: KernelChoice, s: ModelShapes, kinds: list[str], allowed: dict
     """Whether a cached choice covers ``kinds`` with paths that can run here, their timings, and
     row thresholds exactly where a kind is exact here (packed path <=> a threshold above 0)."""
     def rows_ok(k: str) -> bool:
+        if choice.paths.get(k) == SWITCHED.get(k):
+            return choice.rows.get(k, 0) > 0
         if not is_exact(s, k):
             return k not in choice.rows
         return k in choice.rows and (choice.rows[k] > 0) == (choice.paths[k] == EXACT_PACKED[k])

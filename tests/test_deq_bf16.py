@@ -1,0 +1,93 @@
+"""bf16 models read their GGUF's 4-bit layers with the dense bf16 GEMM's bits (``native/deq_bf16.c``,
+``--kernels linear=deq``): table lookups rebuild the weights on the fly, on AMX tiles with the
+operands' roles swapped (tested where the CPU has AMX), elsewhere through the dense kernel itself.
+So a step takes the 4-bit blocks or the dense weights by its row count and no bit changes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamkv.models.deq_linear import pack_deq_bf16
+from streamkv.models.linear import pack_dense
+from streamkv.native import deq_gemm_bf16, invariant_gemm, invariant_gemm_bf16_path
+from streamkv.native.tuning import pick_switched, runnable
+from tests.engine_checks import same_everywhere
+from tests.tiny_checkpoints import Q4_LINEARS, make_tiny_gguf, make_tiny_hf_checkpoint
+
+pytestmark = pytest.mark.skipif(deq_gemm_bf16() is None,
+                                reason="no AVX512-BF16 with VBMI (or no C compiler): the bf16 4-bit path is not built")
+TILES = [False, pytest.param(True, marks=pytest.mark.skipif(invariant_gemm_bf16_path() != "amx",
+                                                            reason="no AMX on this CPU: the tile path is not compiled"))]
+
+
+def _q4(n: int, k: int, g: torch.Generator):
+    """Q4_1-like blocks and the loader's bf16 weights: bf16(d * q + m), d * q exact in float32."""
+    q = torch.randint(0, 16, (n, k), generator=g)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
+    w = d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1)
+    return q, d, m, w.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (600, 96), (200, 576)])
+def test_packed_weights_give_the_dense_bf16_gemms_bits(n, k, tiles):
+    """Every row count (one to four row tiles, then the dense kernel over rebuilt panels), a partial
+    last panel, float32 and bf16 outputs: equal to the dense bf16 GEMM (tiles alike) to the bit."""
+    g = torch.Generator().manual_seed(n + k)
+    q, d, m, w = _q4(n, k, g)
+    qp, dm = pack_deq_bf16(q, d, m)
+    panels, gemm, deq = pack_dense(w), invariant_gemm(), deq_gemm_bf16()
+    for rows in (1, 2, 5, 15, 16, 17, 33, 48, 64, 65, 130):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        for out in (torch.float32, torch.bfloat16):
+            assert torch.equal(deq(x, qp, dm, n, out, tiles), gemm(x, panels, n, out, tiles)), (rows, out)
+    with pytest.raises(TypeError, match="uint8"):
+        deq(x, qp.to(torch.int32), dm, n)
+
+
+def test_the_switched_path_is_scored_with_dense_and_keeps_its_threshold():
+    fine = {"decode x1": 1, "decode x4": 4, "decode x8": 8, "decode x16": 16, "decode x32": 32, "prompt x256": 256}
+    dense = {sh: float(r) for sh, r in fine.items()}
+    deq = {sh: t * (0.4 if fine[sh] <= 8 else 1.5) for sh, t in dense.items()}
+    q4 = {sh: t * (0.5 if fine[sh] <= 8 else 4.0) for sh, t in dense.items()}
+    assert pick_switched({"q4": q4, "dense": dense, "deq": deq}, "deq", "dense") == ("deq", 8)
+    assert pick_switched({"q4": q4, "dense": dense, "deq": deq}, "deq", "q4") == ("deq", 8)  # 0.4 beats 0.5
+    slow = {sh: t * 2 for sh, t in dense.items()}
+    assert pick_switched({"q4": q4, "dense": dense, "deq": slow}, "deq", "deq") == ("dense", 0)
+    fast_q4 = {sh: t * 0.1 for sh, t in dense.items()}
+    assert pick_switched({"q4": fast_q4, "dense": dense, "deq": deq}, "deq", "deq") == ("q4", 0)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama_deq_bf16"), "llama")
+    return str(make_tiny_gguf(path / "q4.gguf", path, Q4_LINEARS))
+
+
+def test_a_bf16_engine_gives_the_same_bits_deq_dense_or_switching(tiny_gguf, tmp_path, monkeypatch):
+    """linear=deq (4-bit blocks at every step), linear=dense, and a measured switch at 8 rows: the
+    same tokens and logprobs, alone, batched, chunked and preempted."""
+    import streamkv.native.kernel_bench as kernel_bench
+
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    rows = {"decode x1": 1, "decode x8": 8, "decode x16": 16, "decode x32": 32, "prompt x256": 256}
+
+    def measure(kind, shapes, chosen):  # deq faster up to 8 rows; every other kind a tie (its default)
+        if kind != "linear":
+            return {p: {"decode x1": 1.0} for p in runnable(shapes)[kind]}
+        return {"q4": {sh: 9.0 for sh in rows}, "dense": {sh: 1.0 for sh in rows},
+                "deq": {sh: 0.5 if r <= 8 else 2.0 for sh, r in rows.items()}}
+    monkeypatch.setattr(kernel_bench, "measure", measure)
+    def check(kernels):
+        def look(llm):
+            layer = llm.engine.bundle.runner.model.layers[0].qkv
+            assert llm.engine.bundle.kernels.get("linear") == ("dense" if "linear=dense" in kernels else "deq")
+            assert (layer.deq is None) == ("linear=dense" in kernels) and layer.q4 is None, kernels
+            if "linear" not in kernels:
+                assert layer.deq.max_rows == 8 and llm.engine.bundle.kernels.packed_rows("linear") == 8
+        return look
+
+    results = [same_everywhere(tiny_gguf, "bfloat16", kernels, check=check(kernels))
+               for kernels in ("lm_head=dense,linear=deq", "lm_head=dense,linear=dense", "lm_head=dense")]
+    assert results[0] == results[1] == results[2]
