@@ -188,3 +188,22 @@ def test_an_engine_with_nothing_it_can_run_waits_instead_of_spinning():
         assert core.has_unfinished()  # still waiting: the state this is about
     finally:
         engine.shutdown(timeout=0.1)
+
+
+def test_a_failed_output_for_want_of_room_is_a_503_on_every_route():
+    # check_output (completions, chat, messages, an input stream's finish) answered 500 for an
+    # output the engine marked retryable; spans and sessions answered 503 through their own copies
+    from streamkv.server.generation import check_output, failure
+
+    def failed(retry: bool) -> RequestOutput:
+        return RequestOutput("r", None, [1], [], "", finished=True, finish_reason="error", error="no KV block",
+                             retry=retry)
+
+    with pytest.raises(APIError) as exc:
+        check_output(failed(True))
+    assert exc.value.status == 503 and exc.value.headers == {"Retry-After": "1"}
+    assert exc.value.message == "generation failed, retry later: no KV block"
+    with pytest.raises(APIError) as exc:
+        check_output(failed(False))
+    assert exc.value.status == 500 and not exc.value.headers and exc.value.message == "generation failed: no KV block"
+    assert failure(failed(True), "query failed").message == "query failed, retry later: no KV block"

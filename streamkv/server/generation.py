@@ -232,9 +232,17 @@ async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | 
     return last
 
 
+def failure(out: RequestOutput, what: str = "generation failed") -> APIError:
+    """A failed output's error (``what`` heads its message): a 503 with Retry-After when it failed
+    for room (``out.retry``: KV blocks held by others too long; retry later), else a 500."""
+    if out.retry:
+        return APIError(503, f"{what}, retry later: {out.error}", headers={"Retry-After": "1"})
+    return APIError(500, f"{what}: {out.error}")
+
+
 def check_output(out: RequestOutput) -> None:
     if out.finish_reason == "error":
-        raise APIError(500, f"generation failed: {out.error}")
+        raise failure(out)
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

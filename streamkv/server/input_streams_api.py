@@ -29,8 +29,8 @@ from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, QueueFullError, StreamKVError
 from streamkv.server.errors import APIError, error_body
-from streamkv.server.generation import (check_model, check_output, finish_reason, kv_options, last_output, make_params,
-                                        until_disconnected)
+from streamkv.server.generation import (check_model, check_output, failure, finish_reason, kv_options, last_output,
+                                        make_params, until_disconnected)
 from streamkv.server.openai_api import (chat_chunks, chat_logprobs, completion_chunks, completion_logprobs,
                                         sampling_fields, stream_sse, usage)
 from streamkv.server.protocol import ChatMessage, StreamOptions, _Body, _Sampling, message_text
@@ -312,8 +312,8 @@ async def _ws_answer(websocket: WebSocket, handle: AsyncInputStream) -> None:
     async with aclosing(handle.outputs()) as outputs:  # left early (client gone): aborted
         async for out in outputs:
             if out.finished and out.finish_reason == "error":
-                status = 503 if out.retry else 500
-                await websocket.send_json({"type": "error", **error_body(status, f"generation failed: {out.error}")})
+                err = failure(out)
+                await websocket.send_json({"type": "error", **error_body(err.status, err.message)})
                 return
             if out.finished:
                 _state(websocket).observe(out, websocket)

@@ -18,7 +18,7 @@ from streamkv.engine.async_engine import AsyncEngine
 from streamkv.errors import QueueFullError, SessionExistsError, SessionMovedError, StreamKVError
 from streamkv.server.errors import APIError, error_body
 from streamkv.server.flash_api import instant_answer, wait_for_flash
-from streamkv.server.generation import last_output, make_params, new_id, until_disconnected
+from streamkv.server.generation import failure, last_output, make_params, new_id, until_disconnected
 from streamkv.server.session_protocol import CreateSession, PushData, SessionQuery
 from streamkv.server.state import ServerState
 from streamkv.server.structured import compile_guided, guided_spec
@@ -171,10 +171,10 @@ async def query_session(session_id: str, body: SessionQuery, request: Request) -
         frames = _stream(first, outputs, info, session_id, t0, lambda out: state.observe(out, request))
         return StreamingResponse(frames, media_type="text/event-stream")
     last = await until_disconnected(request, last_output(outputs))  # a client gone: aborted, 499
-    if last is not None and last.error and last.retry:  # no KV block for it (a stalled fork): retryable
-        raise APIError(503, f"query failed, retry later: {last.error}", headers={"Retry-After": "1"})
-    if last is None or last.error:
-        raise APIError(500, f"query failed: {last.error if last else 'no output'}")
+    if last is None:
+        raise APIError(500, "query failed: no output")
+    if last.error:  # 503 when no KV block came for its fork (retryable), else 500
+        raise failure(last, "query failed")
     state.observe(last, request)
     return _answer(last, info, session_id, t0)
 
@@ -211,7 +211,8 @@ async def _stream(first: Any, outputs: AsyncIterator[Any], info: dict[str, Any],
     try:
         while True:
             if out.error:
-                yield f"data: {json.dumps(error_body(503 if out.retry else 500, out.error))}\n\n"
+                err = failure(out, "query failed")
+                yield f"data: {json.dumps(error_body(err.status, err.message))}\n\n"
                 return
             if out.delta_text:
                 yield f"data: {json.dumps({'delta': out.delta_text, 'data_version': info.get('data_version')})}\n\n"

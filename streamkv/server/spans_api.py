@@ -26,7 +26,7 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.sampling.params import SamplingParams
 from streamkv.server.errors import APIError, error_body
-from streamkv.server.generation import last_output, new_id, until_disconnected
+from streamkv.server.generation import failure, last_output, new_id, until_disconnected
 from streamkv.server.openai_api import completion_logprobs
 from streamkv.server.protocol import _Body
 from streamkv.spans import ir
@@ -101,11 +101,9 @@ def _generate(engine: AsyncEngine, rid: str, tree: ir.Node, priority: int,
 
 
 def _failure(out: Any, what: str = "") -> APIError:
-    """The error of a failed query (``what`` heads its message): a 503 with Retry-After when it
-    lacked room (KV blocks held by others for RETRY_STEPS steps; retry later), else a 500."""
-    if out.retry:
-        return APIError(503, f"{what}span query failed, retry later: {out.error}", headers={"Retry-After": "1"})
-    return APIError(500, f"{what}span query failed: {out.error}")
+    """The error of a failed query (``what`` heads its message; 503 + Retry-After when it lacked
+    room for RETRY_STEPS steps, else 500: ``generation.failure``)."""
+    return failure(out, f"{what}span query failed")
 
 
 def _result(rid: str, out: Any, t0: float, tokenizer: Any) -> dict[str, Any]:
