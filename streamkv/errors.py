@@ -62,6 +62,11 @@ class InputStreamClosedError(StreamKVError):
     """The streaming-input request's input is finished (or it was aborted): no more changes."""
 
 
+def is_int_in(value: object, lo: int, hi: int | None = None) -> bool:
+    """An int (not a bool, a float or NaN) in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+
+
 def check_unicode(text: str, what: str = "text") -> None:
     """InvalidRequestError if ``text`` is not valid Unicode (JSON can carry lone surrogates, e.g.
     ``"\\ud800"``, which no tokenizer or grammar can take)."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq
 from streamkv.config import EngineConfig
 from streamkv.engine.engine import Engine
 from streamkv.engine.outputs import RequestOutput
-from streamkv.errors import InvalidRequestError
+from streamkv.errors import InvalidRequestError, is_int_in
 from streamkv.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ class LLM:
         from streamkv.spans.bulk import cluster_order
         from streamkv.spans.ir import parse
 
-        if order not in ("clustered", "given") or not _count(concurrency):
+        if order not in ("clustered", "given") or not is_int_in(concurrency, 1):
             raise InvalidRequestError(f"order must be 'clustered' or 'given' and concurrency an integer >= 1, "
                                       f"got {order!r}, {concurrency!r}")
         if not isinstance(queries, (list, tuple)):
@@ -141,11 +141,6 @@ class LLM:
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
         return self.generate(prompts, params)
-
-
-def _count(value: object) -> bool:
-    """An integer >= 1 (not a bool, a float or NaN)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _as_batch(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from streamkv.errors import InvalidRequestError, KVCacheFullError
+from streamkv.errors import InvalidRequestError, KVCacheFullError, is_int_in
 
 if TYPE_CHECKING:
     from streamkv.ops.core import EngineCore
@@ -39,7 +39,7 @@ class InputHandle:
         """Run engine steps until every arrived token has KV (or ``max_steps``); returns steps run.
         Raises KVCacheFullError when STALL_STEPS steps in a row computed none of it (the pool is
         held by others: open inputs rank above nobody; ``result()`` still gets its turn)."""
-        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 0:
+        if not is_int_in(max_steps, 0):
             raise InvalidRequestError(f"max_steps must be an integer >= 0, got {max_steps!r}")
         seq = self._engine.inputs.get(self.request_id).seq
         steps = stalled = 0

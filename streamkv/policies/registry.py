@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Callable
 
+from streamkv.errors import is_int_in
+
 # any token count a policy takes: past every context (a larger one was accepted, never applied,
 # and echoed back in the report as a JSON integer many clients cannot represent)
 MAX_TOKENS = 1 << 24
@@ -12,7 +14,7 @@ MAX_TOKENS = 1 << 24
 def check_count(where: str, name: str, value: Any) -> None:
     """ValueError naming ``where`` and ``name`` unless ``value`` is a token count: an int (not a
     bool) in [0, MAX_TOKENS]."""
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOKENS:
+    if not is_int_in(value, 0, MAX_TOKENS):
         raise ValueError(f"{where}: {name} must be an integer in [0, {MAX_TOKENS}], got {value!r}")
 
 
