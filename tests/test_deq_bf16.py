@@ -10,7 +10,7 @@ import torch
 from streamkv.models.deq_linear import pack_deq_bf16
 from streamkv.models.linear import pack_dense
 from streamkv.native import deq_gemm_bf16, invariant_gemm, invariant_gemm_bf16_path
-from streamkv.native.tuning import pick_switched, runnable
+from streamkv.native.tuning import ModelShapes, pick_switched, runnable
 from tests.engine_checks import same_everywhere
 from tests.tiny_checkpoints import Q4_LINEARS, make_tiny_gguf, make_tiny_hf_checkpoint
 
@@ -91,3 +91,34 @@ def test_a_bf16_engine_gives_the_same_bits_deq_dense_or_switching(tiny_gguf, tmp
     results = [same_everywhere(tiny_gguf, "bfloat16", kernels, check=check(kernels))
                for kernels in ("lm_head=dense,linear=deq", "lm_head=dense,linear=dense", "lm_head=dense")]
     assert results[0] == results[1] == results[2]
+
+
+def test_a_remembered_deq_keeps_the_dense_bits_in_a_build_without_it(tmp_path, monkeypatch):
+    """The last-choice file is shared by every build on a machine: one without deq (no VBMI, not
+    measured) read linear=deq as an unknown preference, dropped the near-tie rule and took q4 (5%
+    faster, bits of its own: other outputs). deq is dense's bits, so dense stays."""
+    import streamkv.native.kernel_bench as kernel_bench
+    from streamkv.native.tuning import KernelChoice, _cache_dir, _cache_key, _write, choose
+
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    shapes = ModelShapes(64, 128, 4, 2, 16, 384, 2, "invariant", True, True, False)
+    rows = {"decode x1": 1, "decode x8": 8, "decode x32": 32, "prompt x256": 256}
+
+    def measure(kind, s, chosen):  # this build: no deq; q4 5% faster than dense everywhere
+        if kind != "linear":
+            return {p: dict.fromkeys(rows, 1.0) for p in runnable(s)[kind]}
+        return {"q4": dict.fromkeys(rows, 0.95), "dense": dict.fromkeys(rows, 1.0)}
+    monkeypatch.setattr(kernel_bench, "measure", measure)
+    last = _cache_dir() / f"last-{_cache_key(shapes, {}, build=False)}.json"
+    last.parent.mkdir(parents=True)
+    _write(last, KernelChoice({"linear": "deq"}, {"linear": {p: dict.fromkeys(rows, 1.0) for p in ("q4", "dense", "deq")}},
+                              rows={"linear": 8}))
+    assert choose(shapes, {}).paths["linear"] == "dense"
+
+
+def test_refusals_of_deq_say_what_it_needs(tiny_gguf):
+    from streamkv import LLM
+
+    for kwargs in ({"dtype": "float32"}, {"dtype": "bfloat16", "numerics": "fast"}):
+        with pytest.raises(ValueError, match="linear=deq needs a bfloat16 GGUF model with Q4_0/Q4_1 layers"):
+            LLM(model=tiny_gguf, kernels="linear=deq", **kwargs)

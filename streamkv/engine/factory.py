@@ -85,6 +85,9 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
             raise ValueError(f"{asked} with numerics=invariant needs the native 4-bit kernel "
                              "(AVX512-BF16 CPUs for bfloat16; float32 on any CPU with a C compiler); "
                              "use numerics=fast or decode_weights=dense") from exc
+        if forced.get("linear") == "deq" and str(exc).startswith("kernels: linear=deq"):
+            raise ValueError("kernels linear=deq needs a bfloat16 GGUF model with Q4_0/Q4_1 layers, numerics=invariant "
+                             f"and a CPU with AVX512-BF16 and VBMI ({exc})") from exc
         if mode != "auto" and str(exc).startswith("kernels: linear="):  # the flag the user passed
             raise ValueError(str(exc).replace("kernels: linear=", "decode_weights=", 1)) from exc
         raise

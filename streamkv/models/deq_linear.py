@@ -69,23 +69,25 @@ def _scales(d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _q4_order() -> tuple[torch.Tensor, torch.Tensor]:
-    """For nibble k (0..31) of a column's group: its byte (0..15) and its shift (0 or 4) in the 16
-    bytes ``native/deq_bf16.c`` broadcasts (its shift control: qword i of the broadcast reads half
-    i % 2; its words 4i .. 4i + 3 are the low and high nibbles of bytes b, b + 1 there, b = i - i % 2)."""
+    """For byte b (0..15) of a column's group: the k of its low nibble and of its high one, in the
+    order ``native/nibbles.h``'s control reads them (qword i of the broadcast reads half i % 2;
+    its words 4i .. 4i + 3 are the low and high nibbles of bytes b, b + 1 there, b = i - i % 2)."""
     k = torch.arange(32)
     i, j = k // 4, k % 4
-    return 8 * (i % 2) + (i - i % 2) + j // 2, 4 * (j % 2)
+    byte = 8 * (i % 2) + (i - i % 2) + j // 2
+    low, high = torch.empty(16, dtype=torch.long), torch.empty(16, dtype=torch.long)
+    low[byte[j % 2 == 0]], high[byte[j % 2 == 1]] = k[j % 2 == 0], k[j % 2 == 1]
+    return low, high
 
 
 def pack_deq_bf16(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] in 0..15, d and m [N, K / 32] (float16 values) -> the bf16 kernel's 4-bit layout above."""
-    g = _groups(q, torch.int64).transpose(2, 3)  # [T, G, 16 columns, 32 k]
-    byte, shift = _q4_order()
-    packed = torch.zeros(*g.shape[:3], 16, dtype=torch.int64)
-    packed.index_add_(3, byte, g << shift)
+    g = _groups(q, torch.uint8).transpose(2, 3)  # [T, G, 16 columns, 32 k], one byte per value
+    low, high = _q4_order()
+    packed = g[..., low] | (g[..., high] << 4)
     n = q.shape[0]
     dm = torch.stack([_panels(_half(d, "a scale"), n), _panels(_half(m, "an offset"), n)], dim=3)  # [T, G, 16, 2]
-    return packed.to(torch.uint8).contiguous(), dm.float().contiguous()
+    return packed.contiguous(), dm.float().contiguous()
 
 
 def pack_deq8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -113,9 +113,11 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
         return _linear_f32(s)
     shapes = _layer_shapes(s)
     q4k, dense = q4_gemm(), invariant_gemm()
-    # linear=deq (the dense bits from the 4-bit blocks) switches with dense by row count: finer rows
-    deq = deq_gemm_bf16() if s.q4 and s.numerics == "invariant" else None
     tiles = chosen.get("gemm") == "amx"
+    # linear=deq (the dense bits from the 4-bit blocks) switches with dense by row count: finer
+    # rows. A candidate only on tiles: elsewhere it rebuilds the panels and then runs dense's own
+    # kernel, so it cannot be faster (only forced, e.g. to test it, does it run there)
+    deq = deq_gemm_bf16() if s.q4 and s.numerics == "invariant" and tiles else None
     params = sum(n * k for n, k in shapes)
     # fast numerics run dense layers, and every prompt row, through torch (F.linear: oneDNN,
     # AMX tiles where present), and only decode rows through the 4-bit kernel (RowSplit)

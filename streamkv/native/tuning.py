@@ -286,6 +286,8 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
                 continue
             default = next(p for p in KINDS[kind] if p in choice.timings[kind])
             prefer = last.paths.get(kind, default) if last else default
+            if prefer == SWITCHED.get(kind):  # the dense bits, whether or not this build has deq
+                prefer = "dense"
             if SWITCHED.get(kind) in choice.timings[kind]:
                 choice.paths[kind], rows = pick_switched(choice.timings[kind], SWITCHED[kind], prefer)
                 if rows:
