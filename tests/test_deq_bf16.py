@@ -44,6 +44,8 @@ def test_packed_weights_give_the_dense_bf16_gemms_bits(n, k, tiles):
             assert torch.equal(deq(x, qp, dm, n, out, tiles), gemm(x, panels, n, out, tiles)), (rows, out)
     with pytest.raises(TypeError, match="uint8"):
         deq(x, qp.to(torch.int32), dm, n)
+    with pytest.raises(ValueError, match="do not hold"):  # another matrix's blocks: the kernel would read past them
+        deq(x, qp, dm, n + 16)
 
 
 def test_the_switched_path_is_scored_with_dense_and_keeps_its_threshold():

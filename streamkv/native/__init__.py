@@ -483,6 +483,10 @@ def _deq_gemm_bf16(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: t
         raise TypeError(f"bf16 deq GEMM needs contiguous uint8 values and float32 scales, got {q.dtype}, {dm.dtype}")
     x, out = _gemm_out(x, n, out_dtype, "bf16 deq GEMM")
     m, k = x.shape
+    t, g = -(-n // 16), k // 32
+    if k % 32 or q.shape != (t, g, 16, 16) or dm.shape != (t, g, 16, 2):  # the kernel reads what these say
+        raise ValueError(f"bf16 deq GEMM: packed weights {tuple(q.shape)} / {tuple(dm.shape)} do not hold "
+                         f"[{n}, {k}] (expected ({t}, {g}, 16, 16) / ({t}, {g}, 16, 2))")
     if m == 0:
         return out
     rc = fn(x.data_ptr(), m, k, q.data_ptr(), dm.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
