@@ -318,3 +318,31 @@ def test_a_session_question_takes_its_block_from_an_idle_streaming_input(tmp_pat
     assert engine.scheduler.num_preemptions > 0
     handle.result()
     engine.check_integrity()
+
+
+def test_a_session_question_preempts_a_running_request_for_its_block(tmp_path):
+    # running stateless requests held every block: the question's fork (it copies its partial
+    # block at once) failed with "the KV cache is full" (a 503) although they are a less urgent
+    # class (POOL after SESSION) that the scheduler preempts for each other anyway
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine = llm.engine
+    session = llm.session("s", chat=False, retention_tokens=60)
+    session.push([f"record {i} of some data" for i in range(6)])
+    session.ingest()
+    before = session.query("what?", max_tokens=4).token_ids
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    prompts = [list(range(3 + i, 30 + i)) for i in range(2)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(200):  # until the requests hold every free block
+        if engine.pool.num_free == 0:
+            break
+        engine.step()
+    assert engine.pool.num_free == 0 and engine.has_unfinished() and session.stats()["kv"]["where"] == "pool"
+    assert session.query("what?", max_tokens=4).token_ids == before
+    assert engine.scheduler.num_preemptions > 0
+    done = engine.run_to_completion([f"r{i}" for i in range(2)])
+    alone = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [done[f"r{i}"].token_ids for i in range(2)] == alone  # preempted, recomputed: the same tokens
+    engine.check_integrity()

@@ -109,10 +109,11 @@ class SeqOps:
         seq.num_prompt_tokens = min(seq.num_prompt_tokens, num_tokens)
         return before - keep
 
-    def reclaim(self, blocks: int) -> None:
-        """Free up to ``blocks`` blocks by preempting inputs still streaming (``Scheduler.reclaim``);
-        their swap-out copies are made now, so the released blocks can be written at once."""
-        pairs = self._scheduler.reclaim(blocks)
+    def reclaim(self, blocks: int, below: PriorityClass | None = None) -> None:
+        """Free up to ``blocks`` blocks by preempting inputs still streaming, then (``below``) running
+        requests of a less urgent class (``Scheduler.reclaim``); their swap-out copies are made
+        now, so the released blocks can be written at once."""
+        pairs = self._scheduler.reclaim(blocks, below)
         if pairs:
             self.ops.swap(pairs, [])
 

@@ -21,7 +21,7 @@ from streamkv.sched.grouping import PrefillGroups
 from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
 from streamkv.sched.preemption import PreemptionPolicy, Recompute
-from streamkv.sched.sequence import Sequence, SeqStatus
+from streamkv.sched.sequence import PriorityClass, Sequence, SeqStatus
 from streamkv.sched.speculation import SpecState, SpecStats, Speculator, speculable
 
 log = logging.getLogger(__name__)
@@ -303,16 +303,21 @@ class Scheduler:
             blocked = blocked or not seq.partial
         return done, preempted
 
-    def reclaim(self, blocks: int) -> list[tuple[int, int]]:
+    def reclaim(self, blocks: int, below: PriorityClass | None = None) -> list[tuple[int, int]]:
         """Preempt inputs still streaming (background work, which never finishes on its own),
-        lowest ranked first, until ``blocks`` are free for KV taken between steps (a span
-        query's fork). Returns their swap-out copies, which the caller makes before it writes
-        a released block (they are not queued for the next step)."""
+        lowest ranked first, until ``blocks`` are free for KV taken between steps (a fork); with
+        ``below``, then running requests of a less urgent class than it, lowest ranked first (a
+        fork at its fork point gives nothing back and is skipped). Returns their swap-out
+        copies, which the caller makes before it writes a released block (they are not queued
+        for the next step)."""
         mark = len(self._swap_out)
-        for seq in reversed(self.policy.rank(self.seqs.values(), time.perf_counter())):
+        ranked = list(reversed(self.policy.rank(self.seqs.values(), time.perf_counter())))
+        inputs = [s for s in ranked if s.partial]
+        requests = [s for s in ranked if not s.partial and below is not None and s.klass > below and _droppable(s)]
+        for seq in inputs + requests:
             if self.kv.pool.num_free >= blocks:
                 break
-            if seq.partial and seq.status is SeqStatus.RUNNING and not seq.pinned:
+            if seq.status is SeqStatus.RUNNING and not seq.pinned:
                 self._preempt(seq)
         pairs, self._swap_out[mark:] = self._swap_out[mark:], []
         return pairs

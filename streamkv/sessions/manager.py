@@ -194,8 +194,10 @@ class SessionManager:
             raise RuntimeError(f"session {session.id} has no resident stream after restore")
         if self.engine.pool.num_free < 1:  # the fork copies its partial block now: make room first,
             self.engine.seq_ops.reclaim(1)  # as a span query's fork does (idle streaming inputs),
-            if self.engine.pool.num_free < 1:  # then from another idle session
+            if self.engine.pool.num_free < 1:  # then from another idle session,
                 self.offload._offload_one(exclude=session)
+            if self.engine.pool.num_free < 1:  # then from a running request of a less urgent class
+                self.engine.seq_ops.reclaim(1, below=klass)
         seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read)
         data.last_used = time.monotonic()
         return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
