@@ -346,3 +346,32 @@ def test_a_session_question_preempts_a_running_request_for_its_block(tmp_path):
     alone = [o.token_ids for o in llm.generate(prompts, params)]
     assert [done[f"r{i}"].token_ids for i in range(2)] == alone  # preempted, recomputed: the same tokens
     engine.check_integrity()
+
+
+def test_an_offloaded_sessions_question_preempts_running_requests_to_come_back(tmp_path):
+    # the session had been offloaded to host while requests filled the pool: restoring it for the
+    # question failed with a 429 "the KV cache is full" (helper-27: 23 of 24 questions in a burst
+    # beside completions on an 80-block pool); it now preempts them as the fork does
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine = llm.engine
+    session = llm.session("s", chat=False, retention_tokens=60)
+    session.push([f"record {i} of some data" for i in range(6)])
+    session.ingest()
+    before = session.query("what?", max_tokens=4).token_ids
+    assert engine.sessions.offload.offload(engine.sessions.get(session.id)) > 0
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    prompts = [list(range(3 + i, 30 + i)) for i in range(2)]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(200):  # until the requests hold every block
+        if engine.pool.num_free == 0:
+            break
+        engine.step()
+    assert engine.pool.num_free == 0 and engine.has_unfinished() and session.stats()["kv"]["where"] == "host"
+    assert session.query("what?", max_tokens=4).token_ids == before
+    assert engine.scheduler.num_preemptions > 0
+    done = engine.run_to_completion([f"r{i}" for i in range(2)])
+    alone = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [done[f"r{i}"].token_ids for i in range(2)] == alone
+    engine.check_integrity()

@@ -182,7 +182,7 @@ class SessionManager:
                     klass: PriorityClass) -> dict[str, Any]:
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequestError("question must be a non-empty string")
-        self.offload.ensure_resident(session)
+        self.offload.ensure_resident(session, below=klass)
         data, layout = session.data, session.layout
         q_ids = self.engine.tokenizer.encode(question)
         ready = session.ready

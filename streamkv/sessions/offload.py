@@ -13,10 +13,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from streamkv.errors import QueueFullError
+from streamkv.errors import KVCacheFullError, QueueFullError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sampling.grammar import GuidedSpec
-from streamkv.sched.sequence import SeqStatus
+from streamkv.sched.sequence import PriorityClass, SeqStatus
 from streamkv.sessions.session import Session
 from streamkv.sessions.spec import SessionLayout, SessionSpec
 from streamkv.sessions.state import Counters, Record, SessionData, Span
@@ -90,7 +90,10 @@ class Offloader:
             session.host_kv = session.host_q = None
             session.emit("offloaded", where="disk", tokens=len(session.offloaded_tokens or []))
 
-    def ensure_resident(self, session: Session) -> None:
+    def ensure_resident(self, session: Session, below: PriorityClass | None = None) -> None:
+        """Restore an offloaded session's KV into the pool, offloading other idle sessions for
+        room; with ``below`` (a question's class) then preempting running requests of a less
+        urgent class, and failing as ``KVCacheFullError`` (503) rather than ``QueueFullError``."""
         if session.where == "pool":
             return
         tokens = session.offloaded_tokens or []
@@ -108,8 +111,15 @@ class Offloader:
                                                              queries=q)
                 break
             except OutOfBlocksError:
-                if not self._offload_one(exclude=session):
-                    raise QueueFullError("the KV cache is full; retry later", retry_after=1.0) from None
+                if self._offload_one(exclude=session):
+                    continue
+                free = self.engine.pool.num_free
+                if below is not None:  # as the question's fork does (SessionManager.start_query)
+                    self.engine.seq_ops.reclaim(self.engine.kv.blocks_for(len(tokens)) + 1, below=below)
+                    if self.engine.pool.num_free > free:
+                        continue
+                    raise KVCacheFullError("the KV cache is full; retry later") from None
+                raise QueueFullError("the KV cache is full; retry later", retry_after=1.0) from None
         session.host_kv, session.host_q, session.offloaded_tokens = None, None, None
         session.emit("restored", tokens=len(tokens))
 
