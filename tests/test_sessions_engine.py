@@ -375,27 +375,3 @@ def test_an_offloaded_sessions_question_preempts_running_requests_to_come_back(t
     alone = [o.token_ids for o in llm.generate(prompts, params)]
     assert [done[f"r{i}"].token_ids for i in range(2)] == alone
     engine.check_integrity()
-
-
-def test_a_session_with_a_running_question_is_not_offloaded(tmp_path):
-    # requests short of blocks offloaded a session whose question was still running: its fork
-    # kept the blocks (nothing freed), and the session's next question had to restore a second
-    # copy beside them (helper-28: 20 of 24 questions failed with a 503 on an 80-block pool)
-    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
-    engine = llm.engine
-    session = llm.session("s", chat=False, retention_tokens=60)
-    session.push([f"record {i} of some data" for i in range(6)])
-    session.ingest()
-    s = engine.sessions.get(session.id)
-    engine.sessions.query(session.id, "q", "what?", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    engine.step()
-    assert engine.sessions.offload.offload(s) == 0 and s.where == "pool"  # its question runs
-    engine.add_request("r", list(range(3, 60)), SamplingParams(max_tokens=4, temperature=0))
-    for _ in range(3):
-        engine.step()
-        assert s.where == "pool"
-    done = engine.run_to_completion(["q", "r"])
-    assert all(not out.error for out in done.values())
-    assert engine.sessions.offload.offload(s) > 0 and s.where == "host"  # answered: idle again
-    engine.check_integrity()

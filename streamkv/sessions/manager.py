@@ -199,7 +199,6 @@ class SessionManager:
             if self.engine.pool.num_free < 1:  # then from a running request of a less urgent class
                 self.engine.seq_ops.reclaim(1, below=klass)
         seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read)
-        session.questions = [q for q in session.questions if not q.finished] + [seq]
         data.last_used = time.monotonic()
         return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
                 "computed_prompt_tokens": len(seq.tokens) - seq.num_computed, "prompt_token_ids": list(seq.tokens)}

@@ -1,7 +1,7 @@
 """Where a session's KV lives (pool -> host -> disk) and how it survives a restart.
 
-Offloading a quiescent session (stream idle, queue empty, no question running) exports its
-stream's K/V to host tensors and frees its blocks; beyond ``host_offload_bytes`` the least recently used
+Offloading a quiescent session (stream idle, queue empty) exports its stream's K/V to
+host tensors and frees its blocks; beyond ``host_offload_bytes`` the least recently used
 host copies spill to ``--session-dir``. The next push or query restores it. With a
 session dir, every acknowledged push is logged (fsync) before it is acknowledged, and idle
 sessions snapshot their KV; recovery loads the snapshot and re-queues newer pushes.
@@ -61,11 +61,8 @@ class Offloader:
 
     # ------------------------------------------------------------------ offload
     def quiescent(self, session: Session) -> bool:
-        """Nothing to ingest, the stream idle and no question of its running (its fork shares the
-        stream's blocks: offloading would free nothing, and cost a second copy to answer the next)."""
         stream = session.stream
-        return (stream is not None and not session.data.queue and self.engine.seq_ops.is_idle(stream)
-                and all(q.finished for q in session.questions))
+        return (stream is not None and not session.data.queue and self.engine.seq_ops.is_idle(stream))
 
     def offload(self, session: Session) -> int:
         """Move a quiescent session's KV to host memory; returns the blocks it held."""

@@ -55,10 +55,6 @@ class Session:
     offloaded_tokens: list[int] | None = None
     flash: FlashState = field(default_factory=FlashState)
     ready_probe: dict[str, Any] | None = None  # the last ready-position top token, qualifying or not
-    # questions' forks started on this session (finished ones dropped lazily): while one runs it
-    # shares the stream's blocks, so offloading the session frees nothing and its next question
-    # would restore a second copy beside them
-    questions: list[Sequence] = field(default_factory=list)
 
     @property
     def where(self) -> str:
