@@ -375,3 +375,32 @@ def test_an_offloaded_sessions_question_preempts_running_requests_to_come_back(t
     alone = [o.token_ids for o in llm.generate(prompts, params)]
     assert [done[f"r{i}"].token_ids for i in range(2)] == alone
     engine.check_integrity()
+
+
+def test_a_push_refused_for_want_of_blocks_is_not_applied(tmp_path):
+    # a push to an offloaded session that found no room to restore it answered 429 after its
+    # records were already accepted as a new version (helper-29: versions = pushes + 429s + 1), so
+    # a client retrying the 429 pushed them twice
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine = llm.engine
+    session = llm.session("s", chat=False, retention_tokens=60)
+    session.push([f"record {i} of some data" for i in range(6)])
+    session.ingest()
+    s = engine.sessions.get(session.id)
+    assert engine.sessions.offload.offload(s) > 0
+    version, pushed = s.data.data_version, s.data.counters.records_pushed
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"r{i}", list(range(3 + i, 30 + i)), params)
+    for _ in range(200):
+        if engine.pool.num_free == 0:
+            break
+        engine.step()
+    assert engine.pool.num_free == 0
+    with pytest.raises(QueueFullError):
+        engine.sessions.push(session.id, ["one more record"])
+    assert (s.data.data_version, s.data.counters.records_pushed, len(s.data.queue)) == (version, pushed, 0)
+    engine.run_to_completion(["r0", "r1"])
+    assert engine.sessions.push(session.id, ["one more record"])["data_version"] == version + 1
+    engine.check_integrity()

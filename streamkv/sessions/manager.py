@@ -142,6 +142,7 @@ class SessionManager:
         if data.spec.overflow != "drop_oldest" and not data.fits(total):
             raise QueueFullError(f"session queue holds {data.queued_tokens} of {data.spec.max_queue_tokens} "
                                  f"tokens; {total} more do not fit", retry_after=1.0)
+        self.offload.ensure_resident(session)  # before anything is accepted: a refusal (429) changes nothing
         version = data.next_version()
         dropped = data.accept([Record(version, x, t) for x, t in zip(ids, records)])
         data.counters.records_pushed += len(records)
@@ -150,7 +151,6 @@ class SessionManager:
             session.emit("dropped", records=len(dropped), total_dropped=data.counters.records_dropped,
                          versions=sorted({r.version for r in dropped}))
         data.last_used = time.monotonic()
-        self.offload.ensure_resident(session)
         return {"data_version": version, "accepted": len(records) - sum(r.version == version for r in dropped),
                 "dropped": len(dropped), "queued_records": len(data.queue), "queued_tokens": data.queued_tokens}
 
