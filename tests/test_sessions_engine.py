@@ -320,10 +320,14 @@ def test_a_session_question_takes_its_block_from_an_idle_streaming_input(tmp_pat
     engine.check_integrity()
 
 
-def test_a_session_question_preempts_a_running_request_for_its_block(tmp_path):
-    # running stateless requests held every block: the question's fork (it copies its partial
-    # block at once) failed with "the KV cache is full" (a 503) although they are a less urgent
-    # class (POOL after SESSION) that the scheduler preempts for each other anyway
+REQUESTS = [list(range(3 + i, 30 + i)) for i in range(2)]
+LONG = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+
+
+def _session_beside_requests(tmp_path, offload: bool):
+    """One ingested session (its answer to "what?" recorded; ``offload``: then moved to host) and
+    two stateless requests (``r0``, ``r1``) stepped until they hold every free block of a 40-block
+    pool. Returns (llm, session, answer before)."""
     path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
     llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
     engine = llm.engine
@@ -331,73 +335,56 @@ def test_a_session_question_preempts_a_running_request_for_its_block(tmp_path):
     session.push([f"record {i} of some data" for i in range(6)])
     session.ingest()
     before = session.query("what?", max_tokens=4).token_ids
-    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    prompts = [list(range(3 + i, 30 + i)) for i in range(2)]
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+    if offload:
+        assert engine.sessions.offload.offload(engine.sessions.get(session.id)) > 0
+    for i, p in enumerate(REQUESTS):
+        engine.add_request(f"r{i}", p, LONG)
     for _ in range(200):  # until the requests hold every free block
         if engine.pool.num_free == 0:
             break
         engine.step()
-    assert engine.pool.num_free == 0 and engine.has_unfinished() and session.stats()["kv"]["where"] == "pool"
+    assert engine.pool.num_free == 0 and engine.has_unfinished()
+    assert session.stats()["kv"]["where"] == ("host" if offload else "pool")
+    return llm, session, before
+
+
+def _requests_as_alone(llm) -> None:
+    """r0 and r1 finish with the tokens they give alone (preempted, recomputed: the same)."""
+    done = llm.engine.run_to_completion([f"r{i}" for i in range(len(REQUESTS))])
+    alone = [o.token_ids for o in llm.generate(REQUESTS, LONG)]
+    assert [done[f"r{i}"].token_ids for i in range(len(REQUESTS))] == alone
+
+
+def test_a_session_question_preempts_a_running_request_for_its_block(tmp_path):
+    # running stateless requests held every block: the question's fork (it copies its partial
+    # block at once) failed with "the KV cache is full" (a 503) although they are a less urgent
+    # class (POOL after SESSION) that the scheduler preempts for each other anyway
+    llm, session, before = _session_beside_requests(tmp_path, offload=False)
     assert session.query("what?", max_tokens=4).token_ids == before
-    assert engine.scheduler.num_preemptions > 0
-    done = engine.run_to_completion([f"r{i}" for i in range(2)])
-    alone = [o.token_ids for o in llm.generate(prompts, params)]
-    assert [done[f"r{i}"].token_ids for i in range(2)] == alone  # preempted, recomputed: the same tokens
-    engine.check_integrity()
+    assert llm.engine.scheduler.num_preemptions > 0
+    _requests_as_alone(llm)
+    llm.engine.check_integrity()
 
 
 def test_an_offloaded_sessions_question_preempts_running_requests_to_come_back(tmp_path):
     # the session had been offloaded to host while requests filled the pool: restoring it for the
     # question failed with a 429 "the KV cache is full" (helper-27: 23 of 24 questions in a burst
     # beside completions on an 80-block pool); it now preempts them as the fork does
-    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
-    engine = llm.engine
-    session = llm.session("s", chat=False, retention_tokens=60)
-    session.push([f"record {i} of some data" for i in range(6)])
-    session.ingest()
-    before = session.query("what?", max_tokens=4).token_ids
-    assert engine.sessions.offload.offload(engine.sessions.get(session.id)) > 0
-    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    prompts = [list(range(3 + i, 30 + i)) for i in range(2)]
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    for _ in range(200):  # until the requests hold every block
-        if engine.pool.num_free == 0:
-            break
-        engine.step()
-    assert engine.pool.num_free == 0 and engine.has_unfinished() and session.stats()["kv"]["where"] == "host"
+    llm, session, before = _session_beside_requests(tmp_path, offload=True)
     assert session.query("what?", max_tokens=4).token_ids == before
-    assert engine.scheduler.num_preemptions > 0
-    done = engine.run_to_completion([f"r{i}" for i in range(2)])
-    alone = [o.token_ids for o in llm.generate(prompts, params)]
-    assert [done[f"r{i}"].token_ids for i in range(2)] == alone
-    engine.check_integrity()
+    assert llm.engine.scheduler.num_preemptions > 0
+    _requests_as_alone(llm)
+    llm.engine.check_integrity()
 
 
 def test_a_push_refused_for_want_of_blocks_is_not_applied(tmp_path):
     # a push to an offloaded session that found no room to restore it answered 429 after its
     # records were already accepted as a new version (helper-29: versions = pushes + 429s + 1), so
     # a client retrying the 429 pushed them twice
-    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    llm, session, _ = _session_beside_requests(tmp_path, offload=True)
     engine = llm.engine
-    session = llm.session("s", chat=False, retention_tokens=60)
-    session.push([f"record {i} of some data" for i in range(6)])
-    session.ingest()
     s = engine.sessions.get(session.id)
-    assert engine.sessions.offload.offload(s) > 0
     version, pushed = s.data.data_version, s.data.counters.records_pushed
-    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    for i in range(2):
-        engine.add_request(f"r{i}", list(range(3 + i, 30 + i)), params)
-    for _ in range(200):
-        if engine.pool.num_free == 0:
-            break
-        engine.step()
-    assert engine.pool.num_free == 0
     with pytest.raises(QueueFullError):
         engine.sessions.push(session.id, ["one more record"])
     assert (s.data.data_version, s.data.counters.records_pushed, len(s.data.queue)) == (version, pushed, 0)

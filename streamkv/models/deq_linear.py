@@ -85,8 +85,7 @@ def pack_deq_bf16(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[to
     g = _groups(q, torch.uint8).transpose(2, 3)  # [T, G, 16 columns, 32 k], one byte per value
     low, high = _q4_order()
     packed = g[..., low] | (g[..., high] << 4)
-    n = q.shape[0]
-    dm = torch.stack([_panels(_half(d, "a scale"), n), _panels(_half(m, "an offset"), n)], dim=3)  # [T, G, 16, 2]
+    dm = _scales(d, m, q.shape[0]).transpose(2, 3)  # [T, G, 16 columns, (d, m)]
     return packed.contiguous(), dm.float().contiguous()
 
 

@@ -465,8 +465,8 @@ def _deq_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: torch.
 
 
 def deq_gemm_bf16() -> Callable[..., torch.Tensor] | None:
-    """The bf16 GEMM over packed 4-bit GGUF weights with the dense bf16 GEMM's bits (``inv_gemm.c``:
-    ``streamkv_deq_gemm_bf16``; AVX512-BF16 CPUs), or None where it cannot run."""
+    """The bf16 GEMM over packed 4-bit GGUF weights with the dense bf16 GEMM's bits (``deq_bf16.c``;
+    AVX512-BF16 CPUs with VBMI), or None where it cannot run."""
     lib = _library()
     if lib is None or not lib.streamkv_deq_bf16_available():
         return None
