@@ -346,3 +346,77 @@ def test_a_fork_that_can_never_grow_fails_as_retryable():
     engine.seq_ops.close(other)
     engine.check_integrity()
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def _forked_stream(engine, rows=58):
+    """A pinned stream of ``rows`` tokens, computed (block size 4: its last block is partial)."""
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(rows)])
+    while not engine.seq_ops.is_idle(stream):
+        engine.step()
+    return stream
+
+
+def _finish_all(engine, ids, steps=200):
+    done = {}
+    for _ in range(steps):
+        done.update({o.request_id: o for o in engine.step() if o.finished and o.request_id in ids})
+        if len(done) == len(ids):
+            break
+    return done
+
+
+def test_a_fork_at_its_fork_point_runs_past_a_request_that_cannot_fit_until_it_ends():
+    # helper-29's hang (80-block pool, 24 session questions): a request ranked above forks at
+    # their fork point could not fit, and nothing below it ran; preempting such a fork gives
+    # nothing back, so only its finishing frees the blocks the request needs. The engine spun
+    # (~180 empty steps a second, no stall counted) until every client gave up.
+    from streamkv.sched.sequence import PriorityClass
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=20, block_size=4)
+    stream = _forked_stream(engine)  # 15 blocks, pinned
+    params = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_fork_request("q", stream, 58, [5, 6, 7], params, klass=PriorityClass.POOL)  # copies the partial block
+    assert engine.pool.num_free == 4
+    engine.add_request("w", [9] * 17, SamplingParams(max_tokens=1, temperature=0), priority=-1)  # 5 blocks
+    done = _finish_all(engine, {"q", "w"})
+    assert sorted(done) == ["q", "w"] and all(o.finish_reason == "length" for o in done.values())
+    alone, _ = slot_engine(num_blocks=40, block_size=4)
+    fork = alone.add_fork_request("q", _forked_stream(alone), 58, [5, 6, 7], params)
+    assert _finish_all(alone, {"q"})["q"].token_ids == done["q"].token_ids and fork.forked_rows == 58
+    engine.seq_ops.close(stream)
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_a_preempted_fork_keeps_sharing_its_parents_blocks(preemption):
+    # swapping a fork out moved its parent's rows too, and brought them back as private copies:
+    # here it then needed 16 free blocks of the 9 a pinned parent leaves, and waited for good
+    from streamkv.sched.sequence import PriorityClass
+    from tests.fakes import slot_engine
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine, _ = slot_engine(num_blocks=24, block_size=4, swap_blocks=64, preemption=preemption)
+    stream = _forked_stream(engine)
+    fork = engine.add_fork_request("q", stream, 58, [5, 6, 7], params, klass=PriorityClass.POOL)
+    for _ in range(4):  # past its fork point: 3 question rows and 3 generated ones
+        engine.step()
+    assert fork.num_computed > fork.forked_rows
+    engine.add_request("w", [9] * 32, SamplingParams(max_tokens=1, temperature=0), priority=-1)  # 8 blocks of 7 free
+    shared = engine.kv.block_table(stream.seq_id)[:14]
+    done = {}
+    for _ in range(200):
+        if engine.kv.has(fork.seq_id):
+            assert engine.kv.block_table(fork.seq_id)[:14] == shared
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(done) == 2:
+            break
+    assert sorted(done) == ["q", "w"]
+    assert engine.scheduler.preemptions_by_kind == {"recompute": 1, "swap": 0}
+    alone, _ = slot_engine(num_blocks=40, block_size=4)
+    alone.add_fork_request("q", _forked_stream(alone), 58, [5, 6, 7], params)
+    assert _finish_all(alone, {"q"})["q"].token_ids == done["q"].token_ids
+    engine.seq_ops.close(stream)
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks and engine.kv.host.num_free == engine.kv.host.num_blocks

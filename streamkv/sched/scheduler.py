@@ -32,6 +32,14 @@ def _droppable(seq: Sequence) -> bool:
     return not seq.forked_rows or seq.num_computed > seq.forked_rows
 
 
+def _passes(seq: Sequence) -> bool:
+    """Whether ``seq`` may run past a higher-ranked sequence that cannot fit: pinned streams,
+    and forks at their fork point. Preempting either gives nothing back, so holding them idle
+    never makes room; only their progress (a fork finishing) can (helper-29's hang: forks at
+    their fork point waited behind a request that waited for their blocks)."""
+    return seq.pinned or not _droppable(seq)
+
+
 def _decodes(item: ScheduledSeq) -> bool:
     """A decode row: one generated token's row (plus its drafts), sampled."""
     return item.sample and item.start >= item.num_prompt and item.num_tokens - len(item.draft) == 1
@@ -149,7 +157,7 @@ class Scheduler:
         """
         budget = self.config.max_num_batched_tokens
         foreground_prefill = False
-        blocked = False  # a waiting sequence that cannot fit: only pinned ones may pass it
+        blocked = False  # a waiting sequence that cannot fit: only ``_passes`` ones may pass it
         deferred = False  # a request admission defers: no new request passes it (running ones
         # go on: their charge only drops as they finish, so stalling them stalled both forever)
         reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
@@ -170,7 +178,7 @@ class Scheduler:
                 break
             background = self.policy.background(seq)
             fresh = seq.status is SeqStatus.WAITING and not seq.swapped and not seq.pinned
-            if (background and foreground_prefill) or (blocked and not seq.pinned) or (deferred and fresh):
+            if (background and foreground_prefill) or (blocked and not _passes(seq)) or (deferred and fresh):
                 continue
             if self.admission is not None and self._held(seq):
                 deferred = deferred or fresh
@@ -184,8 +192,8 @@ class Scheduler:
                 limit = seq.chunk_limit(computed)
                 end = min(target, computed + budget, computed + limit if limit is not None else target)
                 # not even preempting every unpinned sequence would admit it this step: it keeps
-                # its place (nothing unpinned passes it) but spends no budget, so pinned streams
-                # (sessions, span queries), which hold the rest of the pool, keep progressing
+                # its place (only ``_passes`` ones pass it) but spends no budget, so pinned streams
+                # (sessions, span queries) and forks, which hold the rest of the pool, progress
                 cost = self.kv.admission_cost(hit, end) + seq.extra_blocks(end, self.kv.block_size)
                 if cost > self.kv.pool.num_free:
                     if reclaimable is None:
@@ -274,7 +282,7 @@ class Scheduler:
         self._starved = []
         for prop in proposals:
             seq = prop.seq
-            if seq.seq_id in preempted or (blocked and not seq.pinned):
+            if seq.seq_id in preempted or (blocked and not _passes(seq)):
                 continue
             while not self._try_take(prop):
                 if victims is None:
@@ -298,7 +306,8 @@ class Scheduler:
                 continue  # a stream waits for blocks; it is never preempted
             if seq.status is SeqStatus.RUNNING:
                 self._cannot_grow(seq, done, preempted)
-            # nothing unpinned passes it (pinned streams still take free blocks); an input still
+            # only ``_passes`` ones pass it (pinned streams and forks at their fork point still
+            # take free blocks: holding them back frees nothing); an input still
             # streaming, which may only take free blocks or its inferiors', holds nobody up
             blocked = blocked or not seq.partial
         return done, preempted
@@ -373,14 +382,16 @@ class Scheduler:
         n = seq.kv_rows(seq.num_computed)
         kind, seq.status = "recompute", SeqStatus.WAITING
         forked = seq.kv_rows(seq.forked_rows)
-        if self.kv.can_swap_out(n) and self.preemption.swap(n, self.kv.blocks_for(n)):
-            self._swap_out.extend(self.kv.swap_out(seq.seq_id, n))
-            seq.swapped, kind = True, "swap"
-        elif forked and seq.layout is None and self.kv.truncates_in_place(seq.seq_id, forked):
+        if forked and seq.layout is None and self.kv.truncates_in_place(seq.seq_id, forked):
             # a fork keeps its parent's rows (nothing a prefill of its ids would give back) and
-            # goes on running from the fork point: its own rows are recomputed
+            # goes on running from the fork point: its own rows are recomputed. Never swapped:
+            # that would move the rows it shares too, and bring them back as private copies
+            # (a question of a 500-token session then needed 33 free blocks to resume)
             self.kv.truncate(seq.seq_id, forked)
             seq.num_computed, seq.status = seq.forked_rows, SeqStatus.RUNNING
+        elif self.kv.can_swap_out(n) and self.preemption.swap(n, self.kv.blocks_for(n)):
+            self._swap_out.extend(self.kv.swap_out(seq.seq_id, n))
+            seq.swapped, kind = True, "swap"
         else:  # a compressed sequence re-runs its prefill and compression, reaching the same rows
             self.kv.free(seq.seq_id)
             seq.num_computed = 0
