@@ -32,12 +32,14 @@ def _droppable(seq: Sequence) -> bool:
     return not seq.forked_rows or seq.num_computed > seq.forked_rows
 
 
-def _passes(seq: Sequence) -> bool:
+def _passes(seq: Sequence, behind_running: bool = False) -> bool:
     """Whether ``seq`` may run past a higher-ranked sequence that cannot fit: pinned streams,
-    and forks at their fork point. Preempting either gives nothing back, so holding them idle
-    never makes room; only their progress (a fork finishing) can (helper-29's hang: forks at
-    their fork point waited behind a request that waited for their blocks)."""
-    return seq.pinned or not _droppable(seq)
+    and forks at their fork point unless that sequence is a running one that could not grow
+    (they would take the blocks it just freed or needs next). Preempting either gives nothing
+    back, so holding them idle never makes room for a waiting one; only their progress (a fork
+    finishing frees its copied block) can (helper-29's hang: forks at their fork point waited
+    behind requests that waited for blocks)."""
+    return seq.pinned or (not behind_running and not _droppable(seq))
 
 
 def _decodes(item: ScheduledSeq) -> bool:
@@ -278,11 +280,11 @@ class Scheduler:
         preempted: list[int] = []
         done: list[_Proposal] = []
         done_ids: set[int] = set()
-        blocked = False
+        blocked = behind_running = False
         self._starved = []
         for prop in proposals:
             seq = prop.seq
-            if seq.seq_id in preempted or (blocked and not _passes(seq)):
+            if seq.seq_id in preempted or (blocked and not _passes(seq, behind_running)):
                 continue
             while not self._try_take(prop):
                 if victims is None:
@@ -306,6 +308,7 @@ class Scheduler:
                 continue  # a stream waits for blocks; it is never preempted
             if seq.status is SeqStatus.RUNNING:
                 self._cannot_grow(seq, done, preempted)
+                behind_running = True
             # only ``_passes`` ones pass it (pinned streams and forks at their fork point still
             # take free blocks: holding them back frees nothing); an input still
             # streaming, which may only take free blocks or its inferiors', holds nobody up
