@@ -91,7 +91,8 @@ class Engine:
         # final outputs kept for an in-process owner that steps the engine only now and then
         # (``LLM.open_input`` handles): whoever steps first must not lose another's answer
         self._kept: dict[str, RequestOutput | None] = {}
-        self._stalls: dict[int, int] = {}  # seq id -> steps in a row it waited in a step that ran nothing
+        self._quiet = 0  # steps in a row that computed no new row
+        self._held_back: set[int] = set()  # requests' forks that found no block in those steps
         self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
         self.inputs = InputStreams(self)
@@ -306,17 +307,23 @@ class Engine:
 
     def _fail_stalled(self) -> None:
         """A request whose fork waits for blocks (never dropped: its parent's rows are nothing a
-        prefill gives back) in steps that run nothing, STALL_STEPS in a row, fails as retryable
-        (a 503 with Retry-After), the latest first: the rest of the pool is held by pinned KV
-        (sessions, other such forks) that only its release can unblock. (Span queries' own
-        sequences are their executor's.)"""
-        stalled = [sid for sid in self.scheduler.stalled
-                   if sid in self._by_seq and not self._by_seq[sid].seq.pinned]
-        self._stalls = {sid: self._stalls.get(sid, 0) + 1 for sid in stalled}
-        over = [self._by_seq[sid] for sid, n in self._stalls.items() if n > STALL_STEPS]
-        if over:
-            req = max(over, key=lambda r: r.arrival)
-            self._stalls.pop(req.seq.seq_id, None)
+        prefill gives back) fails as retryable (a 503 with Retry-After) once STALL_STEPS steps in
+        a row computed no new row, the latest such request first, one per step until something
+        progresses: the rest of the pool is held by pinned KV (sessions, other such forks) that
+        only its release can unblock. Steps that only recompute rows do not count as progress
+        (a fork that could not grow truncated itself and recomputed, step after step, while the
+        forks whose copied blocks it needed waited behind it). (Span queries' own sequences
+        are their executor's.)"""
+        if self.scheduler.progressed:
+            self._quiet, self._held_back = 0, set()
+            return
+        self._quiet += 1
+        self._held_back |= {sid for sid in self.scheduler.starved
+                            if sid in self._by_seq and not self._by_seq[sid].seq.pinned}
+        waiting = [self._by_seq[sid] for sid in self._held_back if sid in self._by_seq]
+        if self._quiet > STALL_STEPS and waiting:
+            req = max(waiting, key=lambda r: r.arrival)
+            self._held_back.discard(req.seq.seq_id)
             self.fail(req.request_id, f"KVCacheFullError: no KV block for {STALL_STEPS} steps; the rest of "
                                       f"the KV cache is held by sessions and their queries", retry=True)
 

@@ -84,6 +84,8 @@ class Scheduler:
         # computes nothing: only their owners (span queries, sessions) or a client can change
         # that (the engine fails such a fork's request after a while, the span executor its query)
         self.stalled: frozenset[int] = frozenset()
+        self.starved: frozenset[int] = frozenset()  # the same, in the latest step, progress or not
+        self.progressed = False  # the latest step computed new rows (or moved KV back)
         self._starved: list[int] = []
         # blocks the first waiting request that cannot be admitted needs (it holds up every
         # unpinned one behind it), latest step; 0: none (sessions offload idle KV for it)
@@ -143,7 +145,13 @@ class Scheduler:
         released, self._released = tuple(self._released), []
         work = tuple(self._to_plan(p) for p in scheduled if p.end > p.seq.num_computed)
         swaps, self._swap_out, self._swap_in = (tuple(self._swap_out), tuple(self._swap_in)), [], []
-        self.stalled = frozenset() if work or preempted or any(swaps) else frozenset(self._starved)
+        # progress: rows no step computed before (``reads_to``: the high-water mark, lowered
+        # only when the tokens change), or KV coming back. Recomputing rows a sequence had
+        # already computed is not: a fork that truncates itself for want of a block and
+        # recomputes them, step after step, left the forks starved behind it waiting for good
+        self.progressed = any(p.end > p.seq.reads_to for p in scheduled) or any(swaps)
+        self.starved = frozenset(self._starved)
+        self.stalled = frozenset() if self.progressed else self.starved
         return StepPlan(work, tuple(preempted), released, *swaps)
 
     def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
@@ -284,7 +292,11 @@ class Scheduler:
         self._starved = []
         for prop in proposals:
             seq = prop.seq
-            if seq.seq_id in preempted or (blocked and not _passes(seq, behind_running)):
+            if seq.seq_id in preempted:
+                continue
+            if blocked and not _passes(seq, behind_running):
+                if not _droppable(seq):  # a fork at its fork point, held back with its copied block
+                    self._starved.append(seq.seq_id)
                 continue
             while not self._try_take(prop):
                 if victims is None:
@@ -375,6 +387,7 @@ class Scheduler:
                 return
             self._preempt(seq)
             preempted.append(seq.seq_id)
+            self._starved.append(seq.seq_id)  # if nothing computes new rows, it is as stuck
         else:
             log.warning("sequence %d needs more KV than the whole pool; finishing it", seq.seq_id)
             self.finish(seq.seq_id, "length")
