@@ -308,8 +308,8 @@ class Engine:
     def _fail_stalled(self) -> None:
         """A request whose fork waits for blocks (never dropped: its parent's rows are nothing a
         prefill gives back) fails as retryable (a 503 with Retry-After) once STALL_STEPS steps in
-        a row computed no new row, the latest such request first, one per step until something
-        progresses: the rest of the pool is held by pinned KV (sessions, other such forks) that
+        a row computed no new row, the latest such request first, then the next after as many
+        quiet steps again: the rest of the pool is held by pinned KV (sessions, other such forks) that
         only its release can unblock. Steps that only recompute rows do not count as progress
         (a fork that could not grow truncated itself and recomputed, step after step, while the
         forks whose copied blocks it needed waited behind it). (Span queries' own sequences
@@ -320,10 +320,15 @@ class Engine:
         self._quiet += 1
         self._held_back |= {sid for sid in self.scheduler.starved
                             if sid in self._by_seq and not self._by_seq[sid].seq.pinned}
-        waiting = [self._by_seq[sid] for sid in self._held_back if sid in self._by_seq]
+        # forks still waiting now (a plain request that truncated itself holds nothing of a
+        # session's: failing it frees nothing)
+        waiting = [self._by_seq[sid] for sid in self._held_back & self.scheduler.starved
+                   if sid in self._by_seq and self._by_seq[sid].seq.forked_rows]
         if self._quiet > STALL_STEPS and waiting:
             req = max(waiting, key=lambda r: r.arrival)
             self._held_back.discard(req.seq.seq_id)
+            self._quiet = 0  # the next one only after as many quiet steps: the fork that needed
+            # the block may first recompute rows it had (not progress) before it computes new ones
             self.fail(req.request_id, f"KVCacheFullError: no KV block for {STALL_STEPS} steps; the rest of "
                                       f"the KV cache is held by sessions and their queries", retry=True)
 

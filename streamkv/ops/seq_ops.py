@@ -192,6 +192,7 @@ class SeqOps:
         ids = [seq.tokens[start + i] for i in kept.tolist()]
         seq.tokens[start:start + count] = ids
         seq.num_computed = seq.num_prompt_tokens = len(seq.tokens)
+        seq.reads_to = min(seq.reads_to, len(seq.tokens))  # rows past the shorter stream are new
 
     def rank(self, seq: Sequence, start: int, count: int, keep: int, policy: WritePolicy) -> list[int] | None:
         """Offsets of the ``keep`` tokens of ``[start, start+count)`` that ``policy`` ranks highest

@@ -35,7 +35,7 @@ def _droppable(seq: Sequence) -> bool:
 def _passes(seq: Sequence, behind_running: bool = False) -> bool:
     """Whether ``seq`` may run past a higher-ranked sequence that cannot fit: pinned streams,
     and forks at their fork point unless that sequence is a running one that could not grow
-    (they would take the blocks it just freed or needs next). Preempting either gives nothing
+    and gave its blocks back (they would take them, and it would recompute, step after step). Preempting either gives nothing
     back, so holding them idle never makes room for a waiting one; only their progress (a fork
     finishing frees its copied block) can (helper-29's hang: forks at their fork point waited
     behind requests that waited for blocks)."""
@@ -149,7 +149,7 @@ class Scheduler:
         # only when the tokens change), or KV coming back. Recomputing rows a sequence had
         # already computed is not: a fork that truncates itself for want of a block and
         # recomputes them, step after step, left the forks starved behind it waiting for good
-        self.progressed = any(p.end > p.seq.reads_to for p in scheduled) or any(swaps)
+        self.progressed = any(p.end > p.seq.reads_to for p in scheduled) or bool(swaps[1])
         self.starved = frozenset(self._starved)
         self.stalled = frozenset() if self.progressed else self.starved
         return StepPlan(work, tuple(preempted), released, *swaps)
@@ -319,8 +319,9 @@ class Scheduler:
                 self._starved.append(seq.seq_id)
                 continue  # a stream waits for blocks; it is never preempted
             if seq.status is SeqStatus.RUNNING:
+                gave_back = _droppable(seq)  # it preempts itself: its blocks are free now
                 self._cannot_grow(seq, done, preempted)
-                behind_running = True
+                behind_running = behind_running or gave_back
             # only ``_passes`` ones pass it (pinned streams and forks at their fork point still
             # take free blocks: holding them back frees nothing); an input still
             # streaming, which may only take free blocks or its inferiors', holds nobody up
