@@ -518,3 +518,33 @@ def test_a_small_fork_runs_past_a_fork_at_its_fork_point_that_gave_nothing_back(
     engine.add_fork_request("B", stream, 58, [5], params, klass=PriorityClass.POOL)
     done = _finish_all(engine, {"A", "B"}, steps=200)
     assert {rid: o.finish_reason for rid, o in done.items()} == {"A": "length", "B": "length"}
+
+
+def test_reclaiming_for_a_restore_preempts_nobody_when_everyone_could_not_free_enough():
+    # helper-28: a question restoring its offloaded session preempted running requests that
+    # together freed too little; the restore failed anyway (503) and their work was lost
+    from streamkv.sched.sequence import PriorityClass
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=24, block_size=4)
+    stream = _forked_stream(engine)  # 15 blocks, pinned
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    engine.add_request("r0", [3] * 10, params)
+    engine.add_request("r1", [4] * 10, params)
+    for _ in range(2):
+        engine.step()
+    held = sum(engine.kv.num_unshared(s.seq_id) for s in engine.scheduler.seqs.values() if s.samples)
+    free = engine.pool.num_free
+    assert held >= 4
+    engine.seq_ops.reclaim(free + held + 1, below=PriorityClass.SESSION)
+    assert engine.scheduler.num_preemptions == 0 and engine.pool.num_free == free
+    engine.seq_ops.reclaim(free + 1, below=PriorityClass.SESSION)  # one request's blocks suffice
+    assert engine.scheduler.num_preemptions == 1 and engine.pool.num_free > free
+    done = engine.run_to_completion(["r0", "r1"])
+    alone, _ = slot_engine(num_blocks=64, block_size=4)
+    alone.add_request("r0", [3] * 10, params)
+    alone.add_request("r1", [4] * 10, params)
+    want = alone.run_to_completion(["r0", "r1"])
+    assert [done[r].token_ids for r in ("r0", "r1")] == [want[r].token_ids for r in ("r0", "r1")]
+    engine.seq_ops.close(stream)
+    engine.check_integrity()

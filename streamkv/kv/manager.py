@@ -91,6 +91,11 @@ class KVManager:
         """Extra blocks needed for ``seq_id`` to hold ``num_tokens`` tokens of KV."""
         return max(0, self.blocks_for(num_tokens) - self.num_blocks_held(seq_id))
 
+    def num_unshared(self, seq_id: int) -> int:
+        """Blocks only ``seq_id`` holds: at most what dropping its KV gives back."""
+        kv = self._seqs.get(seq_id)
+        return sum(1 for b in kv.block_ids if self.pool.blocks[b].ref_count == 1) if kv else 0
+
     # ---------------------------------------------------------------- changes
     def admit(self, seq_id: int, hit: PrefixHit, cache_key: int = 0, num_tokens: int = 0) -> None:
         """Start tracking ``seq_id`` (``num_tokens`` long), taking references on its hit blocks."""

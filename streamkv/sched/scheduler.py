@@ -332,13 +332,18 @@ class Scheduler:
         """Preempt inputs still streaming (background work, which never finishes on its own),
         lowest ranked first, until ``blocks`` are free for KV taken between steps (a fork); with
         ``below``, then running requests of a less urgent class than it, lowest ranked first (a
-        fork at its fork point gives nothing back and is skipped). Returns their swap-out
+        fork at its fork point gives nothing back and is skipped), and none at all when all of
+        them together could not free ``blocks`` (a restore's preemptions were wasted). Returns their swap-out
         copies, which the caller makes before it writes a released block (they are not queued
         for the next step)."""
         mark = len(self._swap_out)
         ranked = list(reversed(self.policy.rank(self.seqs.values(), time.perf_counter())))
         inputs = [s for s in ranked if s.partial]
         requests = [s for s in ranked if not s.partial and below is not None and s.klass > below and _droppable(s)]
+        if below is not None and self.kv.pool.num_free + sum(
+                self.kv.num_unshared(s.seq_id) for s in inputs + requests
+                if s.status is SeqStatus.RUNNING and not s.pinned) < blocks:
+            return []  # preempting them all would still leave too few: their work is not wasted
         for seq in inputs + requests:
             if self.kv.pool.num_free >= blocks:
                 break
