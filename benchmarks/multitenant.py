@@ -228,7 +228,11 @@ def targets(results: dict) -> list[str]:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the results and tables are written already
+        print("plot: skipped (matplotlib is not installed: pip install matplotlib)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
