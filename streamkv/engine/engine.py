@@ -92,7 +92,6 @@ class Engine:
         # (``LLM.open_input`` handles): whoever steps first must not lose another's answer
         self._kept: dict[str, RequestOutput | None] = {}
         self._quiet = 0  # steps in a row that computed no new row
-        self._held_back: set[int] = set()  # requests' forks that found no block in those steps
         self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
         self.inputs = InputStreams(self)
@@ -315,18 +314,15 @@ class Engine:
         forks whose copied blocks it needed waited behind it). (Span queries' own sequences
         are their executor's.)"""
         if self.scheduler.progressed:
-            self._quiet, self._held_back = 0, set()
+            self._quiet = 0
             return
         self._quiet += 1
-        self._held_back |= {sid for sid in self.scheduler.starved
-                            if sid in self._by_seq and not self._by_seq[sid].seq.pinned}
-        # forks still waiting now (a plain request that truncated itself holds nothing of a
+        # requests' forks waiting now (a plain request that truncated itself holds nothing of a
         # session's: failing it frees nothing)
-        waiting = [self._by_seq[sid] for sid in self._held_back & self.scheduler.starved
-                   if sid in self._by_seq and self._by_seq[sid].seq.forked_rows]
+        waiting = [self._by_seq[sid] for sid in self.scheduler.starved if sid in self._by_seq
+                   and not self._by_seq[sid].seq.pinned and self._by_seq[sid].seq.forked_rows]
         if self._quiet > STALL_STEPS and waiting:
             req = max(waiting, key=lambda r: r.arrival)
-            self._held_back.discard(req.seq.seq_id)
             self._quiet = 0  # the next one only after as many quiet steps: the fork that needed
             # the block may first recompute rows it had (not progress) before it computes new ones
             self.fail(req.request_id, f"KVCacheFullError: no KV block for {STALL_STEPS} steps; the rest of "

@@ -35,9 +35,9 @@ def _droppable(seq: Sequence) -> bool:
 def _passes(seq: Sequence, behind_running: bool = False) -> bool:
     """Whether ``seq`` may run past a higher-ranked sequence that cannot fit: pinned streams,
     and forks at their fork point unless that sequence is a running one that could not grow
-    and gave its blocks back (they would take them, and it would recompute, step after step). Preempting either gives nothing
-    back, so holding them idle never makes room for a waiting one; only their progress (a fork
-    finishing frees its copied block) can (helper-29's hang: forks at their fork point waited
+    and gave its blocks back (they would take them, and it would recompute, step after step).
+    Preempting either gives nothing back, so holding them idle never makes room for a waiting
+    one; only their progress (a fork finishing frees its copied block) can (helper-29's hang: forks at their fork point waited
     behind requests that waited for blocks)."""
     return seq.pinned or (not behind_running and not _droppable(seq))
 
@@ -340,15 +340,13 @@ class Scheduler:
         ranked = list(reversed(self.policy.rank(self.seqs.values(), time.perf_counter())))
         inputs = [s for s in ranked if s.partial]
         requests = [s for s in ranked if not s.partial and below is not None and s.klass > below and _droppable(s)]
-        if below is not None and self.kv.pool.num_free + sum(
-                self.kv.num_unshared(s.seq_id) for s in inputs + requests
-                if s.status is SeqStatus.RUNNING and not s.pinned) < blocks:
+        victims = [s for s in inputs + requests if s.status is SeqStatus.RUNNING and not s.pinned]
+        if below is not None and self.kv.pool.num_free + sum(self.kv.num_unshared(s.seq_id) for s in victims) < blocks:
             return []  # preempting them all would still leave too few: their work is not wasted
-        for seq in inputs + requests:
+        for seq in victims:
             if self.kv.pool.num_free >= blocks:
                 break
-            if seq.status is SeqStatus.RUNNING and not seq.pinned:
-                self._preempt(seq)
+            self._preempt(seq)
         pairs, self._swap_out[mark:] = self._swap_out[mark:], []
         return pairs
 
