@@ -16,6 +16,7 @@ from typing import Sequence as Seq
 
 from streamkv.config import EngineConfig
 from streamkv.engine.factory import ModelBundle, build_bundle
+from streamkv.loading.heap import release_freed_heap
 from streamkv.engine.kv_policies import KVPolicies, KVPolicyTotals, PolicySpec, kv_report
 from streamkv.engine.outputs import RequestOutput
 from streamkv.engine.response_cache import ResponseCache
@@ -72,7 +73,10 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, bundle: ModelBundle | None = None,
                  show_progress: bool = False) -> None:
         self.config = config or EngineConfig()
-        self.bundle = bundle or build_bundle(self.config, show_progress=show_progress)
+        if bundle is None:
+            bundle = build_bundle(self.config, show_progress=show_progress)
+            release_freed_heap()  # the load's temporaries, gone with its locals (heap.py: ~1 GB)
+        self.bundle = bundle
         self.tokenizer = self.bundle.tokenizer
         self.max_model_len = self.bundle.max_model_len
         cc = self.config.cache
