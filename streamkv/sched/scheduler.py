@@ -14,15 +14,15 @@ from typing import Callable
 
 from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
-from streamkv.policies.read import ReadCount
 from streamkv.sched.admission import CellBudget
 from streamkv.sched.cadence import StepCadence
 from streamkv.sched.grouping import PrefillGroups
-from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
+from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
 from streamkv.sched.preemption import PreemptionPolicy, Recompute
 from streamkv.sched.sequence import PriorityClass, Sequence, SeqStatus
 from streamkv.sched.speculation import SpecState, SpecStats, Speculator, speculable
+from streamkv.sched.step_output import StepUpdates
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +42,6 @@ def _passes(seq: Sequence, behind_running: bool = False) -> bool:
     return seq.pinned or (not behind_running and not _droppable(seq))
 
 
-def _decodes(item: ScheduledSeq) -> bool:
-    """A decode row: one generated token's row (plus its drafts), sampled."""
-    return item.sample and item.start >= item.num_prompt and item.num_tokens - len(item.draft) == 1
-
-
 @dataclass
 class _Proposal:
     """Phase-1 decision: compute ``seq`` up to token index ``end`` this step."""
@@ -56,8 +51,9 @@ class _Proposal:
     draft: tuple[int, ...] = ()  # speculated tokens after ``end`` (``speculation.py``)
 
 
-class Scheduler:
-    """Owns the waiting/running sets; asks the KV manager for blocks."""
+class Scheduler(StepUpdates):
+    """Owns the waiting/running sets; asks the KV manager for blocks. Applying a step's outputs
+    (``update``, ``observe_step``) lives in ``step_output.py``."""
 
     def __init__(self, config: SchedulerConfig, kv: KVManager, policy: QueuePolicy | None = None,
                  preemption: PreemptionPolicy | None = None, speculator: Speculator | None = None) -> None:
@@ -233,19 +229,11 @@ class Scheduler:
 
     def _prompt_rows(self, ranked: list[Sequence], budget: int) -> int:
         """Prompt rows this step may carry: the decode cadence's cap while a sequence decodes
-        (computes the row of a token it generated, as ``_decodes`` counts them)."""
+        (computes the row of a token it generated, as ``step_output._decodes`` counts them)."""
         if self.cadence is None or not any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1
                                            and s.num_output > 0 for s in ranked):
             return budget
         return self.cadence.prompt_rows(budget)
-
-    def observe_step(self, plan: StepPlan, seconds: float) -> None:
-        """The engine reports each executed step's time (the decode cadence learns from it)."""
-        if self.cadence is None:
-            return
-        decodes = [it for it in plan.seqs if _decodes(it)]
-        prompt = sum(it.num_tokens for it in plan.seqs) - sum(it.num_tokens for it in decodes)
-        self.cadence.observe(len(decodes), prompt, seconds)
 
     def _held(self, seq: Sequence) -> bool:
         """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool
@@ -436,67 +424,3 @@ class Scheduler:
             rows=layout.rows if layout is not None else -1,
             write_row=layout.row(start) if layout is not None else -1,
             ring_from=layout.ring_from if layout is not None else -1, observe=seq.observe, draft=prop.draft)
-
-    def _enter_layout(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> None:
-        """The write policy's point is reached: from now on the sequence holds its layout's
-        rows. When the runner compressed the prompt into the blocks after it, those become
-        the table and the prompt's blocks go back to the pool (their prefix-cache entries
-        stay: the prompt is still a prefix hit for others; compressed blocks never are)."""
-        if item.write is not None:
-            if item.seq_id not in output.compressed:
-                raise RuntimeError(f"sequence {seq.seq_id} reached its compression point uncompressed")
-            self.kv.compact(seq.seq_id, self.kv.blocks_for(seq.num_computed))
-            seq.compress_s += output.compressed[item.seq_id]
-        seq.layout = seq.write.layout(seq.num_prompt_tokens)
-
-    # ---------------------------------------------------------------- update
-    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Sequence, int | None]]:
-        """Advance ``num_computed``, append sampled tokens, finish stopped sequences.
-
-        Returns ``(sequence, new_token_or_None)`` for every sequence that sampled.
-        """
-        events: list[tuple[Sequence, int | None]] = []
-        for item in plan.seqs:
-            seq = self.seqs.get(item.seq_id)
-            if seq is None or seq.status is not SeqStatus.RUNNING:
-                continue
-            if item.start < seq.computable <= item.start + item.num_tokens and not seq.num_output:
-                seq.event("kv_resident")  # every token that has arrived now has KV
-            emitted = self._verified(seq, item, output)
-            seq.num_computed = item.start + item.num_tokens - len(item.draft) + max(0, len(emitted) - 1)
-            read = output.reads.get(item.seq_id)
-            if read is not None and item.start + item.num_tokens > seq.reads_to:  # not a recomputed row
-                seq.reads = seq.reads or ReadCount()
-                seq.reads.add(read)
-            seq.reads_to = max(seq.reads_to, seq.num_computed)
-            if seq.cacheable and seq.layout is None:
-                self.kv.commit(seq.seq_id, seq.tokens, seq.exact_rows)
-            if seq.write is not None and seq.layout is None and seq.num_computed == seq.write_point:
-                self._enter_layout(seq, item, output)
-            if not item.sample or not emitted:
-                continue
-            if not seq.samples:  # a peeking stream: keep the distribution, append nothing
-                seq.peeked = output.logprobs.get(item.seq_id)
-                continue
-            for token in emitted:
-                seq.tokens.append(token)
-                events.append((seq, token))
-                reason = seq.stop_reason_after(token)
-                if reason is not None:
-                    self.finish(seq.seq_id, reason)
-                    break
-        return events
-
-    def _verified(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> tuple[int, ...]:
-        """The tokens ``item`` emitted: its speculated ones (counted), or its one sample."""
-        if not item.draft:
-            token = output.tokens.get(item.seq_id)
-            return () if token is None else (token,)
-        emitted = output.drafts[item.seq_id]
-        accepted = len(emitted) - 1
-        st = self.spec_stats
-        st.steps, st.proposed, st.accepted = st.steps + 1, st.proposed + len(item.draft), st.accepted + accepted
-        state = self.spec_states.get(seq.seq_id)
-        if state is not None and self.speculator is not None:
-            self.speculator.observe(state, len(item.draft), accepted)
-        return emitted
