@@ -155,10 +155,13 @@ async def wait_filled(client: httpx.AsyncClient, url: str, sessions: list[LiveSe
 
 
 async def session_loop(client: httpx.AsyncClient, url: str, s: LiveSession, duration: float, t0: float,
-                       record_every: float, question_every: float, max_tokens: int) -> list[float]:
+                       record_every: float, question_every: float, max_tokens: int) -> tuple[list[float], int]:
     """Push a bar every ``record_every`` s and ask a question every ``question_every`` s
-    (first ones at a random phase); returns the questions' round trips in ms."""
+    (first ones at a random phase); returns the questions' round trips in ms and how many pushes
+    and questions the server refused (a 429/503 is retryable: the loop goes on, as a client
+    would, and the phase reports them instead of the run dying on the first one)."""
     out: list[float] = []
+    refused = 0
     next_rec = t0 + s.rng.uniform(0, record_every)
     next_q = t0 + s.rng.uniform(0, question_every)
     end = t0 + duration
@@ -166,13 +169,13 @@ async def session_loop(client: httpx.AsyncClient, url: str, s: LiveSession, dura
         now = time.perf_counter()
         wake = min(next_rec, next_q)
         if wake >= end:
-            return out
+            return out, refused
         await asyncio.sleep(max(0.0, wake - now))
         if next_rec <= next_q:
             bar = s.bars[s.next_bar % len(s.bars)]
             s.next_bar += 1
             r = await client.post(f"{url}/v1/sessions/{s.sid}/data", json={"records": [bar.text()]})
-            r.raise_for_status()
+            refused += _refused(r)
             next_rec += record_every
             continue
         kind = s.rng.choice(["trend", "high", "volume", "retrieval"])
@@ -180,9 +183,18 @@ async def session_loop(client: httpx.AsyncClient, url: str, s: LiveSession, dura
         q0 = time.perf_counter()
         r = await client.post(f"{url}/v1/sessions/{s.sid}/query",
                               json={"question": q, "max_tokens": max_tokens, "temperature": 0.0})
-        r.raise_for_status()
-        out.append((time.perf_counter() - q0) * 1e3)
+        if not _refused(r):
+            out.append((time.perf_counter() - q0) * 1e3)
+        refused += _refused(r)
         next_q += question_every
+
+
+def _refused(r: httpx.Response) -> int:
+    """1 for a retryable refusal (429, 503); any other error stops the run."""
+    if r.status_code in (429, 503):
+        return 1
+    r.raise_for_status()
+    return 0
 
 
 def stream_stats(streams: list[Stream], wall: float) -> dict:
@@ -212,9 +224,10 @@ async def run_phase(url: str, sessions: list[LiveSession], requests: list[Reques
         stateless = [chat_stream(client, url, r, t0) for r in requests]
         results = await asyncio.gather(*sess, *stateless)
         wall = time.perf_counter() - t0
-    lat = [ms for r in results[:len(sessions)] for ms in r]
+    lat = [ms for r in results[:len(sessions)] for ms in r[0]]
     streams = results[len(sessions):]
-    return {"session_queries": len(lat), "session_p50_ms": pct(lat, 50), "session_p99_ms": pct(lat, 99),
+    return {"session_queries": len(lat), "session_errors": sum(r[1] for r in results[:len(sessions)]),
+            "session_p50_ms": pct(lat, 50), "session_p99_ms": pct(lat, 99),
             "wall_s": wall, **stream_stats(list(streams), wall)}
 
 
