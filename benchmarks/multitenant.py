@@ -59,7 +59,7 @@ CONFIGS = {
 COUNTERS = ["streamkv_admission_deferred_requests_total", "streamkv_admission_deferred_chunks_total",
             "streamkv_grouped_prefill_tokens_saved_total", "streamkv_grouped_prefill_followers_total",
             "streamkv_spec_drafts_proposed_total", "streamkv_spec_drafts_accepted_total",
-            "streamkv_engine_steps_total", "streamkv_engine_busy_seconds_total"]
+            "streamkv_engine_steps_total", "streamkv_engine_busy_seconds_total", "streamkv_preemptions"]
 
 
 def parse() -> argparse.Namespace:
@@ -130,7 +130,8 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
             print(f"[{name}] rate {rate}: session p50/p99 {row['session_p50_ms']:.0f}/{row['session_p99_ms']:.0f} ms,"
                   f" TTFT p99 {row['ttft_p99_s']:.2f} s, stall {row['gap_max_ms']:.0f} ms "
                   f"(median gap {row['gap_median_ms']:.0f} ms), errors {row['errors']}, "
-                  f"session pushes/questions refused {row['session_errors']}", flush=True)
+                  f"session pushes/questions refused {row['session_errors']}, preemptions {row['preemptions']:.0f}",
+                  flush=True)
         burst = asyncio.run(load.burst(server.url, args.burst, salt=f"[{name} {time.time_ns()}] "))
         print(f"[{name}] burst of {args.burst}: {burst['computed_tokens']:,} of {burst['prompt_tokens']:,} prompt "
               f"tokens computed", flush=True)
