@@ -183,9 +183,10 @@ async def session_loop(client: httpx.AsyncClient, url: str, s: LiveSession, dura
         q0 = time.perf_counter()
         r = await client.post(f"{url}/v1/sessions/{s.sid}/query",
                               json={"question": q, "max_tokens": max_tokens, "temperature": 0.0})
-        if not _refused(r):
+        no = _refused(r)
+        refused += no
+        if not no:
             out.append((time.perf_counter() - q0) * 1e3)
-        refused += _refused(r)
         next_q += question_every
 
 

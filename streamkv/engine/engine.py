@@ -16,7 +16,6 @@ from typing import Sequence as Seq
 
 from streamkv.config import EngineConfig
 from streamkv.engine.factory import ModelBundle, build_bundle
-from streamkv.loading.heap import release_freed_heap
 from streamkv.engine.kv_policies import KVPolicies, KVPolicyTotals, PolicySpec, kv_report
 from streamkv.engine.outputs import RequestOutput
 from streamkv.engine.response_cache import ResponseCache
@@ -25,6 +24,7 @@ from streamkv.inputs.manager import InputStreams
 from streamkv.kv.block_pool import BlockPool
 from streamkv.kv.host_pool import HostPool
 from streamkv.kv.manager import KVManager
+from streamkv.loading.heap import release_freed_heap
 from streamkv.policies.read import ReadPolicy
 from streamkv.policies.write import WritePolicy
 from streamkv.ops.seq_ops import SeqOps

@@ -13,9 +13,6 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-import logging
-
-log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
