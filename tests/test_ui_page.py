@@ -86,9 +86,14 @@ def _driver():
 
 
 def _until(driver, fn, what: str, timeout: float = 90.0):
+    """Poll ``fn(driver)`` until truthy. The page re-renders its tables and lists on every poll, so an
+    element found a moment ago can be replaced before it is read: a stale reference retries the poll."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: fn(d), message=what)
+    wait = WebDriverWait(driver, timeout, poll_frequency=0.1,
+                         ignored_exceptions=(NoSuchElementException, StaleElementReferenceException))
+    return wait.until(lambda d: fn(d), message=what)
 
 
 def test_the_page_in_a_real_browser(server, tmp_path):
@@ -123,7 +128,8 @@ def test_the_page_in_a_real_browser(server, tmp_path):
             driver.find_element(By.ID, "push").click()
 
         def flash_cells(d) -> list[str]:
-            return [c.text for c in d.find_elements(By.CSS_SELECTOR, "#flash-table tbody tr td")]
+            cells = [c.text for c in d.find_elements(By.CSS_SELECTOR, "#flash-table tbody tr td")]
+            return cells if len(cells) >= 3 else ["", "", ""]  # a row being redrawn reads as empty
 
         push([f"door {i} opened at 09:{10 + i}" for i in range(4)])
         _until(driver, lambda d: text(d, "version") == "1", "version 1 shown")
@@ -142,12 +148,14 @@ def test_the_page_in_a_real_browser(server, tmp_path):
         _until(driver, lambda d: f"memory {st['memory_tokens']}" in text(d, "layout-legend"), "memory in the layout")
         assert driver.find_elements(By.CSS_SELECTOR, "#layout .part.memory")
         assert not driver.find_element(By.ID, "error").is_displayed()  # the 401 went away with the key
-        kv = driver.find_element(By.CSS_SELECTOR, 'td[data-stat="KV"]').text
+        kv = _until(driver, lambda d: d.find_element(By.CSS_SELECTOR, 'td[data-stat="KV"]').text, "KV stat")
         assert re.fullmatch(rf"pool · \d+\.\d (KiB|MiB) · {st['kv']['blocks']} blocks", kv), kv
         parts = driver.find_elements(By.CSS_SELECTOR, "#layout .part.record")
         assert len(parts) == len(driver.find_elements(By.CSS_SELECTOR, "#window li")) > 0
-        assert "door 11 closed" in text(driver, "window") and "door 0 opened" not in text(driver, "window")
-        assert "evicted" in text(driver, "events") and "flash_ready" in text(driver, "events")
+        window = _until(driver, lambda d: text(d, "window"), "the window's records")
+        assert "door 11 closed" in window and "door 0 opened" not in window
+        events = _until(driver, lambda d: text(d, "events"), "the event log")
+        assert "evicted" in events and "flash_ready" in events
 
         driver.find_element(By.ID, "ask-question").send_keys("Which door closed last?")
         driver.find_element(By.ID, "ask").click()
