@@ -8,20 +8,25 @@ import pytest
 
 from streamkv.config import SchedulerConfig
 from streamkv.sampling.params import SamplingParams
-from streamkv.sched.cadence import StepCadence
+from streamkv.sched.cadence import StepAllowance, StepCadence, chunk_cost, row_context
 from tests.fakes import fake_engine
 
 
+def _cap(c: StepCadence, budget: int) -> int:
+    """Prompt rows at context 0 a step with decoders may carry (``budget``: uncapped)."""
+    return budget if c.allowance(budget) is None else c.stats.cap
+
+
 def test_the_cap_follows_the_learned_costs():
-    c = StepCadence(3.0, min_tokens=16, alpha=1.0)
-    assert c.prompt_rows(2048) == 2048  # nothing learned yet: no cap
+    c = StepCadence(3.0, min_tokens=16, alpha=1.0, fit_alpha=1.0)
+    assert _cap(c, 2048) == 2048  # nothing learned yet: no cap
     c.observe(decode_rows=4, prompt_rows=0, seconds=0.010)   # d = 10 ms
-    assert c.prompt_rows(2048) == 2048  # the row cost is still unknown
+    assert _cap(c, 2048) == 2048  # the row cost is still unknown
     c.observe(decode_rows=4, prompt_rows=100, seconds=0.030)  # (30 - 10) ms / 100 rows = 0.2 ms per row
-    assert c.prompt_rows(2048) == 100   # (3 - 1) x 10 ms / 0.2 ms
-    assert c.prompt_rows(50) == 50      # never above the step budget
+    assert _cap(c, 2048) == 100   # (3 - 1) x 10 ms / 0.2 ms
+    assert _cap(c, 50) == 50      # never above the step budget
     c.observe(decode_rows=0, prompt_rows=10, seconds=0.050)   # 5 ms per row (fixed cost charged to rows)
-    assert c.prompt_rows(2048) == 16    # never below min_tokens: prompts always progress
+    assert _cap(c, 2048) == 16    # never below min_tokens: prompts always progress
     assert c.stats.decode_step_s == pytest.approx(0.010) and c.stats.row_s == pytest.approx(0.005)
     avg = StepCadence(3.0, alpha=0.5)
     for s in (0.010, 0.020):
@@ -34,7 +39,41 @@ def test_under_steady_arrivals_the_decode_time_comes_from_mixed_steps():
     c.observe(decode_rows=0, prompt_rows=100, seconds=0.100)  # 1 ms per row (fixed cost included)
     c.observe(decode_rows=4, prompt_rows=50, seconds=0.070)   # no decode-only step yet: d = 70 - 50 = 20 ms
     assert c.stats.decode_step_s == pytest.approx(0.020)
-    assert c.prompt_rows(2048) == 40  # (3 - 1) x 20 ms / 1 ms
+    assert _cap(c, 2048) == 40  # (3 - 1) x 20 ms / 1 ms
+
+
+def test_a_row_costs_more_after_a_long_context_and_gets_a_smaller_chunk():
+    """A chunk appended to a long session attends to all of it: c per row plus k per (row x
+    cached token). Steps at two contexts separate the two, and the long one's chunk shrinks."""
+    c = StepCadence(3.0, min_tokens=4, alpha=1.0)
+    c.observe(decode_rows=4, prompt_rows=0, seconds=0.010)   # d = 10 ms: 20 ms of prompt work a step
+    for _ in range(3):
+        c.observe(4, 100, 0.010 + 0.020, row_context(100, 0))        # 0.2 ms per row after nothing
+        c.observe(4, 100, 0.010 + 0.080, row_context(100, 5_000))    # 0.8 ms per row after 5,000 tokens
+    k = 0.060 / (row_context(100, 5_000) - row_context(100, 0))  # the 60 ms the 5,000 tokens add
+    assert c.stats.row_context_s == pytest.approx(k, rel=1e-6)
+    assert c.stats.row_s == pytest.approx((0.020 - k * row_context(100, 0)) / 100, rel=1e-6)
+    allow = c.allowance(2048)
+    short, long = allow.rows(0, 2048), allow.rows(5_000, 2048)
+    assert short == c.stats.cap and 95 <= short <= 100 and 24 <= long <= 26
+    assert chunk_cost(long, 5_000, allow.row_s, allow.row_context_s) <= 0.020 < chunk_cost(
+        long + 1, 5_000, allow.row_s, allow.row_context_s)
+    # one context only: the two cannot be told apart, and the ratio learned above is kept
+    same = StepCadence(3.0, alpha=1.0, fit_alpha=1.0)
+    same.observe(4, 0, 0.010)
+    same.observe(4, 100, 0.030, row_context(100, 0))
+    assert same.stats.row_context_s == 0 and same.stats.row_s == pytest.approx(0.0002)
+
+
+def test_the_allowance_is_spent_chunk_by_chunk_and_the_first_chunk_always_moves():
+    a = StepAllowance(seconds=8.0, row_s=1.0, row_context_s=0.0)
+    assert a.rows(0, 5) == 5
+    a.take(0, 5)
+    assert a.rows(0, 10) == 3 and a.rows(0, 2) == 2
+    a.take(0, 3)
+    assert a.rows(0, 10) == 0  # spent: the next prompt waits for the next step
+    tight = StepAllowance(seconds=1.0, row_s=1.0, row_context_s=0.01)
+    assert tight.rows(10_000, 64) == 1  # one row costs 101 s here, but the step's first chunk moves
 
 
 # nan and inf passed the old "<= 1" check and the engine died at its first step (int(nan) in prompt_rows)
@@ -46,7 +85,10 @@ def test_a_factor_of_one_or_less_is_refused(bad):
         StepCadence(bad)
 
 
-def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay():
+@pytest.mark.parametrize("per_context", [0.0, 0.01])
+def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay(per_context):
+    """An allowance of 8 s at 1 s per row (+ ``per_context`` s per row x cached token): with
+    the context term, chunks of the long prompts shrink as their context grows."""
     rng = random.Random(4)
     short = [[rng.randrange(1, 64) for _ in range(6)] for _ in range(3)]
     long = [[rng.randrange(1, 64) for _ in range(150)] for _ in range(2)]
@@ -68,17 +110,55 @@ def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay():
     engine, runner = fake_engine(num_blocks=256, budget=64, speculation="none", stall_factor=3.0)
     seen = []
     cadence = engine.scheduler.cadence
-    cadence.prompt_rows = lambda budget: 8  # what the learned costs would give; timing-free
+    cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, per_context)  # timing-free
     observe = cadence.observe
-    cadence.observe = lambda d, p, s: (seen.append((d, p)), observe(d, p, s))
+    cadence.observe = lambda d, p, s, a=0.0: (seen.append((d, p, a)), observe(d, p, s, a))
     assert run(engine) == want
-    mixed = 0
-    for plan, (decode, prompt) in zip(runner.plans, seen, strict=True):
+    mixed, shrunk = 0, 0
+    for plan, (decode, prompt, context) in zip(runner.plans, seen, strict=True):
         dec = [it for it in plan.seqs if it.sample and it.start >= it.num_prompt and it.num_tokens == 1]
-        assert (decode, prompt) == (len(dec), sum(it.num_tokens for it in plan.seqs) - len(dec))
-        if decode:
-            assert prompt <= 8
-            mixed += prompt > 0
+        chunks = [it for it in plan.seqs if it not in dec]
+        assert (decode, prompt) == (len(dec), sum(it.num_tokens for it in chunks))
+        assert context == pytest.approx(sum(row_context(it.num_tokens, it.start) for it in chunks))
+        if decode and chunks:
+            mixed += 1
+            cost = sum(chunk_cost(it.num_tokens, it.start, 1.0, per_context) for it in chunks if it.num_tokens > 1)
+            assert cost <= 8.0 + 1e-9 or len(chunks) == 1, [(it.start, it.num_tokens) for it in chunks]
+            shrunk += any(it.start >= 100 and 1 < it.num_tokens <= 3 for it in chunks)
     assert mixed > 0 and cadence.stats.capped_steps > 0
+    assert (shrunk > 0) == (per_context > 0)  # 100 cached tokens double a row's cost here
     # the long prompts alone (nobody decoding) take whole chunks
     assert max(sum(it.num_tokens for it in plan.seqs) for plan in runner.plans) > 8
+
+
+def test_the_embedded_model_answers_alike_with_and_without_the_cadence():
+    """The real engine under a tight cadence (F = 1.5: real step times, a long prompt arriving
+    beside three decodes) gives the tokens the uncapped engine gives: chunk boundaries set by
+    timing never change a bit (logprobs compared exactly). The uncapped run reuses the engine with the cadence removed."""
+    import torch
+
+    from streamkv.config import EngineConfig
+    from streamkv.engine.engine import Engine
+
+    engine = Engine(EngineConfig.from_flat(num_blocks=160, stall_factor=1.5, threads=torch.get_num_threads()))
+    rng = random.Random(7)
+    short = [[rng.randrange(100, 40_000) for _ in range(12)] for _ in range(3)]
+    long = [rng.randrange(100, 40_000) for _ in range(700)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run(tag: str) -> dict[str, list]:
+        for i, p in enumerate(short):
+            engine.add_request(f"{tag}s{i}", p, params)
+        for _ in range(4):
+            engine.step()
+        engine.add_request(f"{tag}l", long, params)
+        done = engine.run_to_completion([f"{tag}s{i}" for i in range(3)] + [f"{tag}l"])
+        return {k.removeprefix(tag): [(lp.token_id, lp.logprob, lp.top) for lp in v.logprobs]  # bit for bit
+                for k, v in done.items()}
+
+    capped = run("a")
+    cadence = engine.scheduler.cadence
+    assert cadence is not None and cadence.stats.capped_steps > 0 and cadence.stats.row_s > 0
+    engine.scheduler.cadence = None
+    engine.pool.reset_prefix_cache()  # the uncapped run computes its prompts too
+    assert run("b") == capped

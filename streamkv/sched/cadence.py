@@ -1,71 +1,153 @@
-"""Decode cadence: cap a step's prompt rows so decoding sequences keep their inter-token gap.
+"""Decode cadence: cap a step's prompt work so decoding sequences keep their inter-token gap.
 
 A step that carries prompt chunks next to decodes takes longer than a decode-only step, and
 every decoding sequence waits for it. With ``stall_factor`` F, while any sequence decodes, the
-step's prompt rows are capped so the step is predicted to take at most F decode-only steps::
+step's prompt chunks are capped so the step is predicted to take at most F decode-only steps::
 
-    step time  t  ~  d  +  c * p          d: decode-only step (s), c: s per prompt row, p: prompt rows
-    cap        p <=  (F - 1) * d / c      (at least ``min_tokens``, so prompts always progress)
+    step time  t  ~  d  +  sum over chunks of  cost(n, s)
+    cost(n, s)    =  c * n  +  k * n * (s + n / 2)     n rows appended after s cached tokens
+    allowance     =  max((F - 1) * d,  cost(min_tokens, 0))   (so prompts always progress)
 
-``d`` and ``c`` are learned online (exponential averages) from the engine's step times, so the
-cap follows the machine, the model and the batch. Chunk sizes then depend on timing; outputs do
-not (with ``numerics=invariant`` a chunk boundary never changes a bit). The price is prefill
-throughput: small chunks run below the GEMMs' best rate and prompts wait longer for their
-first token, which ``benchmarks/multitenant.py`` measures. Off by default.
+    d: decode-only step (s)   c: s per row (the weights)   k: s per (row x context token) (attention)
+
+A row's cost grows with the context it attends to: on the AVX2-only EPYC (float32, SmolLM2-135M)
+a 32-row chunk costs 2.0 ms per row after 0 cached tokens and 7.6 ms per row after 6,144
+(``k / c`` ~ 1 / 2,400 tokens). A cap in rows alone let one bar appended to a long session
+stall every decoder three times longer than a chat prompt's chunk of the same size.
+
+``d`` is an exponential average of decode-only steps; ``c`` and ``k`` an exponentially weighted
+least-squares fit of the mixed steps (two features: rows and row x context), so the cap follows
+the machine, the model and the batch. Chunk sizes then depend on timing; outputs do not (with
+``numerics=invariant`` a chunk boundary never changes a bit). The price is prefill throughput:
+small chunks run below the GEMMs' best rate and prompts wait longer for their first token, which
+``benchmarks/multitenant.py`` measures. Off by default.
 """
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 
 @dataclass
 class CadenceStats:
     capped_steps: int = 0     # steps whose prompt rows the cap limited
-    cap: int = 0              # prompt rows allowed in the latest step with decoders (0: no cap yet)
+    cap: int = 0              # prompt rows at context 0 the latest step with decoders allowed (0: none yet)
     decode_step_s: float = 0.0
-    row_s: float = 0.0        # learned seconds per prompt row
+    row_s: float = 0.0        # learned seconds per prompt row (c)
+    row_context_s: float = 0.0  # learned seconds per (row x cached token it attends to) (k)
+
+
+def chunk_cost(n: int, start: int, row_s: float, row_context_s: float) -> float:
+    """Predicted seconds of ``n`` prompt rows appended after ``start`` cached tokens."""
+    return n * (row_s + row_context_s * (start + n / 2))
+
+
+def row_context(n: int, start: int) -> float:
+    """The attention feature of a chunk: sum over its rows of the tokens each attends to."""
+    return n * (start + n / 2)
+
+
+@dataclass
+class StepAllowance:
+    """Prompt work one step with decoders may still carry (mutable, one per step)."""
+    seconds: float
+    row_s: float
+    row_context_s: float
+    taken: bool = False
+
+    def rows(self, start: int, n: int) -> int:
+        """Most rows (<= n) of a chunk after ``start`` cached tokens that fit what is left; the
+        step's first chunk gets at least one row."""
+        b = self.row_s + self.row_context_s * start
+        if self.row_context_s > 0:
+            fit = (math.sqrt(b * b + 2 * self.row_context_s * max(self.seconds, 0.0)) - b) / self.row_context_s
+        else:
+            fit = max(self.seconds, 0.0) / b
+        m = min(n, int(fit + 1e-9))
+        return max(m, min(n, 1)) if not self.taken else m
+
+    def take(self, start: int, n: int) -> None:
+        self.seconds -= chunk_cost(n, start, self.row_s, self.row_context_s)
+        self.taken = True
 
 
 class StepCadence:
-    """:meth:`observe` learns from each step; :meth:`prompt_rows` answers for the next."""
+    """:meth:`observe` learns from each step; :meth:`allowance` answers for the next."""
 
-    def __init__(self, factor: float, min_tokens: int = 32, alpha: float = 0.2) -> None:
-        if not 1.0 < factor < math.inf:  # (NaN fails too: it would reach int() in prompt_rows)
+    def __init__(self, factor: float, min_tokens: int = 32, alpha: float = 0.2, fit_alpha: float = 0.05) -> None:
+        if not 1.0 < factor < math.inf:  # (NaN fails too: it would reach int() in the row count)
             raise ValueError(f"stall_factor must be a finite number > 1, got {factor}")
-        if min_tokens < 1 or not 0.0 < alpha <= 1.0:
-            raise ValueError(f"need min_tokens >= 1 and alpha in (0, 1], got {min_tokens}, {alpha}")
+        if min_tokens < 1 or not 0.0 < alpha <= 1.0 or not 0.0 < fit_alpha <= 1.0:
+            raise ValueError(f"need min_tokens >= 1 and alpha, fit_alpha in (0, 1], got {min_tokens}, "
+                             f"{alpha}, {fit_alpha}")
         self.factor = factor
         self.min_tokens = min_tokens
         self.alpha = alpha
+        self.fit_alpha = fit_alpha
         self.stats = CadenceStats()
         self._d: float | None = None  # decode-only step time
-        self._c: float | None = None  # seconds per prompt row
+        self._fit = _CostFit()
 
     def _avg(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
 
-    def observe(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
-        """One executed step: its decode rows (one token each), prompt rows and wall time."""
+    def observe(self, decode_rows: int, prompt_rows: int, seconds: float, context: float = 0.0) -> None:
+        """One executed step: its decode rows (one token each), prompt rows, their ``context``
+        (sum of :func:`row_context` over its chunks) and wall time."""
         if prompt_rows == 0:
             if decode_rows:
                 self._d = self.stats.decode_step_s = self._avg(self._d, seconds)
             return
-        if decode_rows and self._d is None and self._c is not None:
+        if decode_rows and self._d is None and self._fit.known:
             # every step so far carried prompt rows (steady arrivals): the decode part of this
-            # one, at the row cost learned so far, stands for d until a decode-only step comes
-            self._d = self.stats.decode_step_s = max(seconds - self._c * prompt_rows, 0.05 * seconds)
+            # one, at the row costs learned so far, stands for d until a decode-only step comes
+            prompt_s = self._fit.c * prompt_rows + self._fit.k * context
+            self._d = self.stats.decode_step_s = max(seconds - prompt_s, 0.05 * seconds)
             return
         # a step without decoders still has the fixed cost: charging it to the rows errs on the
         # side of smaller chunks until a mixed step corrects it
         base = self._d if decode_rows and self._d is not None else 0.0
-        self._c = self.stats.row_s = self._avg(self._c, max(seconds - base, 0.0) / prompt_rows)
+        self._fit.add(prompt_rows, context, max(seconds - base, 0.0), self.fit_alpha)
+        self.stats.row_s, self.stats.row_context_s = self._fit.c, self._fit.k
 
-    def prompt_rows(self, budget: int) -> int:
-        """Most prompt rows a step with decoders may carry (``budget`` until both costs are known)."""
-        if self._d is None or not self._c:
-            return budget
-        cap = int((self.factor - 1.0) * self._d / self._c)
-        self.stats.cap = max(self.min_tokens, min(budget, cap))
-        return self.stats.cap
+    def allowance(self, budget: int) -> StepAllowance | None:
+        """Prompt work a step with decoders may carry (None until both costs are known)."""
+        fit = self._fit
+        if self._d is None or not fit.known:
+            return None
+        floor = chunk_cost(self.min_tokens, 0, fit.c, fit.k)
+        allow = StepAllowance(max((self.factor - 1.0) * self._d, floor), fit.c, fit.k)
+        self.stats.cap = min(budget, allow.rows(0, budget))
+        return allow
+
+
+class _CostFit:
+    """Exponentially weighted least squares of ``y ~ c * p + k * a`` (both >= 0).
+
+    When the steps seen cannot separate the two (every chunk at about the same context), the
+    last separable ratio ``k / c`` is kept and only the scale is fitted (``k = 0`` before any)."""
+
+    def __init__(self) -> None:
+        self.s = [0.0] * 5  # decayed sums: pp, pa, aa, py, ay
+        self.c = 0.0
+        self.k = 0.0
+        self._ratio = 0.0   # k / c of the last separable fit
+        self.known = False
+
+    def add(self, p: float, a: float, y: float, alpha: float) -> None:
+        keep = 1.0 - alpha
+        self.s = [keep * v for v in self.s]
+        for i, v in enumerate((p * p, p * a, a * a, p * y, a * y)):
+            self.s[i] += v
+        pp, pa, aa, py, ay = self.s
+        det = pp * aa - pa * pa
+        if aa > 0 and det > 1e-2 * pp * aa:  # separable: rows and context vary independently enough
+            c, k = (py * aa - ay * pa) / det, (ay * pp - py * pa) / det
+            if c >= 0 and k >= 0:
+                self.c, self.k, self._ratio, self.known = c, k, (k / c if c > 0 else self._ratio), c + k > 0
+                return
+        r = self._ratio  # one feature: p + r * a, at the ratio kept
+        den = pp + 2 * r * pa + r * r * aa
+        scale = (py + r * ay) / den if den > 0 else 0.0
+        self.c, self.k = max(scale, 0.0), max(scale, 0.0) * r
+        self.known = self.c > 0

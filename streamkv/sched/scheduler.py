@@ -15,7 +15,7 @@ from typing import Callable
 from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.sched.admission import CellBudget
-from streamkv.sched.cadence import StepCadence
+from streamkv.sched.cadence import StepAllowance, StepCadence
 from streamkv.sched.grouping import PrefillGroups
 from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
@@ -177,7 +177,7 @@ class Scheduler(StepUpdates):
         crowded = spec_cap and any(s.status is SeqStatus.WAITING for s in ranked)
         if self.admission is not None:
             self.admission.begin(self.seqs.values())
-        prompt_left = self._prompt_rows(ranked, budget)
+        allow = self._allowance(ranked, budget)
         capped = False
         for seq in ranked:
             if budget <= 0 or len(out) >= self.config.max_num_seqs:
@@ -213,12 +213,13 @@ class Scheduler(StepUpdates):
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
-            if target - computed > 1:  # prompt rows: under the decode cadence's cap
-                if n > prompt_left:
-                    n, capped = prompt_left, True
+            if target - computed > 1 and allow is not None:  # prompt rows: under the decode cadence
+                fits = allow.rows(computed, n)
+                if fits < n:
+                    n, capped = fits, True
                     if n == 0:
                         continue
-                prompt_left -= n
+                allow.take(computed, n)
             draft = self._draft(seq, min(spec_cap, budget - n), crowded) if spec_cap and n == 1 else ()
             out.append(_Proposal(seq, computed + n, draft))
             budget -= n + len(draft)
@@ -227,13 +228,13 @@ class Scheduler(StepUpdates):
             self.cadence.stats.capped_steps += 1
         return out
 
-    def _prompt_rows(self, ranked: list[Sequence], budget: int) -> int:
-        """Prompt rows this step may carry: the decode cadence's cap while a sequence decodes
+    def _allowance(self, ranked: list[Sequence], budget: int) -> StepAllowance | None:
+        """Prompt work this step may carry: the decode cadence's while a sequence decodes
         (computes the row of a token it generated, as ``step_output._decodes`` counts them)."""
         if self.cadence is None or not any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1
                                            and s.num_output > 0 for s in ranked):
-            return budget
-        return self.cadence.prompt_rows(budget)
+            return None
+        return self.cadence.allowance(budget)
 
     def _held(self, seq: Sequence) -> bool:
         """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool

@@ -1,4 +1,4 @@
-"""The runner's side of the step boundary: what the scheduler does with a step's outputs.
+r"""The runner's side of the step boundary: what the scheduler does with a step's outputs.
 
     Scheduler.schedule() -> StepPlan -> runner -> StepOutput -> Scheduler.update()
                                                \-> seconds    -> Scheduler.observe_step()
@@ -14,7 +14,7 @@ from typing import Callable
 
 from streamkv.kv.manager import KVManager
 from streamkv.policies.read import ReadCount
-from streamkv.sched.cadence import StepCadence
+from streamkv.sched.cadence import StepCadence, row_context
 from streamkv.sched.plan import ScheduledSeq, StepOutput, StepPlan
 from streamkv.sched.sequence import Sequence, SeqStatus
 from streamkv.sched.speculation import SpecState, SpecStats, Speculator
@@ -40,9 +40,9 @@ class StepUpdates:
         """The engine reports each executed step's time (the decode cadence learns from it)."""
         if self.cadence is None:
             return
-        decodes = [it for it in plan.seqs if _decodes(it)]
-        prompt = sum(it.num_tokens for it in plan.seqs) - sum(it.num_tokens for it in decodes)
-        self.cadence.observe(len(decodes), prompt, seconds)
+        chunks = [(it.num_tokens, it.start) for it in plan.seqs if not _decodes(it)]
+        self.cadence.observe(len(plan.seqs) - len(chunks), sum(n for n, _ in chunks), seconds,
+                             sum(row_context(n, start) for n, start in chunks))
 
     def _enter_layout(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> None:
         """The write policy's point is reached: from now on the sequence holds its layout's

@@ -134,7 +134,7 @@ def _scheduler_metrics(scheduler: Any) -> Any:
     cad = scheduler.cadence.stats if scheduler.cadence is not None else None
     yield CounterMetricFamily("streamkv_cadence_capped_steps", "steps whose prompt rows the decode cadence capped",
                               value=cad.capped_steps if cad else 0)
-    yield GaugeMetricFamily("streamkv_cadence_prompt_cap_tokens", "prompt rows a step with decoders may carry "
+    yield GaugeMetricFamily("streamkv_cadence_prompt_cap_tokens", "prompt rows at context 0 a step with decoders may carry "
                             "(decode cadence; 0: off or not learned yet)", value=cad.cap if cad else 0)
     grp = scheduler.groups.stats if scheduler.groups is not None else None
     for key, attr, doc in (("followers", "followers", "requests admitted after waiting for a leader's shared blocks"),
