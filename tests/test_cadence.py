@@ -134,7 +134,8 @@ def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay(per_context)
 def test_the_embedded_model_answers_alike_with_and_without_the_cadence():
     """The real engine under a tight cadence (F = 1.5: real step times, a long prompt arriving
     beside three decodes) gives the tokens the uncapped engine gives: chunk boundaries set by
-    timing never change a bit (logprobs compared exactly). The uncapped run reuses the engine with the cadence removed."""
+    timing never change a bit (logprobs compared exactly). The uncapped run reuses the engine
+    with the cadence removed."""
     import torch
 
     from streamkv.config import EngineConfig

@@ -37,14 +37,14 @@ class CadenceStats:
     row_context_s: float = 0.0  # learned seconds per (row x cached token it attends to) (k)
 
 
-def chunk_cost(n: int, start: int, row_s: float, row_context_s: float) -> float:
-    """Predicted seconds of ``n`` prompt rows appended after ``start`` cached tokens."""
-    return n * (row_s + row_context_s * (start + n / 2))
-
-
 def row_context(n: int, start: int) -> float:
     """The attention feature of a chunk: sum over its rows of the tokens each attends to."""
     return n * (start + n / 2)
+
+
+def chunk_cost(n: int, start: int, row_s: float, row_context_s: float) -> float:
+    """Predicted seconds of ``n`` prompt rows appended after ``start`` cached tokens."""
+    return row_s * n + row_context_s * row_context(n, start)
 
 
 @dataclass
