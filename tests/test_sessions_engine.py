@@ -1,5 +1,6 @@
 """Live sessions on the engine: equivalence with stateless generation and with a dense
-reference under eviction, snapshot isolation, bounded memory over long streams, overflow."""
+reference under eviction, snapshot isolation, bounded memory over long streams, overflow
+(pool pressure: tests/test_session_pool_pressure.py)."""
 from __future__ import annotations
 
 import random
@@ -7,11 +8,10 @@ import random
 import pytest
 import torch
 
-from streamkv import LLM, SamplingParams
+from streamkv import SamplingParams
 from streamkv.errors import InvalidRequestError, QueueFullError, SessionNotFoundError
 from streamkv.sessions.spec import SessionSpec
 from tests.session_reference import DenseSession, tiny_pair
-from tests.tiny_checkpoints import make_tiny_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -230,164 +230,4 @@ def test_concurrent_queries_on_one_session_during_ingestion_equal_their_solo_ans
     _drain(engine)
     assert sess.data.data_version == 2
     engine.sessions.delete(sess.id)
-    engine.check_integrity()
-
-
-def _idle_sessions(tmp_path):
-    """A tiny model whose 40-block pool two ingested, idle sessions hold most of."""
-    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
-    sessions = [llm.session("s", chat=False, retention_tokens=60) for _ in range(2)]
-    for s in sessions:
-        s.push([f"record {i} of some data" for i in range(6)])
-        s.ingest()
-    return llm, sessions
-
-
-def test_idle_sessions_are_offloaded_when_requests_need_blocks(tmp_path):
-    llm, sessions = _idle_sessions(tmp_path)
-    engine = llm.engine
-    before = [s.query("what?", max_tokens=4).token_ids for s in sessions]
-    out = llm.generate([list(range(3, 110))], SamplingParams(max_tokens=4, temperature=0))[0]
-    assert out.finish_reason == "length"  # needed more blocks than were free
-    where = [s.stats()["kv"]["where"] for s in sessions]
-    assert "host" in where
-    assert any(e["event"] == "offloaded" for s in sessions for e in s.events())
-    after = [s.query("what?", max_tokens=4).token_ids for s in sessions]
-    assert after == before
-    engine.check_integrity()
-
-
-def test_idle_sessions_are_offloaded_when_a_span_query_needs_blocks(tmp_path):
-    # span streams are pinned: offloading looked only at unpinned waiting requests, so a span
-    # query waited for good behind idle sessions, and the requests ranked after it too
-    from streamkv.spans.ir import fragment, gen, plus, seq, user
-
-    llm, sessions = _idle_sessions(tmp_path)
-    engine = llm.engine
-    free = engine.pool.num_free
-    words = " ".join(f"w{i}" for i in range(4 * free))
-    engine.spans.submit("q", gen(seq(fragment("sys"), plus(fragment(words)), user("q")), max_tokens=3, temperature=0))
-    engine.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
-    done = {}
-    for _ in range(500):
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-        if len(done) == 2:
-            break
-    assert sorted(done) == ["p", "q"] and done["q"].finish_reason == "length", done.get("q")
-    assert "host" in [s.stats()["kv"]["where"] for s in sessions]
-    engine.spans.cache.clear()
-    engine.check_integrity()
-
-
-def test_idle_sessions_make_room_for_the_request_that_blocks_the_queue(tmp_path):
-    # a long request L (more than is free) and a short one S (fits) wait together: offloading
-    # freed only the smallest need (S's: nothing), but nothing unpinned passes L, so neither
-    # ever ran (helper-23: a server frozen for 140 s until clients gave up)
-    llm, sessions = _idle_sessions(tmp_path)
-    engine = llm.engine
-    free = engine.pool.num_free
-    params = SamplingParams(max_tokens=4, temperature=0)
-    engine.add_request("L", list(range(3, 3 + 4 * (free + 3))), params)
-    engine.add_request("S", [5, 6, 7], params)
-    done = {}
-    for _ in range(300):
-        done.update({o.request_id: o for o in engine.step() if o.finished})
-        if len(done) == 2:
-            break
-    assert sorted(done) == ["L", "S"], (engine.scheduler.blocked_need, engine.pool.num_free)
-    assert "host" in [s.stats()["kv"]["where"] for s in sessions]
-    engine.check_integrity()
-
-
-def test_a_session_question_takes_its_block_from_an_idle_streaming_input(tmp_path):
-    # an input waiting for more text held the last free block: the question's fork (it copies
-    # its partial block at once) failed with "the KV cache is full" (a 503), although a span
-    # query's fork would have preempted that input (background work)
-    llm, sessions = _idle_sessions(tmp_path)
-    engine = llm.engine
-    before = sessions[0].query("what?", max_tokens=4).token_ids
-    handle = llm.open_input("w", SamplingParams(max_tokens=3, temperature=0))
-    for i in range(400):  # one short word at a time until the input holds every free block
-        if engine.pool.num_free == 0:
-            break
-        handle.append(f" w{i % 10}")
-        handle.advance()
-    assert engine.pool.num_free == 0 and "host" not in [s.stats()["kv"]["where"] for s in sessions]
-    assert sessions[0].query("what?", max_tokens=4).token_ids == before
-    assert engine.scheduler.num_preemptions > 0
-    handle.result()
-    engine.check_integrity()
-
-
-REQUESTS = [list(range(3 + i, 30 + i)) for i in range(2)]
-LONG = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-
-
-def _session_beside_requests(tmp_path, offload: bool):
-    """One ingested session (its answer to "what?" recorded; ``offload``: then moved to host) and
-    two stateless requests (``r0``, ``r1``) stepped until they hold every free block of a 40-block
-    pool. Returns (llm, session, answer before)."""
-    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
-    engine = llm.engine
-    session = llm.session("s", chat=False, retention_tokens=60)
-    session.push([f"record {i} of some data" for i in range(6)])
-    session.ingest()
-    before = session.query("what?", max_tokens=4).token_ids
-    if offload:
-        assert engine.sessions.offload.offload(engine.sessions.get(session.id)) > 0
-    for i, p in enumerate(REQUESTS):
-        engine.add_request(f"r{i}", p, LONG)
-    for _ in range(200):  # until the requests hold every free block
-        if engine.pool.num_free == 0:
-            break
-        engine.step()
-    assert engine.pool.num_free == 0 and engine.has_unfinished()
-    assert session.stats()["kv"]["where"] == ("host" if offload else "pool")
-    return llm, session, before
-
-
-def _requests_as_alone(llm) -> None:
-    """r0 and r1 finish with the tokens they give alone (preempted, recomputed: the same)."""
-    done = llm.engine.run_to_completion([f"r{i}" for i in range(len(REQUESTS))])
-    alone = [o.token_ids for o in llm.generate(REQUESTS, LONG)]
-    assert [done[f"r{i}"].token_ids for i in range(len(REQUESTS))] == alone
-
-
-def test_a_session_question_preempts_a_running_request_for_its_block(tmp_path):
-    # running stateless requests held every block: the question's fork (it copies its partial
-    # block at once) failed with "the KV cache is full" (a 503) although they are a less urgent
-    # class (POOL after SESSION) that the scheduler preempts for each other anyway
-    llm, session, before = _session_beside_requests(tmp_path, offload=False)
-    assert session.query("what?", max_tokens=4).token_ids == before
-    assert llm.engine.scheduler.num_preemptions > 0
-    _requests_as_alone(llm)
-    llm.engine.check_integrity()
-
-
-def test_an_offloaded_sessions_question_preempts_running_requests_to_come_back(tmp_path):
-    # the session had been offloaded to host while requests filled the pool: restoring it for the
-    # question failed with a 429 "the KV cache is full" (helper-27: 23 of 24 questions in a burst
-    # beside completions on an 80-block pool); it now preempts them as the fork does
-    llm, session, before = _session_beside_requests(tmp_path, offload=True)
-    assert session.query("what?", max_tokens=4).token_ids == before
-    assert llm.engine.scheduler.num_preemptions > 0
-    _requests_as_alone(llm)
-    llm.engine.check_integrity()
-
-
-def test_a_push_refused_for_want_of_blocks_is_not_applied(tmp_path):
-    # a push to an offloaded session that found no room to restore it answered 429 after its
-    # records were already accepted as a new version (helper-29: versions = pushes + 429s + 1), so
-    # a client retrying the 429 pushed them twice
-    llm, session, _ = _session_beside_requests(tmp_path, offload=True)
-    engine = llm.engine
-    s = engine.sessions.get(session.id)
-    version, pushed = s.data.data_version, s.data.counters.records_pushed
-    with pytest.raises(QueueFullError):
-        engine.sessions.push(session.id, ["one more record"])
-    assert (s.data.data_version, s.data.counters.records_pushed, len(s.data.queue)) == (version, pushed, 0)
-    engine.run_to_completion(["r0", "r1"])
-    assert engine.sessions.push(session.id, ["one more record"])["data_version"] == version + 1
     engine.check_integrity()

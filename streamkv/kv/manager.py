@@ -91,10 +91,14 @@ class KVManager:
         """Extra blocks needed for ``seq_id`` to hold ``num_tokens`` tokens of KV."""
         return max(0, self.blocks_for(num_tokens) - self.num_blocks_held(seq_id))
 
-    def num_unshared(self, seq_id: int) -> int:
-        """Blocks only ``seq_id`` holds: at most what dropping its KV gives back."""
-        kv = self._seqs.get(seq_id)
-        return sum(1 for b in kv.block_ids if self.pool.blocks[b].ref_count == 1) if kv else 0
+    def num_unshared(self, *seq_ids: int) -> int:
+        """Blocks held by ``seq_ids`` and nobody else: what dropping all their KV gives back
+        (a block the set holds ``n`` times is unshared when its ref count is ``n``)."""
+        uses: dict[int, int] = {}
+        for seq_id in seq_ids:
+            for b in (kv.block_ids if (kv := self._seqs.get(seq_id)) else ()):
+                uses[b] = uses.get(b, 0) + 1
+        return sum(1 for b, n in uses.items() if self.pool.blocks[b].ref_count == n)
 
     # ---------------------------------------------------------------- changes
     def admit(self, seq_id: int, hit: PrefixHit, cache_key: int = 0, num_tokens: int = 0) -> None:

@@ -64,19 +64,26 @@ class Offloader:
         stream = session.stream
         return (stream is not None and not session.data.queue and self.engine.seq_ops.is_idle(stream))
 
+    def freeable(self, session: Session) -> int:
+        """Pool blocks that offloading ``session`` would give back: those its stream and ready
+        fork hold alone. A running question's fork shares nearly all of them, so offloading a
+        session while it answers frees next to nothing and only costs a restore later."""
+        seqs = [s.seq_id for s in (session.stream, session.ready) if s is not None]
+        return self.engine.kv.num_unshared(*seqs)
+
     def offload(self, session: Session) -> int:
-        """Move a quiescent session's KV to host memory; returns the blocks it held."""
+        """Move a quiescent session's KV to host memory; returns the pool blocks this freed."""
         stream = session.stream
         if stream is None or not self.quiescent(session):
             return 0
-        held = self.engine.kv.num_blocks_held(stream.seq_id)
+        free = self.engine.pool.num_free
         session.host_kv = self.engine.seq_ops.export(stream, len(stream.tokens))
         session.host_q = self.engine.seq_ops.queries(stream)
         session.offloaded_tokens = list(stream.tokens)
         self.manager.drop_kv(session)
         session.emit("offloaded", where="host", tokens=len(session.offloaded_tokens))
         self._spill_host()
-        return held
+        return self.engine.pool.num_free - free
 
     def _spill_host(self) -> None:
         hosted = sorted((s for s in self.manager.sessions.values() if s.host_kv is not None),
@@ -124,9 +131,16 @@ class Offloader:
         session.emit("restored", tokens=len(tokens))
 
     def _offload_one(self, exclude: Session | None = None) -> int:
-        for s in sorted(self.manager.sessions.values(), key=lambda s: s.data.last_used):
-            if s is not exclude and s.where == "pool" and self.quiescent(s):
-                return self.offload(s)
+        """Offload the least recently used quiescent session that frees at least half the blocks
+        it holds; failing that, any that frees some (one answering a question shares most of its
+        blocks with the question's fork). Returns the blocks freed (0: none could be)."""
+        found = [(s, self.freeable(s), self.engine.kv.num_blocks_held(s.stream.seq_id))  # type: ignore[union-attr]
+                 for s in sorted(self.manager.sessions.values(), key=lambda s: s.data.last_used)
+                 if s is not exclude and s.where == "pool" and self.quiescent(s)]
+        for enough in (lambda free, held: 2 * free >= held, lambda free, held: free > 0):
+            for session, free, held in found:
+                if enough(free, held):
+                    return self.offload(session)
         return 0
 
     def relieve_pressure(self) -> None:
