@@ -76,6 +76,14 @@ def test_the_allowance_is_spent_chunk_by_chunk_and_the_first_chunk_always_moves(
     assert tight.rows(10_000, 64) == 1  # one row costs 101 s here, but the step's first chunk moves
 
 
+@pytest.mark.parametrize("k", [0.0, 1e-30, 1e-20, 1e-12])
+def test_a_negligible_context_cost_does_not_round_the_rows_away(k):
+    # (sqrt(b^2 + 2 k s) - b) / k cancels to 0 when k << b: a fit with a vanishing k gave every
+    # chunk after the first no rows (and the first one row), whatever the allowance
+    a = StepAllowance(seconds=0.0325, row_s=0.001, row_context_s=k, taken=True)
+    assert a.rows(0, 2048) == 32 and a.rows(1000, 2048) == 32
+
+
 # nan and inf passed the old "<= 1" check and the engine died at its first step (int(nan) in prompt_rows)
 @pytest.mark.parametrize("bad", [1.0, 0.5, -2.0, float("nan"), float("inf")])
 def test_a_factor_of_one_or_less_is_refused(bad):
