@@ -180,9 +180,14 @@ def test_profile_key_names_the_kv_cache_dtype_and_the_measurable_sizes(tmp_path,
     from streamkv.config import EngineConfig
     from streamkv.engine import profile
     from streamkv.engine.engine import Engine
+    from tests.tiny_checkpoints import make_tiny_hf_checkpoint
 
-    # 80 x 16 tokens, swap room for 64 blocks: every size fits; recompute: no profile at start
-    base = dict(dtype=DEFAULT, kv_cache_dtype="bfloat16", num_blocks=80, swap_space=64 << 20,
+    pytest.importorskip("transformers")
+    # a tiny model: the key depends on the model's name, not its size, and the embedded one's
+    # seventeen loads took 75 s of the suite. 80 x 16 tokens, swap room for 64 blocks: every
+    # size fits; recompute: no profile at start
+    model = str(make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=2048))
+    base = dict(model=model, dtype=DEFAULT, kv_cache_dtype="bfloat16", num_blocks=80, swap_space=64 << 20,
                 preemption="recompute", threads=torch.get_num_threads())
 
     def make(**kw) -> Engine:
@@ -203,14 +208,16 @@ def test_profile_key_names_the_kv_cache_dtype_and_the_measurable_sizes(tmp_path,
     assert key(swap_space=8 * make().kv_ops.bytes_per_block) != ref
     assert key(max_model_len=3) == key(max_model_len=3) != key(max_model_len=4)
     # `streamkv profile` without --swap-space makes room for the largest swap, so its profile is
-    # found by an engine with ample swap space even where 64 MiB holds fewer blocks (float32, 64-token blocks)
+    # found by an engine with ample swap space, not by one whose swap space holds fewer blocks (64
+    # MiB did, of the embedded model's float32 KV in 64-token blocks)
     big = dict(block_size=64, kv_cache_dtype="float32")
     room = make(**big, swap_space=0)
     profile.make_room(room)
-    ample = make(**big, swap_space=100 * room.kv_ops.bytes_per_block)
-    assert profile.profile_key(room) == profile.profile_key(ample) != key(**big, swap_space=64 << 20)
+    per_block = room.kv_ops.bytes_per_block
+    ample = make(**big, swap_space=100 * per_block)
+    assert profile.profile_key(room) == profile.profile_key(ample) != key(**big, swap_space=20 * per_block)
 
-    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))     # after the engines: kernel tunings stay cached
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path / "cache"))  # after the engines: kernel tunings stay cached
     narrow, wide = make(max_model_len=3), make()
     assert profile.profile_path(narrow) != profile.profile_path(wide)
     measured = profile.load_or_measure(narrow)
