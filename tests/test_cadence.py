@@ -139,6 +139,32 @@ def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay(per_context)
     assert max(sum(it.num_tokens for it in plan.seqs) for plan in runner.plans) > 8
 
 
+def test_a_question_is_charged_to_the_allowance_but_never_cut():
+    """A session-class question beside decodes: its 40 prompt rows go in one chunk (its latency
+    is what the cadence protects; 8-row chunks made it five steps long), and a stateless prompt
+    ranked after it gets only what the question left of the allowance (here nothing)."""
+    from streamkv.sched.sequence import PriorityClass
+
+    rng = random.Random(5)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine, runner = fake_engine(num_blocks=256, budget=64, speculation="none", stall_factor=3.0)
+    engine.scheduler.cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, 0.0)  # timing-free
+    for i in range(3):
+        engine.add_request(f"s{i}", [rng.randrange(1, 64) for _ in range(6)], params)
+    for _ in range(3):
+        engine.step()
+    question = engine.add_request("q", [rng.randrange(1, 64) for _ in range(40)], params, klass=PriorityClass.SESSION)
+    chat = engine.add_request("c", [rng.randrange(1, 64) for _ in range(40)], params)
+    engine.step()
+    plan = runner.plans[-1]
+    rows = {it.seq_id: it.num_tokens for it in plan.seqs}
+    assert rows[question.seq_id] == 40 and chat.seq_id not in rows
+    engine.run_to_completion(["s0", "s1", "s2", "q", "c"])
+    chunks = [it.num_tokens for p in runner.plans[-40:] for it in p.seqs if it.seq_id == chat.seq_id]
+    assert chunks and max(chunks) <= 8 < sum(chunks)  # the stateless prompt: capped, chunk by chunk
+    engine.check_integrity()
+
+
 def test_the_embedded_model_answers_alike_with_and_without_the_cadence():
     """The real engine under a tight cadence (F = 1.5: real step times, a long prompt arriving
     beside three decodes) gives the tokens the uncapped engine gives: chunk boundaries set by

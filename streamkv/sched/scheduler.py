@@ -213,8 +213,10 @@ class Scheduler(StepUpdates):
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
-            if target - computed > 1 and allow is not None:  # prompt rows: under the decode cadence
-                fits = allow.rows(computed, n)
+            if target - computed > 1 and allow is not None:  # prompt rows: under the decode cadence,
+                # except a question (session or flash class): its latency is what the cadence is
+                # for, so its rows are charged (less for the prompts ranked after it) but never cut
+                fits = n if seq.samples and seq.klass <= PriorityClass.SESSION else allow.rows(computed, n)
                 if fits < n:
                     n, capped = fits, True
                     if n == 0:
