@@ -145,3 +145,26 @@ def test_response_cache_serves_deterministic_requests_only(smol_path):
     other = llm.generate(["The sky is"], SamplingParams(max_tokens=9, temperature=0))[0]
     assert not other.cached
     assert llm.engine.responses.hits == 2
+
+
+def test_only_a_registered_question_asks_the_engine_thread_whether_it_is_in_flight(smol_fp32, session):
+    """The server's check for an in-flight flash evaluation went through the engine thread for
+    every session question; the engine thread takes commands only between steps, so a plain
+    question waited for one more step boundary before its fork was even created."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from streamkv.server.flash_api import wait_for_flash
+
+    calls: list[object] = []
+
+    async def call(fn):
+        calls.append(fn)
+        return fn(smol_fp32.engine)
+
+    fake = SimpleNamespace(engine=smol_fp32.engine, call=call)
+    session.register_flash(QUESTIONS[0], max_tokens=4)
+    assert asyncio.run(wait_for_flash(fake, session.id, "How many readings?", 0.0)) is None
+    assert calls == []  # not registered: nothing can be in flight, no round trip
+    assert asyncio.run(wait_for_flash(fake, session.id, QUESTIONS[0], 0.0)) is None  # registered, not in flight
+    assert len(calls) == 1

@@ -92,7 +92,15 @@ def instant_answer(engine: AsyncEngine, session_id: str, question: str, t0: floa
 
 async def wait_for_flash(engine: AsyncEngine, session_id: str, question: str, t0: float) -> dict[str, Any] | None:
     """If an evaluation of this registered question at the current version is in flight,
-    wait for it instead of duplicating it; None when there is nothing to wait for."""
+    wait for it instead of duplicating it; None when there is nothing to wait for.
+
+    Only a registered flash question can be in flight, and the registry is readable off the
+    engine thread (``FlashState.find``): an ordinary question skips the engine round trip,
+    which waits for the running step to end (commands are drained between steps), so a session
+    question paid one or two step boundaries before its fork existed."""
+    session = engine.engine.sessions.sessions.get(session_id)
+    if session is not None and session.flash.find(question) is None:
+        return None
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
 
