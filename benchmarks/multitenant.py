@@ -127,7 +127,8 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
             row.update(rate=rate, **{k.removeprefix("streamkv_").removesuffix("_total"): after[k] - before[k]
                                       for k in COUNTERS})
             phases.append(row)
-            print(f"[{name}] rate {rate}: session p50/p99 {row['session_p50_ms']:.0f}/{row['session_p99_ms']:.0f} ms,"
+            print(f"[{name}] rate {rate}: session p50/p99 {row['session_p50_ms']:.0f}/{row['session_p99_ms']:.0f} ms"
+                  f" (server-side {row['session_server_p50_ms']:.0f}/{row['session_server_p99_ms']:.0f} ms),"
                   f" TTFT p99 {row['ttft_p99_s']:.2f} s, stall {row['gap_max_ms']:.0f} ms "
                   f"(median gap {row['gap_median_ms']:.0f} ms), errors {row['errors']}, "
                   f"session pushes/questions refused {row['session_errors']}, preemptions {row['preemptions']:.0f}",
