@@ -276,3 +276,4 @@ def test_startup_banner_names_url_model_dtype_and_kernels(server, model):
     assert f"streamkv serving {model} at {server.url}" in text
     assert "dtype float32" in text and "kernels: " in text
     assert "scheduling: speculation pld (draft budget 6, up to 4 each), chunking adaptive, admission none" in text
+    assert "process: thread switch interval 0.5 ms, " in text and " objects frozen out of the collector" in text

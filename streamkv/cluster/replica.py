@@ -17,6 +17,7 @@ from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.engine import Engine
 from streamkv.server.app import create_app
 from streamkv.server.config import ServerConfig
+from streamkv.server.run import prepare_process
 
 
 class ReplicaServer:
@@ -62,6 +63,9 @@ def replica_deployment(name: str, num_cpus: float) -> Any:
             import ray
 
             self.server = ReplicaServer(engine_options, server_options, host=ray.util.get_node_ip_address())
+            # this actor's process serves only this replica (ReplicaServer alone leaves the
+            # process as it is: a test or an embedding program owns its own process)
+            print(prepare_process(ServerConfig(**server_options)), flush=True)
 
         def url(self) -> str:
             return self.server.url

