@@ -141,6 +141,10 @@ class SchedulerConfig:
                 "prefilling request ranked above them (hash of the next 8 tokens, then verified) wait for it "
                 "to compute those blocks and alias them as a prefix hit instead of computing them too "
                 "(needs prefix caching; outputs unchanged)"})
+    fork_gate: bool = field(default=True, metadata={
+        "help": "a question's fork starts its own rows only when the free pool, less what the forks already "
+                "started may still take to their ends, holds its own (the first always may); held forks "
+                "wait at their fork point instead of taking blocks from one another mid-answer"})
     speculation: str = field(default="auto", metadata={
         "help": "auto | pld | none: prompt-lookup speculative decoding (drafts from the sequence's own earlier "
                 "tokens, verified in one chunk; output identical to plain decoding; needs numerics=invariant); "

@@ -220,7 +220,7 @@ def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max
                 chunk: int | None = None, queue_policy: str = "fcfs", max_wait_s: float | None = None,
                 swap_blocks: int = 0, preemption: str = "recompute", speculation: str = "auto",
                 repeat: int | None = None, grouped_prefill: bool = True, span_host_bytes: int = 1 << 30,
-                **inputs: object) -> tuple[Engine, SlotFakeRunner]:
+                fork_gate: bool = True, **inputs: object) -> tuple[Engine, SlotFakeRunner]:
     """An engine on a :class:`SlotFakeRunner` (swap space in blocks: ``swap_blocks``; KV bytes
     are 64 per token)."""
     from streamkv.config import InputStreamConfig
@@ -231,7 +231,8 @@ def slot_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max
                           scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=chunk,
                                                     queue_policy=queue_policy, max_wait_s=max_wait_s,
                                                     preemption=preemption, speculation=speculation,
-                                                    spec_ngram_min=1, grouped_prefill=grouped_prefill),
+                                                    spec_ngram_min=1, grouped_prefill=grouped_prefill,
+                                                    fork_gate=fork_gate),
                           inputs=InputStreamConfig(**inputs))  # type: ignore[arg-type]
     runner = SlotFakeRunner(block_size, num_blocks)
     runner.repeat = repeat

@@ -548,3 +548,50 @@ def test_reclaiming_for_a_restore_preempts_nobody_when_everyone_could_not_free_e
     assert [done[r].token_ids for r in ("r0", "r1")] == [want[r].token_ids for r in ("r0", "r1")]
     engine.seq_ops.close(stream)
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("num_blocks,forks,max_tokens", [(48, 12, 50), (40, 8, 30)])
+def test_the_fork_gate_starts_only_the_forks_the_pool_can_hold_to_their_end(num_blocks, forks, max_tokens):
+    # without the gate the forks all start, run out of blocks mid-answer and truncate one
+    # another back to their fork points (48 blocks, 12 forks of 3 + 50 rows: 97 preemptions)
+    from tests.fakes import slot_engine
+
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, seed=i) for i in range(forks)]
+    runs = {}
+    for gate in (True, False):
+        engine, _ = slot_engine(num_blocks=num_blocks, block_size=4, fork_gate=gate)
+        stream = _forked_stream(engine)
+        for i, p in enumerate(params):
+            engine.add_fork_request(f"q{i}", stream, 58, [5 + i, 6, 7], p)
+        done = _finish_all(engine, {f"q{i}" for i in range(forks)}, steps=2000)
+        assert len(done) == forks and all(o.finish_reason == "length" for o in done.values())
+        runs[gate] = ({rid: o.token_ids for rid, o in done.items()}, engine.scheduler.num_preemptions,
+                      engine.scheduler.fork_gate.stats.deferred if gate else 0)
+        engine.seq_ops.close(stream)
+        engine.check_integrity()
+        assert engine.pool.num_free == engine.pool.num_blocks
+    (gated_out, gated_preempted, deferred), (free_out, free_preempted, _) = runs[True], runs[False]
+    assert gated_out == free_out  # the same answers, in another order of steps
+    assert gated_preempted == 0 and deferred > 0 and free_preempted > 0
+    from streamkv.server.metrics import _scheduler_metrics
+
+    engine, _ = slot_engine(num_blocks=num_blocks, block_size=4)
+    metrics = {f.name: f.samples[0].value for f in _scheduler_metrics(engine.scheduler) if f.samples}
+    assert metrics["streamkv_fork_gate_deferred"] == 0 and metrics["streamkv_fork_gate_reserved_blocks"] == 0
+
+
+def test_a_fork_the_gate_holds_is_the_one_failed_when_nothing_progresses():
+    # 24 blocks: each fork needs 8 more blocks beyond its copy, 4 are free; the started fork can
+    # only finish once held forks give their copied blocks back (failed as retryable, latest first)
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=24, block_size=4)
+    stream = _forked_stream(engine)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for i in range(5):
+        engine.add_fork_request(f"q{i}", stream, 58, [5 + i, 6, 7], params)
+    done = _finish_all(engine, {f"q{i}" for i in range(5)}, steps=1500)
+    assert done["q0"].finish_reason == "length"  # the first, started, fork is never the one failed
+    assert all(done[f"q{i}"].finish_reason == "error" and done[f"q{i}"].retry for i in range(1, 5))
+    engine.seq_ops.close(stream)
+    engine.check_integrity()

@@ -192,3 +192,27 @@ def test_a_push_refused_for_want_of_blocks_is_not_applied(tmp_path):
     engine.run_to_completion(["r0", "r1"])
     assert engine.sessions.push(session.id, ["one more record"])["data_version"] == version + 1
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_a_burst_of_questions_on_a_tight_pool_answers_each_as_alone(tmp_path, gate):
+    # six questions of one session, each to 16 answer tokens, whose growth 22 free blocks
+    # cannot hold at once: with the fork gate they wait at their fork point, without it they
+    # truncate one another mid-answer (6 preemptions); the answers are the same either way
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4, fork_gate=gate)
+    session = llm.session("s", chat=False, retention_tokens=60)
+    session.push([f"record {i} of some data" for i in range(6)])
+    session.ingest()
+    alone = [session.query(f"question {i}?", max_tokens=16, ignore_eos=True).token_ids for i in range(6)]
+    engine, ids = llm.engine, [f"q{i}" for i in range(6)]
+    for i, rid in enumerate(ids):
+        engine.sessions.query(session.id, rid, f"question {i}?",
+                              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    done = engine.run_to_completion(ids)
+    assert [done[r].token_ids for r in ids] == alone
+    if gate:
+        assert engine.scheduler.num_preemptions == 0 and engine.scheduler.fork_gate.stats.deferred > 0
+    else:
+        assert engine.scheduler.num_preemptions > 0 and engine.scheduler.fork_gate is None
+    engine.check_integrity()

@@ -323,7 +323,9 @@ class Engine:
         self._quiet += 1
         # requests' forks waiting now (a plain request that truncated itself holds nothing of a
         # session's: failing it frees nothing)
-        waiting = [self._by_seq[sid] for sid in self.scheduler.starved if sid in self._by_seq
+        # and forks the fork gate holds at their fork point: each holds a copied block the
+        # others may lack (sched/fork_gate.py)
+        waiting = [self._by_seq[sid] for sid in self.scheduler.starved | self.scheduler.gated if sid in self._by_seq
                    and not self._by_seq[sid].seq.pinned and self._by_seq[sid].seq.forked_rows]
         if self._quiet > STALL_STEPS and waiting:
             req = max(waiting, key=lambda r: r.arrival)

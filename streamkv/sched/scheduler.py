@@ -16,6 +16,7 @@ from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.sched.admission import CellBudget
 from streamkv.sched.cadence import StepAllowance, StepCadence
+from streamkv.sched.fork_gate import ForkGate
 from streamkv.sched.grouping import PrefillGroups
 from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
@@ -74,6 +75,7 @@ class Scheduler(StepUpdates):
         self.admission = (CellBudget(kv.pool, config.admission_ceiling, config.admission_high_water)
                           if config.admission == "cell-budget" else None)
         self.cadence = StepCadence(config.stall_factor) if config.stall_factor is not None else None
+        self.fork_gate = ForkGate(kv) if config.fork_gate else None
         self.groups = (PrefillGroups(kv) if config.grouped_prefill and kv.pool.enable_prefix_caching
                        else None)
         # pinned sequences, and forks at their fork point, that found no block in a step that
@@ -81,6 +83,7 @@ class Scheduler(StepUpdates):
         # that (the engine fails such a fork's request after a while, the span executor its query)
         self.stalled: frozenset[int] = frozenset()
         self.starved: frozenset[int] = frozenset()  # the same, in the latest step, progress or not
+        self.gated: frozenset[int] = frozenset()  # forks the fork gate held at their fork point, latest step
         self.progressed = False  # the latest step computed new rows (or moved KV back)
         self._starved: list[int] = []
         # blocks the first waiting request that cannot be admitted needs (it holds up every
@@ -148,6 +151,7 @@ class Scheduler(StepUpdates):
         self.progressed = any(p.end > p.seq.reads_to for p in scheduled) or bool(swaps[1])
         self.starved = frozenset(self._starved)
         self.stalled = frozenset() if self.progressed else self.starved
+        self.gated = frozenset(self.fork_gate.held) if self.fork_gate is not None else frozenset()
         return StepPlan(work, tuple(preempted), released, *swaps)
 
     def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
@@ -177,6 +181,8 @@ class Scheduler(StepUpdates):
         crowded = spec_cap and any(s.status is SeqStatus.WAITING for s in ranked)
         if self.admission is not None:
             self.admission.begin(self.seqs.values())
+        if self.fork_gate is not None:
+            self.fork_gate.begin(self.seqs.values())
         allow = self._allowance(ranked, budget)
         capped = False
         for seq in ranked:
@@ -188,6 +194,8 @@ class Scheduler(StepUpdates):
                 continue
             if self.admission is not None and self._held(seq):
                 deferred = deferred or fresh
+                continue
+            if self.fork_gate is not None and not self.fork_gate.admits(seq):
                 continue
             target = seq.computable
             computed = seq.num_computed

@@ -1,0 +1,82 @@
+"""The fork gate: a question's fork starts its own rows only when the pool can hold them to the end.
+
+A question's fork (``Sequence.forked_rows`` > 0: a session question, a ``POOL`` fork) shares its
+parent's blocks and holds one copied partial block; its own rows (the question, then the
+answer) are its to grow. Started together, forks whose growth the pool cannot hold all at once
+ran out of blocks mid-answer, truncated themselves back to their fork point and recomputed,
+each in turn (fake runner, 48 blocks, a 58-row parent, 12 forks of 3 + 50 rows: 97 preemptions
+before all were answered). The gate works like vLLM's admission watermark, per fork::
+
+    free blocks |== reserved: started forks' remaining growth ==|-- admits the next fork --|
+
+Each step it reserves what every started fork (one past its fork point) may still take to
+its end, ``blocks(min(prompt + max_tokens, max_len)) - blocks held``, and lets a fork at its fork
+point start only when its own such need fits in the free blocks left. The first fork always
+may start when none has (a fork larger than the pool still runs, as before, reserving nothing,
+so a smaller one that fits may still pass it). A held fork keeps
+only its copied block; it is never failed for the gate (``Engine._fail_stalled`` may fail the
+latest held one when nothing progresses: its copy is a block the others need). Other work
+(requests, streams) is not held back by the reservations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from streamkv.kv.manager import KVManager
+from streamkv.sched.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ForkGateStats:
+    deferred: int = 0   # (fork, step) pairs a fork at its fork point waited for room
+    reserved: int = 0   # blocks the started forks may still take, latest step
+
+
+def gated(seq: Sequence) -> bool:
+    """A running question fork (it samples, it is not a pinned stream) with KV forked from a parent."""
+    return bool(seq.forked_rows) and seq.samples and not seq.pinned and seq.status is SeqStatus.RUNNING
+
+
+def at_fork_point(seq: Sequence) -> bool:
+    return seq.num_computed <= seq.forked_rows
+
+
+class ForkGate:
+    """Per step: :meth:`begin` reserves the started forks' growth, then :meth:`admits` answers
+    for each ranked fork at its fork point, in ranking order."""
+
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.stats = ForkGateStats()
+        self.held: list[int] = []  # forks held this step (seq ids)
+        self._left = 0
+        self._open = False  # a fork has started or was admitted this step
+
+    def need(self, seq: Sequence) -> int:
+        """Blocks ``seq`` may still take before it ends."""
+        end = min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len)
+        return max(0, self.kv.blocks_for(seq.kv_rows(end)) - self.kv.num_blocks_held(seq.seq_id))
+
+    def begin(self, seqs: Iterable[Sequence]) -> None:
+        started = [s for s in seqs if gated(s) and not at_fork_point(s)]
+        self.stats.reserved = sum(self.need(s) for s in started)
+        self._left = self.kv.pool.num_free - self.stats.reserved
+        self._open = bool(started)
+        self.held = []
+
+    def admits(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may compute this step (anything but a gated fork at its fork point may)."""
+        if not gated(seq) or not at_fork_point(seq):
+            return True
+        need = self.need(seq)
+        if need <= self._left:
+            self._left -= need
+            self._open = True
+            return True
+        if not self._open:  # the first may start even so; it reserves nothing it cannot have, so
+            self._open = True  # a smaller fork that fits still runs past it and frees its copy
+            return True
+        self.stats.deferred += 1
+        self.held.append(seq.seq_id)
+        return False
