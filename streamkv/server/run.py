@@ -70,8 +70,8 @@ def prepare_process(config: ServerConfig) -> str:
     Why: the engine thread steps the model while uvicorn's event loop and the HTTP threads run
     Python beside it. Each torch op releases the GIL; with a busy Python thread beside it the
     engine waits up to one switch interval to take it back, after every op. On an AMD EPYC Zen 3
-    (``benchmarks/gil_convoy.py``) an 8-decoder step took 26-29 ms alone and a median 161-164 ms
-    beside one busy thread at CPython's 5 ms interval, 68-90 ms at 0.5-1 ms."""
+    (``benchmarks/gil_convoy.py --steps 80``) an 8-decoder step took 37-39 ms alone; beside one
+    busy thread its p90 was 531 ms at CPython's 5 ms interval and 199-207 ms at 0.5-1 ms."""
     sys.setswitchinterval(config.switch_interval)
     frozen = f"{freeze_loaded_heap():,} objects frozen out of the collector" if config.gc_freeze else "gc freeze off"
     return f"  process: thread switch interval {config.switch_interval * 1e3:g} ms, {frozen}"
