@@ -24,7 +24,7 @@ class ReplicaServer:
     """Engine + server on ``host``:free port; ``url`` once it accepts connections."""
 
     def __init__(self, engine_options: dict[str, Any], server_options: dict[str, Any], host: str = "127.0.0.1") -> None:
-        config = ServerConfig(**server_options)
+        self.config = config = ServerConfig(**server_options)
         self.engine = AsyncEngine(Engine(EngineConfig.from_flat(**engine_options)), max_waiting=config.max_waiting).start()
         app = create_app(self.engine, config)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -65,7 +65,7 @@ def replica_deployment(name: str, num_cpus: float) -> Any:
             self.server = ReplicaServer(engine_options, server_options, host=ray.util.get_node_ip_address())
             # this actor's process serves only this replica (ReplicaServer alone leaves the
             # process as it is: a test or an embedding program owns its own process)
-            print(prepare_process(ServerConfig(**server_options)), flush=True)
+            print(prepare_process(self.server.config), flush=True)
 
         def url(self) -> str:
             return self.server.url

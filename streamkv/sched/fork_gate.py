@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from streamkv.kv.manager import KVManager
+from streamkv.sched.admission import projected_tokens
 from streamkv.sched.sequence import Sequence, SeqStatus
 
 
@@ -38,8 +39,24 @@ def gated(seq: Sequence) -> bool:
     return bool(seq.forked_rows) and seq.samples and not seq.pinned and seq.status is SeqStatus.RUNNING
 
 
+def droppable(seq: Sequence) -> bool:
+    """Whether preempting ``seq`` gives KV back: a fork keeps its parent's rows (``forked_rows``)."""
+    return not seq.forked_rows or seq.num_computed > seq.forked_rows
+
+
 def at_fork_point(seq: Sequence) -> bool:
-    return seq.num_computed <= seq.forked_rows
+    """A fork that has computed none of its own rows: it holds only its copied block."""
+    return not droppable(seq)
+
+
+def passes(seq: Sequence, behind_running: bool = False) -> bool:
+    """Whether ``seq`` may run past a higher-ranked sequence that cannot fit: pinned streams,
+    and forks at their fork point unless that sequence is a running one that could not grow
+    and gave its blocks back (they would take them, and it would recompute, step after step).
+    Preempting either gives nothing back, so holding them idle never makes room for a waiting
+    one; only their progress (a fork finishing frees its copied block) can (helper-29's hang:
+    forks at their fork point waited behind requests that waited for blocks)."""
+    return seq.pinned or (not behind_running and at_fork_point(seq))
 
 
 class ForkGate:
@@ -54,8 +71,8 @@ class ForkGate:
         self._open = False  # a fork has started or was admitted this step
 
     def need(self, seq: Sequence) -> int:
-        """Blocks ``seq`` may still take before it ends."""
-        end = min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len)
+        """Blocks ``seq`` may still take before it ends (its projected rows and its parent's)."""
+        end = projected_tokens(seq) + seq.forked_rows
         return max(0, self.kv.blocks_for(seq.kv_rows(end)) - self.kv.num_blocks_held(seq.seq_id))
 
     def begin(self, seqs: Iterable[Sequence]) -> None:

@@ -16,7 +16,7 @@ from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.sched.admission import CellBudget
 from streamkv.sched.cadence import StepAllowance, StepCadence
-from streamkv.sched.fork_gate import ForkGate
+from streamkv.sched.fork_gate import ForkGate, at_fork_point, droppable, passes
 from streamkv.sched.grouping import PrefillGroups
 from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
@@ -26,21 +26,6 @@ from streamkv.sched.speculation import SpecState, SpecStats, Speculator, specula
 from streamkv.sched.step_output import StepUpdates
 
 log = logging.getLogger(__name__)
-
-
-def _droppable(seq: Sequence) -> bool:
-    """Whether preempting ``seq`` gives KV back: a fork keeps its parent's rows (``forked_rows``)."""
-    return not seq.forked_rows or seq.num_computed > seq.forked_rows
-
-
-def _passes(seq: Sequence, behind_running: bool = False) -> bool:
-    """Whether ``seq`` may run past a higher-ranked sequence that cannot fit: pinned streams,
-    and forks at their fork point unless that sequence is a running one that could not grow
-    and gave its blocks back (they would take them, and it would recompute, step after step).
-    Preempting either gives nothing back, so holding them idle never makes room for a waiting
-    one; only their progress (a fork finishing frees its copied block) can (helper-29's hang: forks at their fork point waited
-    behind requests that waited for blocks)."""
-    return seq.pinned or (not behind_running and not _droppable(seq))
 
 
 @dataclass
@@ -167,7 +152,7 @@ class Scheduler(StepUpdates):
         """
         budget = self.config.max_num_batched_tokens
         foreground_prefill = False
-        blocked = False  # a waiting sequence that cannot fit: only ``_passes`` ones may pass it
+        blocked = False  # a waiting sequence that cannot fit: only ``passes`` ones may pass it
         deferred = False  # a request admission defers: no new request passes it (running ones
         # go on: their charge only drops as they finish, so stalling them stalled both forever)
         reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
@@ -190,7 +175,7 @@ class Scheduler(StepUpdates):
                 break
             background = self.policy.background(seq)
             fresh = seq.status is SeqStatus.WAITING and not seq.swapped and not seq.pinned
-            if (background and foreground_prefill) or (blocked and not _passes(seq)) or (deferred and fresh):
+            if (background and foreground_prefill) or (blocked and not passes(seq)) or (deferred and fresh):
                 continue
             if self.admission is not None and self._held(seq):
                 deferred = deferred or fresh
@@ -206,7 +191,7 @@ class Scheduler(StepUpdates):
                 limit = seq.chunk_limit(computed)
                 end = min(target, computed + budget, computed + limit if limit is not None else target)
                 # not even preempting every unpinned sequence would admit it this step: it keeps
-                # its place (only ``_passes`` ones pass it) but spends no budget, so pinned streams
+                # its place (only ``passes`` ones pass it) but spends no budget, so pinned streams
                 # (sessions, span queries) and forks, which hold the rest of the pool, progress
                 cost = self.kv.admission_cost(hit, end) + seq.extra_blocks(end, self.kv.block_size)
                 if cost > self.kv.pool.num_free:
@@ -293,8 +278,8 @@ class Scheduler(StepUpdates):
             seq = prop.seq
             if seq.seq_id in preempted:
                 continue
-            if blocked and not _passes(seq, behind_running):
-                if not _droppable(seq):  # a fork at its fork point, held back with its copied block
+            if blocked and not passes(seq, behind_running):
+                if at_fork_point(seq):  # a fork at its fork point, held back with its copied block
                     self._starved.append(seq.seq_id)
                 continue
             while not self._try_take(prop):
@@ -302,7 +287,7 @@ class Scheduler(StepUpdates):
                     ranking = rank_all()
                     place = {s.seq_id: i for i, s in enumerate(ranking)}
                     victims = [s for s in reversed(ranking) if s.status is SeqStatus.RUNNING and not s.pinned
-                               and _droppable(s)]
+                               and droppable(s)]
                 victim = next((v for v in victims if v is not seq and v.seq_id not in preempted
                                and v.seq_id not in done_ids
                                and (not seq.partial or (v.partial and place[v.seq_id] > place[seq.seq_id]))), None)
@@ -318,10 +303,10 @@ class Scheduler(StepUpdates):
                 self._starved.append(seq.seq_id)
                 continue  # a stream waits for blocks; it is never preempted
             if seq.status is SeqStatus.RUNNING:
-                gave_back = _droppable(seq)  # it preempts itself: its blocks are free now
+                gave_back = droppable(seq)  # it preempts itself: its blocks are free now
                 self._cannot_grow(seq, done, preempted)
                 behind_running = behind_running or gave_back
-            # only ``_passes`` ones pass it (pinned streams and forks at their fork point still
+            # only ``passes`` ones pass it (pinned streams and forks at their fork point still
             # take free blocks: holding them back frees nothing); an input still
             # streaming, which may only take free blocks or its inferiors', holds nobody up
             blocked = blocked or not seq.partial
@@ -338,7 +323,7 @@ class Scheduler(StepUpdates):
         mark = len(self._swap_out)
         ranked = list(reversed(self.policy.rank(self.seqs.values(), time.perf_counter())))
         inputs = [s for s in ranked if s.partial]
-        requests = [s for s in ranked if not s.partial and below is not None and s.klass > below and _droppable(s)]
+        requests = [s for s in ranked if not s.partial and below is not None and s.klass > below and droppable(s)]
         victims = [s for s in inputs + requests if s.status is SeqStatus.RUNNING and not s.pinned]
         if below is not None and self.kv.pool.num_free + sum(self.kv.num_unshared(s.seq_id) for s in victims) < blocks:
             return []  # preempting them all would still leave too few: their work is not wasted
@@ -385,7 +370,7 @@ class Scheduler(StepUpdates):
     def _cannot_grow(self, seq: Sequence, done: list[_Proposal], preempted: list[int]) -> None:
         """A running sequence found no block and nobody below it to preempt."""
         if done or any(s.status is SeqStatus.RUNNING and s is not seq for s in self.seqs.values()):
-            if not _droppable(seq):  # a fork at its fork point: nothing of its own to give back, it waits
+            if at_fork_point(seq):  # a fork at its fork point: nothing of its own to give back, it waits
                 self._starved.append(seq.seq_id)
                 return
             self._preempt(seq)
