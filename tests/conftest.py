@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded model (loaded once per session) and fake-runner engines."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -33,3 +34,14 @@ def smol_path() -> str:
     from streamkv.loading import default_model_path
 
     return default_model_path()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection imported (torch, transformers, hypothesis, every test module: the
+    objects of the whole run's imports), as ``streamkv serve`` freezes its loaded heap. Every
+    engine build runs a full collection (``loading/heap.py``: dropped engines' cycles), and
+    each one traversed all of it: 0.42 s per build in a one-test process, 18 builds in 7.5 s
+    of a 17 s test (AMD EPYC Zen 3); frozen, that test takes 8.7 s. Objects made later,
+    fixtures and engines included, are collected as usual."""
+    gc.collect()
+    gc.freeze()

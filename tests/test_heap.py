@@ -40,10 +40,14 @@ def test_the_freed_heap_goes_back_to_the_os_on_glibc():
 
 @pytest.fixture
 def unfrozen():
-    """Restore the collector and the switch interval that ``prepare_process`` changes."""
-    interval = sys.getswitchinterval()
+    """An unfrozen collector for the test; then the freeze (conftest's) and the switch interval
+    that ``prepare_process`` changes, as they were."""
+    interval, was_frozen = sys.getswitchinterval(), gc.get_freeze_count() > 0
+    gc.unfreeze()
     yield
     gc.unfreeze()
+    if was_frozen:
+        gc.freeze()
     sys.setswitchinterval(interval)
 
 
