@@ -46,8 +46,8 @@ def unfrozen():
     gc.unfreeze()
     yield
     gc.unfreeze()
-    if was_frozen:
-        gc.freeze()
+    if was_frozen:  # collected first: garbage frozen now (a dropped engine's cycles) would never be freed
+        heap.freeze_loaded_heap()
     sys.setswitchinterval(interval)
 
 
