@@ -211,8 +211,8 @@ def stream_stats(streams: list[Stream], wall: float) -> dict:
     return {"requests": len(streams), "errors": len(streams) - len(ok), "ttft_p50_s": pct(ttft, 50),
             "ttft_p99_s": pct(ttft, 99), "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
             "gap_median_ms": med, "gap_max_ms": max(worst, default=float("nan")),
-            "gap_worst_p99_ms": pct(worst, 99), "gap_p99_ms": pct(gaps, 99), "stall_ratio": max(worst, default=float("nan")) / med if gaps else
-            float("nan"), "output_chunks_per_s": sum(len(s.stamps) for s in ok) / wall if wall else 0.0}
+            "gap_worst_p99_ms": pct(worst, 99), "gap_p99_ms": pct(gaps, 99),
+            "stall_ratio": max(worst, default=float("nan")) / med if gaps else float("nan"), "output_chunks_per_s": sum(len(s.stamps) for s in ok) / wall if wall else 0.0}
 
 
 async def run_phase(url: str, sessions: list[LiveSession], requests: list[Request], duration: float,
