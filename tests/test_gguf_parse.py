@@ -90,3 +90,17 @@ def test_layout_errors_are_typed(tiny_gguf: Path, tmp_path: Path) -> None:
     bad.write_bytes(data[:-1])  # the last tensor's data is cut
     with pytest.raises(GGUFFormatError, match="runs past the end of the file"):
         parse_gguf(str(bad))
+
+
+def test_a_cut_vocabulary_is_a_typed_error(tiny_gguf: Path, tmp_path: Path) -> None:
+    """The string-array fast path (vocabulary, merges) checks every length and every string."""
+    data = tiny_gguf.read_bytes()
+    key = b"tokenizer.ggml.tokens"
+    first = data.index(key) + len(key) + 4 + 4 + 8  # value type, element type, count
+    (length,) = struct.unpack_from("<Q", data, first)
+    bad = tmp_path / "cut.gguf"
+    for cut, message in ((first + 3, "unexpected end of file"),
+                         (first + 8 + length - 1, "string of .* bytes at byte .* runs past")):
+        bad.write_bytes(data[:cut])
+        with pytest.raises(GGUFFormatError, match=message):
+            parse_gguf(str(bad))

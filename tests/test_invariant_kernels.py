@@ -259,3 +259,21 @@ def test_attention_rejects_shapes_it_cannot_serve():
         attn(q, kc, vc, torch.tensor([(0, 5, 0, 4)]), slots, 0.25)  # more rows than context
     with pytest.raises(TypeError):
         attn(q, kc.half(), vc.half(), seqs, slots, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [16, 37, 48])
+def test_dense_panels_hold_each_column_at_its_place_and_pad_with_zeros(dtype, n):
+    """pack_dense's layout (``inv_gemm.c``): panel t, input k, column c is w[16 t + c, k];
+    bf16 keeps input pairs (2 j, 2 j + 1) adjacent; the last panel's missing columns are zero."""
+    k = 6
+    w = torch.arange(1, n * k + 1, dtype=torch.float32).view(n, k).to(dtype)
+    wp = pack_dense(w)
+    t = -(-n // 16)
+    assert wp.is_contiguous() and wp.shape == ((t, k, 16) if dtype == torch.float32 else (t, k // 2, 16, 2))
+    full = torch.zeros(t * 16, k, dtype=dtype)
+    full[:n] = w
+    for row in range(t * 16):
+        for col in range(k):
+            at = wp[row // 16, col, row % 16] if dtype == torch.float32 else wp[row // 16, col // 2, row % 16, col % 2]
+            assert at == full[row, col], (row, col)

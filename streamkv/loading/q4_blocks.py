@@ -35,8 +35,9 @@ _Q4_TYPES = ("Q4_0", "Q4_1")
 
 @dataclass(frozen=True)
 class Q4Matrix:
-    """q [N, K] int32 in 0..15; scale, zero [N, K // 32] float32; m [N, K // 32] float32, the
-    file's offset (``w = scale * q + m`` in one rounding), where known."""
+    """q [N, K] integers in 0..15 (uint8 as read from a file: each consumer widens as its kernel
+    needs); scale, zero [N, K // 32] float32; m [N, K // 32] float32, the file's offset
+    (``w = scale * q + m`` in one rounding), where known."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -86,7 +87,7 @@ def read_q4_matrices(gguf: GGUFFile | str, arch: ArchConfig, permuted_qk: bool) 
             heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
             q, scale, zero, m = (unpermute_qk(a, heads, gguf.path, tensor.name) for a in (q, scale, zero, m))
         q, scale, zero, m = (a.contiguous() for a in (q, scale, zero, m))
-        out[name] = Q4Matrix(q.to(torch.int32), scale, zero, m)
+        out[name] = Q4Matrix(q, scale, zero, m)
     return out
 
 

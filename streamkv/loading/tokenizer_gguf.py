@@ -42,7 +42,8 @@ def tokenizer_from_gguf(gguf: GGUFFile) -> Tokenizer:
     if len(types) != len(tokens):
         raise ModelLoadError(f"{gguf.path}: tokenizer.ggml.token_type length differs from the vocabulary")
     if kind == "gpt2":
-        backend, spelled = _byte_level(tokens, gguf), _respell_byte_level(tokens)
+        spelled = _respell_byte_level(tokens)
+        backend = _byte_level(spelled, gguf)
         scheme, add_bos_default = "byte_level", False
     elif kind == "llama":
         backend, spelled = _sentencepiece(tokens, gguf), tokens
@@ -105,12 +106,13 @@ def _merges(gguf: GGUFFile) -> list[tuple[str, str]] | None:
     return pairs  # type: ignore[return-value]
 
 
-def _byte_level(tokens: list[str], gguf: GGUFFile) -> Backend:
-    """Byte-level BPE (GPT-2 style) with the pre-tokenizer named by ``tokenizer.ggml.pre``."""
+def _byte_level(spelled: list[str], gguf: GGUFFile) -> Backend:
+    """Byte-level BPE (GPT-2 style) over the byte-level ``spelled`` vocabulary, with the
+    pre-tokenizer named by ``tokenizer.ggml.pre``."""
     merges = _merges(gguf)
     if merges is None:
         raise ModelLoadError(f"{gguf.path}: byte-level BPE tokenizer without tokenizer.ggml.merges")
-    vocab = {t: i for i, t in enumerate(_respell_byte_level(tokens))}
+    vocab = {t: i for i, t in enumerate(spelled)}
     backend = Backend(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                           end_of_word_suffix="", fuse_unk=False))
     pre = gguf.get("tokenizer.ggml.pre", "default")

@@ -58,8 +58,8 @@ def _groups(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def pack_deq(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] in 0..15, d and m [N, K / 32] (float16 values) -> the 4-bit layout above."""
-    g = _groups(q, torch.int32)
-    qp = (g[..., :8] | (g[..., 8:] << 4)).to(torch.uint8).contiguous()
+    g = _groups(q, torch.uint8)  # 0..15: the high nibble's shift stays within a byte
+    qp = (g[..., :8] | (g[..., 8:] << 4)).contiguous()
     return qp, _scales(d, m, q.shape[0])
 
 

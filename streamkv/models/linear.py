@@ -64,12 +64,22 @@ def pack_dense(w: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"invariant GEMM weights are float32 or bfloat16, got {w.dtype}")
     if w.dtype == torch.bfloat16 and k % 2:
         raise ValueError(f"bfloat16 invariant GEMM needs an even number of input features, got {k}")
-    t = -(-n // 16)
-    wp = torch.zeros(t * 16, k, dtype=w.dtype)
-    wp[:n] = w
-    if w.dtype == torch.float32:
-        return wp.view(t, 16, k).permute(0, 2, 1).contiguous()
-    return wp.view(t, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    t, full = -(-n // 16), n // 16
+    pairs = 1 if w.dtype == torch.float32 else 2
+    out = torch.empty(t, k // pairs, 16, pairs, dtype=w.dtype)
+    # one strided copy into the panels (no padded staging copy); only a ragged last panel is staged
+    _scatter_panels(out[:full], w[:full * 16])
+    if full < t:
+        tail = torch.zeros(16, k, dtype=w.dtype)
+        tail[:n - full * 16] = w[full * 16:]
+        _scatter_panels(out[full:], tail)
+    return out.squeeze(3) if pairs == 1 else out
+
+
+def _scatter_panels(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows [16 T, K] -> out [T, K / p, 16, p] (p values of one column adjacent)."""
+    t, kp, _, p = out.shape
+    out.permute(0, 2, 1, 3).copy_(rows.reshape(t, 16, kp, p))
 
 
 def _invariant_kernel() -> Callable[..., torch.Tensor]:

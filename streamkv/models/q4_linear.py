@@ -39,10 +39,10 @@ def pack_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tup
     if k % GROUP != 0:
         raise ValueError(f"4-bit weights need a multiple of {GROUP} columns, got {k}")
     t, g = -(-n // 16), k // GROUP
-    qp = torch.zeros(t * 16, k, dtype=torch.int32)
-    qp[:n] = q.to(torch.int32)
+    qp = torch.zeros(t * 16, k, dtype=torch.uint8)  # 0..15: the high nibble's shift stays within a byte
+    qp[:n] = q
     pairs = qp.view(t, 16, g, 16, 2)
-    w = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).permute(0, 2, 3, 1)[..., list(PAIR_ROWS)].contiguous()
+    w = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 3, 1)[..., list(PAIR_ROWS)].contiguous()
     sz = torch.zeros(2, t * 16, g, dtype=torch.float32)
     sz[0, :n], sz[1, :n] = scale, zero
     sz = sz.view(2, t, 16, g).permute(1, 3, 0, 2).to(torch.bfloat16).contiguous()
