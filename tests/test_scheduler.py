@@ -595,3 +595,26 @@ def test_a_fork_the_gate_holds_is_the_one_failed_when_nothing_progresses():
     assert all(done[f"q{i}"].finish_reason == "error" and done[f"q{i}"].retry for i in range(1, 5))
     engine.seq_ops.close(stream)
     engine.check_integrity()
+
+
+def test_a_new_fork_takes_its_copy_only_while_the_gate_can_still_start_a_fork():
+    # 24 blocks, a 58-row stream holds 15: a fork of it to 91 rows needs its copied block and 8
+    # more. After one such fork 8 blocks are free; a second copy would leave 7, less than any
+    # fork at its fork point needs, and the forks' copies would hold the pool with none able to
+    # start (the test above: the engine fails them, 64 steps later). A fork that needs 1 more fits.
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=24, block_size=4)
+    stream = _forked_stream(engine)
+    gate, seqs = engine.scheduler.fork_gate, engine.scheduler.seqs.values
+    assert engine.pool.num_free == 9 and gate.room_for(seqs(), 58, 91)
+    engine.add_fork_request("q0", stream, 58, [5, 6, 7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    assert engine.pool.num_free == 8
+    assert not gate.room_for(seqs(), 58, 91)
+    assert gate.room_for(seqs(), 58, 63)  # 3 + 2 rows: one block past its copy
+    assert gate.room_for(seqs(), 56, 91)  # block-aligned: no copy, and q0 can still start
+    done = _finish_all(engine, {"q0"})
+    assert done["q0"].finish_reason == "length" and engine.scheduler.fork_gate.stats.deferred == 0
+    assert gate.room_for(seqs(), 58, 91)  # q0's blocks came back
+    engine.seq_ops.close(stream)
+    engine.check_integrity()

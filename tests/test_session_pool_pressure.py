@@ -216,3 +216,84 @@ def test_a_burst_of_questions_on_a_tight_pool_answers_each_as_alone(tmp_path, ga
     else:
         assert engine.scheduler.num_preemptions > 0 and engine.scheduler.fork_gate is None
     engine.check_integrity()
+
+
+def test_questions_whose_forks_find_no_free_block_wait_for_one(tmp_path):
+    # every fork copies its session's partial block when it is created: on a pool with F free
+    # blocks, question F + 1 of a burst found none and failed with a retryable 503, although
+    # the questions before it give their blocks back as they finish. Through the server's
+    # engine loop it now waits for a block, and every answer is the one it gives alone.
+    import asyncio
+
+    from streamkv.engine.async_engine import AsyncEngine
+
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    session = llm.session("s", chat=False, retention_tokens=60)
+    session.push([f"record {i} of some data" for i in range(6)])
+    session.ingest()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    n = llm.engine.pool.num_free + 4  # more questions than free blocks: the last forks find none
+    alone = [session.query(f"question {i}?", max_tokens=6, ignore_eos=True).token_ids for i in range(n)]
+    engine = AsyncEngine(llm.engine).start()
+
+    async def ask(i: int) -> list[int]:
+        def submit(e, rid=f"q{i}"):
+            e.sessions.query(session.id, rid, f"question {i}?", params)
+
+        last = None
+        async for out in engine.generate(f"q{i}", "", params, submit=submit):
+            last = out
+        assert last.finish_reason == "length", last.error
+        return list(last.token_ids)
+
+    async def burst() -> list[list[int]]:
+        return await asyncio.gather(*(ask(i) for i in range(n)))
+
+    try:
+        answers = asyncio.run(burst())
+        assert answers == alone
+        assert engine.fork_waits > 0 and engine.num_parked == 0  # some waited; none is left waiting
+        assert engine.call_blocking(lambda e: (e.check_integrity(), e.has_unfinished())[1], timeout=30) is False
+    finally:
+        engine.shutdown()
+
+
+def test_a_fork_waiting_for_a_block_fails_when_no_work_is_left_and_leaves_with_its_client(tmp_path):
+    # the engine loop's handlers, driven on this thread (the loop thread is not started)
+    import asyncio
+
+    from streamkv.engine.async_engine import AsyncEngine, _Abort, _Add
+    from streamkv.errors import InputStreamClosedError, KVCacheFullError
+
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine, loop = AsyncEngine(llm.engine), asyncio.new_event_loop()
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    def full(e):
+        raise KVCacheFullError("the KV cache is full; retry later")
+
+    def delivered(sink: asyncio.Queue):
+        return loop.run_until_complete(asyncio.wait_for(sink.get(), 5))
+
+    try:
+        idle = _Add("a", "", params, 0, loop, asyncio.Queue(), submit=full)
+        engine._handle(idle)  # nothing runs that could give a block back: it fails at once
+        assert isinstance(delivered(idle.sink), KVCacheFullError) and engine.num_parked == 0
+        llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        waiting = _Add("b", "", params, 0, loop, asyncio.Queue(), submit=full)
+        engine._handle(waiting)
+        later = _Add("c", "", params, 0, loop, asyncio.Queue(), submit=lambda e: e.add_request("c", [8, 9], params))
+        engine._handle(later)  # behind the one waiting, although it would fit now
+        assert engine.num_parked == 2 and engine.fork_waits == 2 and waiting.sink.empty()
+        llm.engine.step()
+        engine._retry_parked()  # still no block for b, so c waits behind it; each counted once
+        assert engine.num_parked == 2 and engine.fork_waits == 2
+        engine._handle(_Abort("b"))  # b's client leaves: it stops waiting and c is next
+        assert isinstance(delivered(waiting.sink), InputStreamClosedError) and engine.num_parked == 1
+        engine._retry_parked()
+        assert engine.num_parked == 0 and delivered(later.sink) is not None and "c" in engine._sinks
+        llm.engine.run_to_completion(["r", "c"])
+    finally:
+        loop.close()

@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Sequence as Seq
 from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.engine import Engine
 from streamkv.engine.outputs import RequestOutput
-from streamkv.errors import EngineDeadError, InputStreamClosedError, InvalidRequestError, QueueFullError
+from streamkv.errors import (EngineDeadError, InputStreamClosedError, InvalidRequestError, KVCacheFullError,
+                             QueueFullError)
 from streamkv.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,11 @@ _ACCEPTED = object()
 # a step that ran nothing (every request waits for blocks or input) changes nothing until a
 # command or time does: the loop waits this long for a command instead of spinning a core
 _IDLE_WAIT_S = 0.005
+# A submitted fork (a session question) copies its parent's partial block at once; one that finds
+# no free block (KVCacheFullError) waits for one instead of failing: it is tried again after each
+# step while other work runs (forks before it give their blocks back as they finish), and fails
+# with the same retryable error once no work is left or after this many seconds.
+_BLOCK_WAIT_S = 30.0
 
 
 @dataclass
@@ -76,6 +82,8 @@ class AsyncEngine:
         self.accepting = True
         self.last_step_time = 0.0
         self._inputs: dict[str, AsyncInputStream] = {}  # open on the event loop side, by request id
+        self._parked: list[tuple[_Add, float]] = []  # submits waiting for a free block, deadline (engine thread)
+        self.fork_waits = 0  # submits that have waited for a free block (engine thread writes)
 
     @property
     def alive(self) -> bool:
@@ -229,6 +237,7 @@ class AsyncEngine:
                     idle = not outputs and self.engine.stats.steps == steps
                     for out in outputs:
                         self._deliver(out.request_id, out, out.finished)
+                self._retry_parked()
                 self.num_waiting = self.engine.scheduler.num_waiting
                 self.num_running = self.engine.scheduler.num_running
         except BaseException as exc:  # the loop itself broke: fail everything, loudly
@@ -236,6 +245,7 @@ class AsyncEngine:
             self._dead = exc
             for rid in list(self._sinks):
                 self._deliver(rid, EngineDeadError(f"engine stopped: {exc}"), True)
+        self._fail_parked(EngineDeadError(f"engine stopped: {self._dead}" if self._dead else "server is shutting down"))
 
     def _drain(self, block: bool, wait: float = 0.0) -> None:
         """Handle the queued commands; ``block``: wait up to 0.5 s for one (nothing to step),
@@ -254,19 +264,13 @@ class AsyncEngine:
 
     def _handle(self, cmd: Any) -> None:
         if isinstance(cmd, _Add):
-            try:
-                if cmd.submit is not None:
-                    cmd.submit(self.engine)
-                else:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
-                                            **(cmd.kv or {}))
-            except Exception as exc:
-                cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, exc)
-                return
-            self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
-            self._deliver(cmd.request_id, _ACCEPTED, False)
+            if cmd.submit is not None and self._parked:  # behind the forks already waiting for a block
+                self._parked.append((cmd, time.monotonic() + _BLOCK_WAIT_S))
+                self.fork_waits += 1
+            else:
+                self._add(cmd, time.monotonic() + _BLOCK_WAIT_S)
         elif isinstance(cmd, _Abort):
-            if self.engine.abort(cmd.request_id):
+            if self._unpark(cmd.request_id) or self.engine.abort(cmd.request_id):
                 # whoever still waits for its outputs (not always the aborting side: a finished
                 # input's answer may be read by another client) gets an error, never silence
                 self._deliver(cmd.request_id, InputStreamClosedError(f"request {cmd.request_id!r} was aborted"), True)
@@ -288,16 +292,71 @@ class AsyncEngine:
             except RuntimeError:  # the caller's loop is closed
                 pass
 
+    def _add(self, cmd: _Add, deadline: float, retry: bool = False) -> bool:
+        """Add ``cmd``'s request; a submit that finds no free block is parked until ``deadline``
+        while other work runs (``retry``: it was parked before). Returns whether it was added."""
+        try:
+            if cmd.submit is not None:
+                cmd.submit(self.engine)
+            else:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                                        **(cmd.kv or {}))
+        except KVCacheFullError as exc:
+            if cmd.submit is not None and self.engine.has_unfinished() and time.monotonic() < deadline:
+                self.fork_waits += not retry
+                self._parked.append((cmd, deadline))
+            else:
+                _put(cmd.loop, cmd.sink, exc)
+            return False
+        except Exception as exc:
+            _put(cmd.loop, cmd.sink, exc)
+            return False
+        self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
+        self._deliver(cmd.request_id, _ACCEPTED, False)
+        return True
+
+    def _retry_parked(self) -> None:
+        """Try the parked submits again, oldest first (after a step: finished work gave blocks
+        back); the first that still finds none keeps its place and every later one waits too."""
+        parked, self._parked = self._parked, []
+        for i, (cmd, deadline) in enumerate(parked):
+            if not self._add(cmd, deadline, retry=True) and self._parked:  # parked again: no block yet
+                self._parked.extend(parked[i + 1:])
+                return
+
+    @property
+    def num_parked(self) -> int:
+        """Submits waiting for a free block now."""
+        return len(self._parked)
+
+    def _unpark(self, request_id: str) -> bool:
+        """Drop a parked submit (its client left); True if there was one."""
+        for i, (cmd, _) in enumerate(self._parked):
+            if cmd.request_id == request_id:
+                del self._parked[i]
+                _put(cmd.loop, cmd.sink, InputStreamClosedError(f"request {request_id!r} was aborted"))
+                return True
+        return False
+
+    def _fail_parked(self, error: Exception) -> None:
+        parked, self._parked = self._parked, []
+        for cmd, _ in parked:
+            _put(cmd.loop, cmd.sink, error)
+
     def _deliver(self, request_id: str, item: Any, last: bool) -> None:
         if last:
             self._inputs.pop(request_id, None)
         target = self._sinks.pop(request_id, None) if last else self._sinks.get(request_id)
         if target is not None:
-            loop, sink = target
-            try:
-                loop.call_soon_threadsafe(sink.put_nowait, item)
-            except RuntimeError:  # the client's loop is closed
-                pass
+            _put(*target, item)
+
+
+def _put(loop: asyncio.AbstractEventLoop, sink: asyncio.Queue, item: Any) -> None:
+    """Hand ``item`` to a request's sink from the engine thread (a closed loop: nobody listens)."""
+    try:
+        loop.call_soon_threadsafe(sink.put_nowait, item)
+    except RuntimeError:
+        pass
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -34,6 +34,12 @@ class ServerMetrics:
         hit.set_function(lambda: pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0)
         pre = Gauge("streamkv_preemptions", "sequences preempted so far", registry=r)
         pre.set_function(lambda: engine.engine.scheduler.num_preemptions)
+        waits = Gauge("streamkv_fork_block_waits", "session questions that waited for a free KV block "
+                      "for their fork, so far", registry=r)
+        waits.set_function(lambda: engine.fork_waits)
+        parked = Gauge("streamkv_forks_waiting_for_blocks", "session questions waiting for a free KV block "
+                       "for their fork now", registry=r)
+        parked.set_function(lambda: engine.num_parked)
         sessions = engine.engine.sessions.sessions
         live = Gauge("streamkv_sessions", "live sessions", registry=r)
         live.set_function(lambda: len(sessions))

@@ -17,8 +17,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from streamkv.errors import (InvalidRequestError, QueueFullError, SessionExistsError, SessionMovedError,
-                             SessionNotFoundError)
+from streamkv.errors import (InvalidRequestError, KVCacheFullError, QueueFullError, SessionExistsError,
+                             SessionMovedError, SessionNotFoundError)
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.sequence import PriorityClass, SeqStatus
@@ -198,6 +198,11 @@ class SessionManager:
                 self.offload._offload_one(exclude=session)
             if self.engine.pool.num_free < 1:  # then from a running request of a less urgent class
                 self.engine.seq_ops.reclaim(1, below=klass)
+        gate, sched = self.engine.scheduler.fork_gate, self.engine.scheduler
+        end = min(n + len(suffix) + params.max_tokens, self.engine.max_model_len)
+        if gate is not None and not gate.room_for(sched.seqs.values(), n, end):  # AsyncEngine waits, retries
+            raise KVCacheFullError("the KV cache is full: the questions already forked hold the blocks this "
+                                   "one needs; retry later")
         seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read)
         data.last_used = time.monotonic()
         return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
