@@ -265,8 +265,7 @@ class AsyncEngine:
     def _handle(self, cmd: Any) -> None:
         if isinstance(cmd, _Add):
             if cmd.submit is not None and self._parked:  # behind the forks already waiting for a block
-                self._parked.append((cmd, time.monotonic() + _BLOCK_WAIT_S))
-                self.fork_waits += 1
+                self._park(cmd, time.monotonic() + _BLOCK_WAIT_S)
             else:
                 self._add(cmd, time.monotonic() + _BLOCK_WAIT_S)
         elif isinstance(cmd, _Abort):
@@ -303,8 +302,7 @@ class AsyncEngine:
                                         **(cmd.kv or {}))
         except KVCacheFullError as exc:
             if cmd.submit is not None and self.engine.has_unfinished() and time.monotonic() < deadline:
-                self.fork_waits += not retry
-                self._parked.append((cmd, deadline))
+                self._park(cmd, deadline, first=not retry)
             else:
                 _put(cmd.loop, cmd.sink, exc)
             return False
@@ -315,9 +313,16 @@ class AsyncEngine:
         self._deliver(cmd.request_id, _ACCEPTED, False)
         return True
 
+    def _park(self, cmd: _Add, deadline: float, first: bool = True) -> None:
+        """Queue a submit to wait for a block (``first``: counted in ``fork_waits``)."""
+        self._parked.append((cmd, deadline))
+        self.fork_waits += first
+
     def _retry_parked(self) -> None:
         """Try the parked submits again, oldest first (after a step: finished work gave blocks
         back); the first that still finds none keeps its place and every later one waits too."""
+        if not self._parked:
+            return
         parked, self._parked = self._parked, []
         for i, (cmd, deadline) in enumerate(parked):
             if not self._add(cmd, deadline, retry=True) and self._parked:  # parked again: no block yet

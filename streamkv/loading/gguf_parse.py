@@ -88,12 +88,7 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        n = self.take("<Q")
-        if self.pos + n > self.size:
-            raise GGUFFormatError(f"string of {n} bytes at byte {self.pos} runs past the end of the file")
-        raw = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        return self.strings(1)[0]
 
     def value(self, kind: int) -> Any:
         if kind == _STRING:

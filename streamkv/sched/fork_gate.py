@@ -88,16 +88,20 @@ class ForkGate:
         live = [s for s in seqs if gated(s)]
         if not live:
             return copy <= kv.pool.num_free
-        reserved = sum(self.need(s) for s in live if not at_fork_point(s))
+        reserved = self._reserved(live)
         smallest = min([self.need(s) for s in live if at_fork_point(s)] + [kv.blocks_for(end) - kv.blocks_for(rows)])
         return kv.pool.num_free - copy >= reserved + smallest
 
     def begin(self, seqs: Iterable[Sequence]) -> None:
-        started = [s for s in seqs if gated(s) and not at_fork_point(s)]
-        self.stats.reserved = sum(self.need(s) for s in started)
+        live = [s for s in seqs if gated(s)]
+        self.stats.reserved = self._reserved(live)
         self._left = self.kv.pool.num_free - self.stats.reserved
-        self._open = bool(started)
+        self._open = any(not at_fork_point(s) for s in live)
         self.held = []
+
+    def _reserved(self, live: list[Sequence]) -> int:
+        """What the started forks among ``live`` (gated forks) may still take to their ends."""
+        return sum(self.need(s) for s in live if not at_fork_point(s))
 
     def admits(self, seq: Sequence) -> bool:
         """Whether ``seq`` may compute this step (anything but a gated fork at its fork point may)."""
