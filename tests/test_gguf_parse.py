@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from streamkv.errors import ModelLoadError
-from streamkv.loading import default_model_path
+from streamkv.loading import default_model_path, gguf_decode
 from streamkv.loading.gguf_file import GGUFFile
 from streamkv.loading.gguf_parse import GGUFFormatError, parse_gguf
 from tests.tiny_checkpoints import make_tiny_gguf, make_tiny_hf_checkpoint
@@ -50,11 +50,18 @@ def test_embedded_model_reads_like_gguf_py() -> None:
     _same_as_gguf_py(default_model_path())
 
 
+@pytest.mark.parametrize("decoder", ["native", "torch"])
 @pytest.mark.parametrize("source", ["tiny", "embedded"])
-def test_dequantized_bits_equal_gguf_py(source: str, tiny_gguf: Path) -> None:
-    """The grouped decoder gives gguf.quants.dequantize's exact float32 values, every type."""
+def test_dequantized_bits_equal_gguf_py(source: str, decoder: str, tiny_gguf: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both decoders (the native pass; torch where the kernels are off) give
+    gguf.quants.dequantize's exact float32 values, every type."""
     from gguf.quants import dequantize
 
+    if decoder == "torch":
+        monkeypatch.setattr(gguf_decode, "gguf_dequant", lambda: None)
+    elif gguf_decode.gguf_dequant() is None:
+        pytest.skip("the native kernels are unavailable here (no C compiler, or STREAMKV_NATIVE=0)")
     gguf_file = GGUFFile(str(tiny_gguf) if source == "tiny" else default_model_path())
     types = set()
     for tensor in gguf_file.tensors():
@@ -64,6 +71,23 @@ def test_dequantized_bits_equal_gguf_py(source: str, tiny_gguf: Path) -> None:
         assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32)), tensor.name
         types.add(tensor.type_name)
     assert types >= ({"F32", *QTYPES.values()} if source == "tiny" else {"F32", "Q4_1", "Q8_0"})
+
+
+@pytest.mark.parametrize("kind", sorted(gguf_decode.BLOCK_BYTES))
+def test_the_native_block_decoder_gives_the_torch_decoders_bits_for_any_bytes(kind: str) -> None:
+    """Random blocks: every f16 scale (subnormal, infinite and NaN ones included), every nibble."""
+    if gguf_decode.gguf_dequant() is None:
+        pytest.skip("the native kernels are unavailable here (no C compiler, or STREAMKV_NATIVE=0)")
+    raw = np.random.default_rng(7).integers(0, 256, size=(5000, gguf_decode.BLOCK_BYTES[kind]), dtype=np.uint8)
+    raw[:64, 1] &= 0x83  # scales with a zero exponent: subnormal halves (and zeros)
+    ours, torch_bits = gguf_decode.dequantize(raw, kind), gguf_decode._decode_blocks(raw, kind)
+    nan = np.isnan(torch_bits)
+    assert np.array_equal(np.isnan(ours), nan)
+    assert np.array_equal(ours.view(np.uint32)[~nan], torch_bits.view(np.uint32)[~nan])
+    scales = np.abs(np.ascontiguousarray(raw[:64, :2]).view(np.float16).astype(np.float32))
+    assert ((scales > 0) & (scales < 2 ** -14)).sum() > 32  # subnormal scales were decoded
+    with pytest.raises(ValueError, match="whole"):
+        gguf_decode.dequantize(raw.reshape(-1)[:-1], kind)
 
 
 def _patch(data: bytes, offset: int, fmt: str, value: int) -> bytes:

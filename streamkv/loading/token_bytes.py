@@ -35,13 +35,21 @@ def unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+@cache
+def _byte_level_tables() -> tuple[dict[int, str], dict[int, None]]:
+    """``str.translate`` tables: each stand-in character to the Latin-1 character of its byte
+    (so ``.encode("latin-1")`` gives the bytes), and each stand-in character deleted (what is
+    left of a token is what is not byte-level spelled)."""
+    decoder = unicode_to_bytes()
+    return {ord(c): chr(b) for c, b in decoder.items()}, dict.fromkeys(map(ord, decoder))
+
+
 def _byte_level_token(token: str) -> bytes:
     """Bytes of one byte-level BPE token (literal UTF-8 if it is not byte-level spelled)."""
-    decoder = unicode_to_bytes()
-    try:
-        return bytes(decoder[ch] for ch in token)
-    except KeyError:
+    to_latin1, drop = _byte_level_tables()
+    if token.translate(drop):  # a character outside the byte alphabet: literal text
         return token.encode("utf-8")
+    return token.translate(to_latin1).encode("latin-1")
 
 
 def _sentencepiece_token(token: str) -> bytes:

@@ -30,7 +30,7 @@ _SOURCES = [_HERE / n for n in ("decode_attn.c", "paged_attn.c", "page_select.c"
 # The batch-invariant kernels are compiled without -ffast-math: each output element's chain of
 # roundings is written out in the source and the compiler may not reassociate or contract it.
 _EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16.c", "q4_gemm.c", "deq_gemm.c",
-                                      "deq_bf16.c", "layer.c", "kv_move.c")]
+                                      "deq_bf16.c", "layer.c", "kv_move.c", "gguf_deq.c")]
 _HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h", "attn_bf16_rows.h", "attn_amx_rows.h", "amx.h",
                                  "nibbles.h")]
 # STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
@@ -218,6 +218,8 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.streamkv_kv_move_between
     fn.restype = ctypes.c_int
     fn.argtypes = [i32, p, p, i64, p, p, i64, i32, i32, i32, p, p, i64, p]
+    lib.streamkv_gguf_dequant.restype = ctypes.c_int
+    lib.streamkv_gguf_dequant.argtypes = [i32, p, i64, p]
     fn = lib.streamkv_page_bounds
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -331,6 +333,13 @@ def _q8(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor,
     if m and fn(x.data_ptr(), m, k, w.data_ptr(), d.data_ptr(), n, out.data_ptr()) != 0:
         raise ValueError(f"q8 GEMM rejected x {tuple(x.shape)} for {n} outputs")
     return out
+
+
+def gguf_dequant() -> Callable[[int, int, int, int], int] | None:
+    """``fn(kind, raw_ptr, blocks, out_ptr)`` of ``gguf_deq.c`` (kind 0 Q8_0, 1 Q4_0, 2 Q4_1),
+    or None without the kernels."""
+    lib = _library()
+    return None if lib is None else lib.streamkv_gguf_dequant
 
 
 def kv_move() -> Callable[..., None] | None:
