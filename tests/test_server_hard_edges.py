@@ -174,7 +174,7 @@ def test_utilities(server):
     for name in ("streamkv_requests_total", "streamkv_time_to_first_token_seconds_bucket",
                  "streamkv_kv_blocks_free", "streamkv_prefix_cache_hit_rate", "streamkv_preemptions",
                  "streamkv_requests_waiting", "streamkv_fork_block_waits 0.0",
-                 "streamkv_forks_waiting_for_blocks 0.0"):
+                 "streamkv_forks_waiting_for_blocks 0.0", "streamkv_fork_restarts 0.0"):
         assert name in metrics
 
 

@@ -297,3 +297,139 @@ def test_a_fork_waiting_for_a_block_fails_when_no_work_is_left_and_leaves_with_i
         llm.engine.run_to_completion(["r", "c"])
     finally:
         loop.close()
+
+
+def test_a_question_failed_for_want_of_blocks_before_its_first_token_waits_again(tmp_path):
+    # Engine._fail_stalled fails the latest fork held at its fork point (its copied block is what
+    # the others lack); a question submitted with ``again`` then waits and starts over instead
+    # of a 503, seen by its client only as a wait. Handlers driven on this thread.
+    import asyncio
+
+    from streamkv.engine.async_engine import _ACCEPTED, AsyncEngine, _Abort, _Add
+
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine, loop = AsyncEngine(llm.engine), asyncio.new_event_loop()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    solo = llm.generate([prompt], params)[0].token_ids
+    runs: list[str] = []
+
+    def question(rid: str, again: bool = True) -> _Add:
+        def submit(e):
+            runs.append(rid)
+            e.add_request(rid, prompt, params)
+        return _Add(rid, "", params, 0, loop, asyncio.Queue(), submit=submit, again=again)
+
+    def drain(sink: asyncio.Queue) -> list:
+        loop.run_until_complete(asyncio.sleep(0))  # run the engine thread's call_soon_threadsafe puts
+        return [sink.get_nowait() for _ in range(sink.qsize())]
+
+    def stall(rid: str) -> None:  # what Engine._fail_stalled does, then the step that emits it
+        assert llm.engine.fail(rid, "KVCacheFullError: no KV block for 64 steps", retry=True)
+        engine._route(llm.engine.step())
+
+    try:
+        llm.engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        q = question("q")
+        engine._handle(q)
+        assert drain(q.sink) == [_ACCEPTED]
+        stall("q")
+        assert drain(q.sink) == [] and engine.num_parked == 1 and engine.fork_waits == 1
+        engine._retry_parked()  # it starts over, and is not accepted twice
+        assert runs == ["q", "q"] and engine.num_parked == 0 and engine.fork_restarts == 1
+        got: list = []
+        while not (got and got[-1].finished):
+            engine._route(llm.engine.step())
+            got += drain(q.sink)
+        assert _ACCEPTED not in got and got[-1].error is None and got[-1].token_ids == solo
+        assert "q" not in engine._fresh
+
+        # once it has produced a token, a failure is the client's (its output already began)
+        late = question("late")
+        engine._handle(late)
+        while not any(getattr(o, "token_ids", None) for o in drain(late.sink)):
+            engine._route(llm.engine.step())
+        stall("late")
+        assert drain(late.sink)[-1].retry and engine.num_parked == 0
+        # without ``again`` (other submits: span queries), as before
+        plain = question("plain", again=False)
+        engine._handle(plain)
+        stall("plain")
+        assert [o for o in drain(plain.sink) if o is not _ACCEPTED][-1].retry and engine.num_parked == 0
+        # a client that leaves takes its fresh entry with it
+        gone = question("gone")
+        engine._handle(gone)
+        engine._handle(_Abort("gone"))
+        assert "gone" not in engine._fresh and engine.num_parked == 0
+        llm.engine.run_to_completion(["r"])
+        llm.engine.check_integrity()
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("again", [True, False], ids=["restarted", "failed"])
+def test_a_burst_of_questions_while_the_session_ingests_all_answer(tmp_path, again):
+    # The fork gate admits a fork's copy only while the pool can still start one, but the
+    # session's own stream keeps growing as records arrive: the held forks' copies then hold
+    # blocks nobody can use, and the engine fails the latest held question after 64 quiet steps
+    # (the "failed" case: what the server did before). Submitted as the server submits them
+    # (``again``), those questions wait for blocks again and answer as they do alone. The
+    # engine loop's turns are driven on this thread, so the interleaving is the same every run.
+    import asyncio
+
+    from streamkv.engine.async_engine import _ACCEPTED, AsyncEngine, _Add
+
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+
+    def ingested():
+        llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+        session = llm.session("s", chat=False, retention_tokens=60)
+        session.push([f"record {i} of some data" for i in range(6)])
+        session.ingest()
+        return llm, session
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reference, ref_session = ingested()  # the answers alone, on an engine of their own
+    llm, session = ingested()
+    n = llm.engine.pool.num_free + 4
+    alone = [ref_session.query(f"question {i}?", max_tokens=12, ignore_eos=True) for i in range(n)]
+    engine, loop = AsyncEngine(llm.engine), asyncio.new_event_loop()
+
+    def question(i: int) -> _Add:
+        def submit(e, first=[True]):  # as the server's: counted once however often it starts
+            e.sessions.query(session.id, f"q{i}", f"question {i}?", params, count=first[0])
+            first[0] = False
+        return _Add(f"q{i}", "", params, 0, loop, asyncio.Queue(), submit=submit, again=again)
+
+    try:
+        asks = [question(i) for i in range(n)]
+        for cmd in asks:
+            engine._handle(cmd)
+        last: dict[int, object] = {}
+        for turn in range(2000):
+            for j in range(3 if turn < 30 else 0):  # three records arrive each step (1 per step: no stall)
+                llm.engine.sessions.push(session.id, [f"more record {turn} here"])
+            engine._turn()
+            loop.run_until_complete(asyncio.sleep(0))  # deliver what the turn put on the sinks
+            for i, cmd in enumerate(asks):
+                while not cmd.sink.empty():
+                    item = cmd.sink.get_nowait()
+                    if item is not _ACCEPTED and item.finished:
+                        last[i] = item
+            if len(last) == n and not llm.engine.has_unfinished():
+                break
+        assert len(last) == n and not llm.engine.has_unfinished() and engine.num_parked == 0
+        answers = [last[i] for i in range(n)]
+        failed = [a.error for a in answers if a.error]
+        if again:
+            assert not failed and engine.fork_restarts > 0
+            for a, solo in zip(answers, alone):  # as alone, at the version it forked
+                assert a.finish_reason == "length"
+                assert a.token_ids == solo.token_ids or a.prompt_token_ids != solo.prompt_token_ids
+        else:
+            assert failed and all("no KV block" in e for e in failed) and engine.fork_restarts == 0
+        assert llm.engine.sessions.stats(session.id)["queries"] == n  # each counted once
+        llm.engine.check_integrity()
+    finally:
+        loop.close()

@@ -36,7 +36,9 @@ _IDLE_WAIT_S = 0.005
 # A submitted fork (a session question) copies its parent's partial block at once; one that finds
 # no free block (KVCacheFullError) waits for one instead of failing: it is tried again after each
 # step while other work runs (forks before it give their blocks back as they finish), and fails
-# with the same retryable error once no work is left or after this many seconds.
+# with the same retryable error once no work is left or after this many seconds. A question the
+# engine fails for want of blocks before it produced anything (``Engine._fail_stalled``: the latest
+# fork held at its fork point gives its copied block back) waits the same way, to the same deadline.
 _BLOCK_WAIT_S = 30.0
 
 
@@ -50,6 +52,8 @@ class _Add:
     sink: asyncio.Queue
     submit: Any = None  # optional fn(engine) that adds ``request_id`` itself (session queries)
     kv: dict[str, Any] | None = None  # kv_write / kv_read of the request (Engine.add_request)
+    again: bool = False  # ``submit`` may run again while the request has produced nothing
+    accepted: bool = False  # _ACCEPTED was delivered (a second run does not deliver it again)
 
 
 @dataclass
@@ -84,6 +88,9 @@ class AsyncEngine:
         self._inputs: dict[str, AsyncInputStream] = {}  # open on the event loop side, by request id
         self._parked: list[tuple[_Add, float]] = []  # submits waiting for a free block, deadline (engine thread)
         self.fork_waits = 0  # submits that have waited for a free block (engine thread writes)
+        # accepted ``again`` submits with no output yet, and their deadlines (engine thread)
+        self._fresh: dict[str, tuple[_Add, float]] = {}
+        self.fork_restarts = 0  # of them, failed for want of blocks and parked again (engine thread writes)
 
     @property
     def alive(self) -> bool:
@@ -116,13 +123,17 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                        priority: int = 0, submit: Any = None, kv: dict[str, Any] | None = None,
-                       on_accept: Any = None, admitted: "Admission | None" = None) -> AsyncIterator[RequestOutput]:
+                       on_accept: Any = None, admitted: "Admission | None" = None,
+                       again: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request; raises the engine's validation error, if any.
         ``on_accept()``, when given, is called once the engine has accepted the request, before
         its first output (a refusal raises instead, and never calls it).
 
         ``submit(engine)``, when given, adds ``request_id`` itself on the engine thread
-        instead of ``add_request`` (e.g. a session query forking a session's KV).
+        instead of ``add_request`` (e.g. a session query forking a session's KV); with
+        ``again``, a request the engine fails for want of KV blocks before its first output is
+        submitted again once blocks free up (until ``_BLOCK_WAIT_S`` after it arrived) instead of
+        failing: ``submit`` must then be safe to run twice.
         Cancelling the consuming task (client disconnect) aborts the request. ``kv``:
         ``{"kv_write": ..., "kv_read": ...}`` policies of the request.
         """
@@ -133,7 +144,7 @@ class AsyncEngine:
         (admitted or self.admit(1)).take()  # its reserved place becomes this request's queued count
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt, params, priority, loop, sink, submit, kv))
+        self._commands.put(_Add(request_id, prompt, params, priority, loop, sink, submit, kv, again))
         self.num_queued += 1
         queued, finished = True, False
         try:
@@ -228,24 +239,30 @@ class AsyncEngine:
             idle = False  # the last step ran nothing: wait a moment for a command, do not spin
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished(), wait=_IDLE_WAIT_S if idle else 0.0)
-                self.engine.sessions.maintain()
-                self.engine.inputs.maintain()
-                if self.engine.has_unfinished():
-                    t, steps = time.perf_counter(), self.engine.stats.steps
-                    outputs = self.engine.step()
-                    self.last_step_time = time.perf_counter() - t
-                    idle = not outputs and self.engine.stats.steps == steps
-                    for out in outputs:
-                        self._deliver(out.request_id, out, out.finished)
-                self._retry_parked()
-                self.num_waiting = self.engine.scheduler.num_waiting
-                self.num_running = self.engine.scheduler.num_running
+                idle = self._turn()
         except BaseException as exc:  # the loop itself broke: fail everything, loudly
             log.exception("engine loop died")
             self._dead = exc
             for rid in list(self._sinks):
                 self._deliver(rid, EngineDeadError(f"engine stopped: {exc}"), True)
         self._fail_parked(EngineDeadError(f"engine stopped: {self._dead}" if self._dead else "server is shutting down"))
+
+    def _turn(self) -> bool:
+        """Between two command drains: maintenance, one step, its outputs routed, the parked
+        submits tried again. Returns whether the step ran nothing."""
+        self.engine.sessions.maintain()
+        self.engine.inputs.maintain()
+        idle = False
+        if self.engine.has_unfinished():
+            t, steps = time.perf_counter(), self.engine.stats.steps
+            outputs = self.engine.step()
+            self.last_step_time = time.perf_counter() - t
+            idle = not outputs and self.engine.stats.steps == steps
+            self._route(outputs)
+        self._retry_parked()
+        self.num_waiting = self.engine.scheduler.num_waiting
+        self.num_running = self.engine.scheduler.num_running
+        return idle
 
     def _drain(self, block: bool, wait: float = 0.0) -> None:
         """Handle the queued commands; ``block``: wait up to 0.5 s for one (nothing to step),
@@ -269,6 +286,7 @@ class AsyncEngine:
             else:
                 self._add(cmd, time.monotonic() + _BLOCK_WAIT_S)
         elif isinstance(cmd, _Abort):
+            self._fresh.pop(cmd.request_id, None)
             if self._unpark(cmd.request_id) or self.engine.abort(cmd.request_id):
                 # whoever still waits for its outputs (not always the aborting side: a finished
                 # input's answer may be read by another client) gets an error, never silence
@@ -310,7 +328,36 @@ class AsyncEngine:
             _put(cmd.loop, cmd.sink, exc)
             return False
         self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
-        self._deliver(cmd.request_id, _ACCEPTED, False)
+        if cmd.again:
+            self._fresh[cmd.request_id] = (cmd, deadline)
+        if not cmd.accepted:
+            cmd.accepted = True
+            self._deliver(cmd.request_id, _ACCEPTED, False)
+        return True
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their requests' sinks (or park their submits again)."""
+        for out in outputs:
+            if not self._requeued(out):
+                self._deliver(out.request_id, out, out.finished)
+
+    def _requeued(self, out: RequestOutput) -> bool:
+        """Park an ``again`` submit once more when the engine failed it for want of blocks
+        before it produced anything (``out.retry``, no token), while work runs and its deadline
+        has not passed; True if it was (its client sees only the wait)."""
+        entry = self._fresh.get(out.request_id)
+        if entry is None:
+            return False
+        if out.token_ids or out.finished:
+            del self._fresh[out.request_id]
+        cmd, deadline = entry
+        if not (out.finished and out.retry and not out.token_ids and self.engine.has_unfinished()
+                and time.monotonic() < deadline):
+            return False
+        self._sinks.pop(out.request_id, None)
+        self._park(cmd, deadline)
+        self.fork_restarts += 1
+        self._parked.sort(key=lambda p: p[1])  # in arrival order among the waiting (a stable sort)
         return True
 
     def _park(self, cmd: _Add, deadline: float, first: bool = True) -> None:

@@ -40,6 +40,9 @@ class ServerMetrics:
         parked = Gauge("streamkv_forks_waiting_for_blocks", "session questions waiting for a free KV block "
                        "for their fork now", registry=r)
         parked.set_function(lambda: engine.num_parked)
+        restarts = Gauge("streamkv_fork_restarts", "session questions failed for want of KV blocks before their "
+                         "first token and made to wait again, so far", registry=r)
+        restarts.set_function(lambda: engine.fork_restarts)
         sessions = engine.engine.sessions.sessions
         live = Gauge("streamkv_sessions", "live sessions", registry=r)
         live.set_function(lambda: len(sessions))

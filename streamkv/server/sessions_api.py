@@ -161,10 +161,10 @@ async def query_session(session_id: str, body: SessionQuery, request: Request) -
     rid = new_id("squery")
     info: dict[str, Any] = {}
 
-    def submit(e: Any) -> None:
-        info.update(e.sessions.query(session_id, rid, body.question, params))
+    def submit(e: Any) -> None:  # runs again if the engine fails the fork for want of blocks
+        info.update(e.sessions.query(session_id, rid, body.question, params, count=not info))
 
-    outputs = engine.generate(rid, "", params, submit=submit)
+    outputs = engine.generate(rid, "", params, submit=submit, again=True)
     state: ServerState = request.app.state.streamkv
     if body.stream:
         first = await _first(outputs)  # errors (404, 400, 429) surface before the 200

@@ -171,11 +171,13 @@ class SessionManager:
         return out
 
     # ------------------------------------------------------------------- query
-    def query(self, session_id: str, request_id: str, question: str, params: SamplingParams) -> dict[str, Any]:
-        """Start answering ``question`` at the newest complete version (a SESSION-class fork)."""
+    def query(self, session_id: str, request_id: str, question: str, params: SamplingParams,
+              count: bool = True) -> dict[str, Any]:
+        """Start answering ``question`` at the newest complete version (a SESSION-class fork);
+        ``count``: in the session's query counter (False when a question starts again)."""
         session = self.get(session_id)
         info = self.start_query(session, request_id, question, params, PriorityClass.SESSION)
-        session.data.counters.queries += 1
+        session.data.counters.queries += count
         return info
 
     def start_query(self, session: Session, request_id: str, question: str, params: SamplingParams,
