@@ -343,7 +343,7 @@ def test_a_question_failed_for_want_of_blocks_before_its_first_token_waits_again
             engine._route(llm.engine.step())
             got += drain(q.sink)
         assert _ACCEPTED not in got and got[-1].error is None and got[-1].token_ids == solo
-        assert "q" not in engine._fresh
+        assert "q" not in engine._waits.fresh
 
         # once it has produced a token, a failure is the client's (its output already began)
         late = question("late")
@@ -361,7 +361,7 @@ def test_a_question_failed_for_want_of_blocks_before_its_first_token_waits_again
         gone = question("gone")
         engine._handle(gone)
         engine._handle(_Abort("gone"))
-        assert "gone" not in engine._fresh and engine.num_parked == 0
+        assert "gone" not in engine._waits.fresh and engine.num_parked == 0
         llm.engine.run_to_completion(["r"])
         llm.engine.check_integrity()
     finally:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence as Seq
 
 from streamkv.engine.async_inputs import AsyncInputStream
+from streamkv.engine.block_waits import BlockWaits
 from streamkv.engine.engine import Engine
 from streamkv.engine.outputs import RequestOutput
 from streamkv.errors import (EngineDeadError, InputStreamClosedError, InvalidRequestError, KVCacheFullError,
@@ -33,12 +34,10 @@ _ACCEPTED = object()
 # a step that ran nothing (every request waits for blocks or input) changes nothing until a
 # command or time does: the loop waits this long for a command instead of spinning a core
 _IDLE_WAIT_S = 0.005
-# A submitted fork (a session question) copies its parent's partial block at once; one that finds
-# no free block (KVCacheFullError) waits for one instead of failing: it is tried again after each
-# step while other work runs (forks before it give their blocks back as they finish), and fails
-# with the same retryable error once no work is left or after this many seconds. A question the
-# engine fails for want of blocks before it produced anything (``Engine._fail_stalled``: the latest
-# fork held at its fork point gives its copied block back) waits the same way, to the same deadline.
+# A submitted fork (a session question) that finds no free block waits for one (block_waits.py):
+# it is tried again after each step while other work runs (forks before it give their blocks back
+# as they finish), and fails with the same retryable error once no work is left or after this many
+# seconds.
 _BLOCK_WAIT_S = 30.0
 
 
@@ -86,11 +85,7 @@ class AsyncEngine:
         self.accepting = True
         self.last_step_time = 0.0
         self._inputs: dict[str, AsyncInputStream] = {}  # open on the event loop side, by request id
-        self._parked: list[tuple[_Add, float]] = []  # submits waiting for a free block, deadline (engine thread)
-        self.fork_waits = 0  # submits that have waited for a free block (engine thread writes)
-        # accepted ``again`` submits with no output yet, and their deadlines (engine thread)
-        self._fresh: dict[str, tuple[_Add, float]] = {}
-        self.fork_restarts = 0  # of them, failed for want of blocks and parked again (engine thread writes)
+        self._waits = BlockWaits()  # submits waiting for a free block (engine thread)
 
     @property
     def alive(self) -> bool:
@@ -281,12 +276,11 @@ class AsyncEngine:
 
     def _handle(self, cmd: Any) -> None:
         if isinstance(cmd, _Add):
-            if cmd.submit is not None and self._parked:  # behind the forks already waiting for a block
-                self._park(cmd, time.monotonic() + _BLOCK_WAIT_S)
+            if cmd.submit is not None and self._waits.parked:  # behind the forks already waiting for a block
+                self._waits.park(cmd, time.monotonic() + _BLOCK_WAIT_S)
             else:
                 self._add(cmd, time.monotonic() + _BLOCK_WAIT_S)
         elif isinstance(cmd, _Abort):
-            self._fresh.pop(cmd.request_id, None)
             if self._unpark(cmd.request_id) or self.engine.abort(cmd.request_id):
                 # whoever still waits for its outputs (not always the aborting side: a finished
                 # input's answer may be read by another client) gets an error, never silence
@@ -320,7 +314,7 @@ class AsyncEngine:
                                         **(cmd.kv or {}))
         except KVCacheFullError as exc:
             if cmd.submit is not None and self.engine.has_unfinished() and time.monotonic() < deadline:
-                self._park(cmd, deadline, first=not retry)
+                self._waits.park(cmd, deadline, first=not retry)
             else:
                 _put(cmd.loop, cmd.sink, exc)
             return False
@@ -328,71 +322,56 @@ class AsyncEngine:
             _put(cmd.loop, cmd.sink, exc)
             return False
         self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
-        if cmd.again:
-            self._fresh[cmd.request_id] = (cmd, deadline)
+        self._waits.accepted(cmd, deadline)
         if not cmd.accepted:
             cmd.accepted = True
             self._deliver(cmd.request_id, _ACCEPTED, False)
         return True
 
     def _route(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their requests' sinks (or park their submits again)."""
+        """Hand a step's outputs to their requests' sinks, or park a fresh ``again`` submit that
+        the engine failed for want of blocks once more (``BlockWaits.restart``)."""
         for out in outputs:
-            if not self._requeued(out):
+            if self._waits.restart(out, self.engine.has_unfinished(), time.monotonic()):
+                self._sinks.pop(out.request_id, None)
+            else:
                 self._deliver(out.request_id, out, out.finished)
-
-    def _requeued(self, out: RequestOutput) -> bool:
-        """Park an ``again`` submit once more when the engine failed it for want of blocks
-        before it produced anything (``out.retry``, no token), while work runs and its deadline
-        has not passed; True if it was (its client sees only the wait)."""
-        entry = self._fresh.get(out.request_id)
-        if entry is None:
-            return False
-        if out.token_ids or out.finished:
-            del self._fresh[out.request_id]
-        cmd, deadline = entry
-        if not (out.finished and out.retry and not out.token_ids and self.engine.has_unfinished()
-                and time.monotonic() < deadline):
-            return False
-        self._sinks.pop(out.request_id, None)
-        self._park(cmd, deadline)
-        self.fork_restarts += 1
-        self._parked.sort(key=lambda p: p[1])  # in arrival order among the waiting (a stable sort)
-        return True
-
-    def _park(self, cmd: _Add, deadline: float, first: bool = True) -> None:
-        """Queue a submit to wait for a block (``first``: counted in ``fork_waits``)."""
-        self._parked.append((cmd, deadline))
-        self.fork_waits += first
 
     def _retry_parked(self) -> None:
         """Try the parked submits again, oldest first (after a step: finished work gave blocks
         back); the first that still finds none keeps its place and every later one waits too."""
-        if not self._parked:
+        if not self._waits.parked:
             return
-        parked, self._parked = self._parked, []
+        parked = self._waits.take()
         for i, (cmd, deadline) in enumerate(parked):
-            if not self._add(cmd, deadline, retry=True) and self._parked:  # parked again: no block yet
-                self._parked.extend(parked[i + 1:])
+            if not self._add(cmd, deadline, retry=True) and self._waits.parked:  # parked again: no block yet
+                self._waits.parked.extend(parked[i + 1:])
                 return
 
     @property
     def num_parked(self) -> int:
         """Submits waiting for a free block now."""
-        return len(self._parked)
+        return len(self._waits.parked)
+
+    @property
+    def fork_waits(self) -> int:
+        """Submits that have waited for a free block so far."""
+        return self._waits.waits
+
+    @property
+    def fork_restarts(self) -> int:
+        """Accepted questions failed for want of blocks before their first token and parked again."""
+        return self._waits.restarts
 
     def _unpark(self, request_id: str) -> bool:
         """Drop a parked submit (its client left); True if there was one."""
-        for i, (cmd, _) in enumerate(self._parked):
-            if cmd.request_id == request_id:
-                del self._parked[i]
-                _put(cmd.loop, cmd.sink, InputStreamClosedError(f"request {request_id!r} was aborted"))
-                return True
-        return False
+        cmd = self._waits.unpark(request_id)
+        if cmd is not None:
+            _put(cmd.loop, cmd.sink, InputStreamClosedError(f"request {request_id!r} was aborted"))
+        return cmd is not None
 
     def _fail_parked(self, error: Exception) -> None:
-        parked, self._parked = self._parked, []
-        for cmd, _ in parked:
+        for cmd, _ in self._waits.take():
             _put(cmd.loop, cmd.sink, error)
 
     def _deliver(self, request_id: str, item: Any, last: bool) -> None:
