@@ -433,3 +433,76 @@ def test_a_burst_of_questions_while_the_session_ingests_all_answer(tmp_path, aga
         llm.engine.check_integrity()
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("wanted_s", [None, 0.0], ids=["kept", "offloaded-again"])
+def test_a_waiting_question_keeps_its_restored_session_resident(tmp_path, monkeypatch, wanted_s):
+    # A question on an offloaded session restores it (preempting less urgent requests for the
+    # blocks), then finds no room to fork (another session's forks hold the gate) and waits.
+    # The preempted requests, waiting for blocks, had the idle session offloaded again, and the
+    # next try restored it again: 12 restores and 26 preemptions for one question here. Now the
+    # session stays resident while its question waits (offload.WANTED_S; 0 is the old behaviour).
+    import asyncio
+
+    from streamkv.engine.async_engine import _ACCEPTED, AsyncEngine, _Add
+    from streamkv.sessions import offload
+
+    if wanted_s is not None:
+        monkeypatch.setattr(offload, "WANTED_S", wanted_s)
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    pool_params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    pool_prompts = [list(range(10 + i, 40 + i)) for i in range(3)]
+
+    def sessions(llm):
+        a = llm.session("a", chat=False, retention_tokens=80)
+        a.push([f"record {i} of some data" for i in range(8)])
+        a.ingest()
+        b = llm.session("b", chat=False, retention_tokens=40)
+        b.push([f"rec {i}" for i in range(3)])
+        b.ingest()
+        return a, b
+
+    reference = LLM(model=str(path), dtype="float32", num_blocks=256, block_size=4)
+    ref_a, _ = sessions(reference)
+    alone = ref_a.query("what?", max_tokens=6, ignore_eos=True).token_ids
+    pool_alone = [o.token_ids for o in reference.generate(pool_prompts, pool_params)]
+
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine = llm.engine
+    a, b = sessions(llm)
+    engine.sessions.offload.offload(engine.sessions.get(a.id))
+    for i in range(4):  # forks of b that the gate holds: no room for a's fork for a while
+        engine.sessions.query(b.id, f"b{i}", f"question {i}?", SamplingParams(max_tokens=30, temperature=0,
+                                                                             ignore_eos=True))
+    for i, prompt in enumerate(pool_prompts):
+        engine.add_request(f"p{i}", prompt, pool_params)
+        engine.keep_output(f"p{i}")  # for run_to_completion, whichever turn finishes it
+    engine.step()
+    looped, loop = AsyncEngine(engine), asyncio.new_event_loop()
+    ask = _Add("qa", "", params, 0, loop, asyncio.Queue(), again=True,
+               submit=lambda e: e.sessions.query(a.id, "qa", "what?", params))
+    try:
+        looped._handle(ask)
+        assert looped.num_parked == 1 and a.stats()["kv"]["where"] == "pool"  # restored, then waited
+        answer = None
+        for _ in range(3000):
+            looped._turn()
+            loop.run_until_complete(asyncio.sleep(0))
+            while not ask.sink.empty():
+                item = ask.sink.get_nowait()
+                if item is not _ACCEPTED and item.finished:
+                    answer = item
+            if answer is not None and not engine.has_unfinished():
+                break
+        done = engine.run_to_completion([f"p{i}" for i in range(3)])
+    finally:
+        loop.close()
+    restores = [e["event"] for e in a.events()].count("restored")
+    assert answer is not None and answer.error is None and answer.token_ids == alone
+    assert [done[f"p{i}"].token_ids for i in range(3)] == pool_alone
+    if wanted_s is None:
+        assert restores == 1
+    else:  # the premise: the ping-pong happens without the hold
+        assert restores > 3
+    engine.check_integrity()

@@ -203,10 +203,11 @@ class SessionManager:
         gate, sched = self.engine.scheduler.fork_gate, self.engine.scheduler
         end = min(n + len(suffix) + params.max_tokens, self.engine.max_model_len)
         if gate is not None and not gate.room_for(sched.seqs.values(), n, end):  # AsyncEngine waits, retries
+            session.wanted_at = time.monotonic()  # kept resident meanwhile (offload.WANTED_S)
             raise KVCacheFullError("the KV cache is full: the questions already forked hold the blocks this "
                                    "one needs; retry later")
         seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read)
-        data.last_used = time.monotonic()
+        data.last_used, session.wanted_at = time.monotonic(), float("-inf")  # started: nobody waits now
         return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
                 "computed_prompt_tokens": len(seq.tokens) - seq.num_computed, "prompt_token_ids": list(seq.tokens)}
 

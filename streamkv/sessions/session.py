@@ -55,6 +55,7 @@ class Session:
     offloaded_tokens: list[int] | None = None
     flash: FlashState = field(default_factory=FlashState)
     ready_probe: dict[str, Any] | None = None  # the last ready-position top token, qualifying or not
+    wanted_at: float = float("-inf")  # when a question last waited for room to fork it (monotonic)
 
     @property
     def where(self) -> str:
