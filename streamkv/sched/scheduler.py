@@ -22,7 +22,7 @@ from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
 from streamkv.sched.preemption import PreemptionPolicy, Recompute
 from streamkv.sched.sequence import PriorityClass, Sequence, SeqStatus
-from streamkv.sched.speculation import SpecState, SpecStats, Speculator, speculable
+from streamkv.sched.speculation import Drafting, SpecState, SpecStats, Speculator
 from streamkv.sched.step_output import StepUpdates
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class _Proposal:
     draft: tuple[int, ...] = ()  # speculated tokens after ``end`` (``speculation.py``)
 
 
-class Scheduler(StepUpdates):
+class Scheduler(StepUpdates, Drafting):
     """Owns the waiting/running sets; asks the KV manager for blocks. Applying a step's outputs
     (``update``, ``observe_step``) lives in ``step_output.py``."""
 
@@ -238,27 +238,6 @@ class Scheduler(StepUpdates):
         if seq.status is SeqStatus.WAITING and not seq.swapped:
             return not self.admission.admits(seq)
         return self.admission.holds_chunk(seq)
-
-    def _spec_cap(self, ranked: list[Sequence]) -> int:
-        """Drafts per sequence this step (0: no speculation), from the number of decoders."""
-        if self.speculator is None:
-            return 0
-        decoders = sum(1 for s in ranked if s.status is SeqStatus.RUNNING and s.remaining == 1 and s.samples)
-        self.spec_stats.cap = self.speculator.cap(decoders)
-        return self.spec_stats.cap
-
-    def _draft(self, seq: Sequence, limit: int, crowded: bool) -> tuple[int, ...]:
-        """Draft tokens for a decoding ``seq``: within the step budget, its max_tokens and
-        max_len (every emitted token must fit), and only for plain sampling. ``crowded`` (a
-        sequence waits for admission): only within the blocks it already holds, so drafts
-        never take a block someone waiting needs."""
-        if self.speculator is None or not speculable(seq):
-            return ()
-        limit = min(limit, seq.params.max_tokens - seq.num_output - 1, seq.max_len - len(seq.tokens) - 1)
-        if crowded:
-            limit = min(limit, self.kv.num_blocks_held(seq.seq_id) * self.kv.block_size - len(seq.tokens))
-        state = self.spec_states.setdefault(seq.seq_id, SpecState())
-        return self.speculator.draft(seq, state, limit)
 
     def _acquire(self, proposals: list[_Proposal],
                  rank_all: Callable[[], list[Sequence]]) -> tuple[list[_Proposal], list[int]]:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from streamkv.kv.manager import KVManager
 from streamkv.sched.sequence import Sequence, SeqStatus
 
 
@@ -178,3 +179,34 @@ def speculable(seq: Sequence) -> bool:
             and seq.remaining == 1 and seq.layout is None and seq.write is None and seq.read is None
             and not seq.observe and not seq.keep_kv and p.logprobs is None
             and not p.needs_penalties and seq.num_output >= p.min_tokens)
+
+
+class Drafting:
+    """``Scheduler``'s speculation half of phase 1: the step's draft cap and each decoding
+    sequence's drafts (the verified tokens come back through :class:`StepUpdates`)."""
+
+    kv: KVManager
+    speculator: Speculator | None
+    spec_states: dict[int, SpecState]
+    spec_stats: SpecStats
+
+    def _spec_cap(self, ranked: list[Sequence]) -> int:
+        """Drafts per sequence this step (0: no speculation), from the number of decoders."""
+        if self.speculator is None:
+            return 0
+        decoders = sum(1 for s in ranked if s.status is SeqStatus.RUNNING and s.remaining == 1 and s.samples)
+        self.spec_stats.cap = self.speculator.cap(decoders)
+        return self.spec_stats.cap
+
+    def _draft(self, seq: Sequence, limit: int, crowded: bool) -> tuple[int, ...]:
+        """Draft tokens for a decoding ``seq``: within the step budget, its max_tokens and
+        max_len (every emitted token must fit), and only for plain sampling. ``crowded`` (a
+        sequence waits for admission): only within the blocks it already holds, so drafts
+        never take a block someone waiting needs."""
+        if self.speculator is None or not speculable(seq):
+            return ()
+        limit = min(limit, seq.params.max_tokens - seq.num_output - 1, seq.max_len - len(seq.tokens) - 1)
+        if crowded:
+            limit = min(limit, self.kv.num_blocks_held(seq.seq_id) * self.kv.block_size - len(seq.tokens))
+        state = self.spec_states.setdefault(seq.seq_id, SpecState())
+        return self.speculator.draft(seq, state, limit)
