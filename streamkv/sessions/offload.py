@@ -27,10 +27,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: A session a question waited for (its fork found no room) stays resident this long after the
-#: question's last try: a waiting question is tried again after every step, and offloading its
-#: session for less urgent waiting work made that try restore it again, preempting that work,
-#: step after step (12 restores, 26 preemptions for one question on a 40-block pool).
+#: A session a question waited for (its fork found no room) is not offloaded for less urgent
+#: work (stateless requests, ingestion) until this long after the question's last try: a waiting
+#: question is tried again after every step, and offloading its session for the requests its
+#: restore had preempted made that try restore it again, preempting them again, step after step
+#: (12 restores, 26 preemptions for one question on a 40-block pool). Work as urgent as the
+#: question (other sessions' questions) may still have it offloaded.
 WANTED_S = 1.0
 
 
@@ -136,14 +138,17 @@ class Offloader:
         session.host_kv, session.host_q, session.offloaded_tokens = None, None, None
         session.emit("restored", tokens=len(tokens))
 
-    def _offload_one(self, exclude: Session | None = None) -> int:
+    def _offload_one(self, exclude: Session | None = None, spare_wanted: bool = False) -> int:
         """Offload the least recently used quiescent session that frees at least half the blocks
         it holds; failing that, any that frees some (one answering a question shares most of its
-        blocks with the question's fork). Returns the blocks freed (0: none could be)."""
+        blocks with the question's fork). ``spare_wanted``: for less urgent work than a question,
+        so not a session a question waits for (``WANTED_S``). Returns the blocks freed (0: none
+        could be)."""
         now = time.monotonic()
         found = [(s, self.freeable(s), self.engine.kv.num_blocks_held(s.stream.seq_id))  # type: ignore[union-attr]
                  for s in sorted(self.manager.sessions.values(), key=lambda s: s.data.last_used)
-                 if s is not exclude and s.where == "pool" and self.quiescent(s) and now - s.wanted_at >= WANTED_S]
+                 if s is not exclude and s.where == "pool" and self.quiescent(s)
+                 and not (spare_wanted and now - s.wanted_at < WANTED_S)]
         for enough in (lambda free, held: 2 * free >= held, lambda free, held: free > 0):
             for session, free, held in found:
                 if enough(free, held):
@@ -155,17 +160,18 @@ class Offloader:
         compute (a session ingesting, a span query's: pinned streams preempt nobody and wait,
         so a span query behind idle sessions waited for good), cannot get its blocks."""
         kv, seqs = self.engine.kv, self.engine.scheduler.seqs.values()
-        needs = [kv.blocks_for(len(s.tokens) + 1) for s in seqs if s.status is SeqStatus.WAITING]
-        needs += [kv.growth_cost(s.seq_id, len(s.tokens)) for s in seqs  # forks wait too (never dropped)
-                  if s.status is SeqStatus.RUNNING and (s.pinned or s.forked_rows) and s.has_work and kv.has(s.seq_id)]
-        positive = [n for n in needs if n > 0]
+        needing = [(kv.blocks_for(len(s.tokens) + 1), s) for s in seqs if s.status is SeqStatus.WAITING]
+        needing += [(kv.growth_cost(s.seq_id, len(s.tokens)), s) for s in seqs  # forks wait too (never dropped)
+                    if s.status is SeqStatus.RUNNING and (s.pinned or s.forked_rows) and s.has_work and kv.has(s.seq_id)]
+        positive = [n for n, _ in needing if n > 0]
         if not positive:
             return
+        spare = all(s.klass > PriorityClass.SESSION for n, s in needing if n > 0)  # none as urgent as a question
         # at least the smallest need; the request that blocks the queue may need more (nothing
         # unpinned passes it, so room for a smaller one behind it served nobody)
         need = max(min(positive), self.engine.scheduler.blocked_need) - self.engine.pool.num_free
         while need > 0:
-            freed = self._offload_one()
+            freed = self._offload_one(spare_wanted=spare)
             if not freed:
                 return
             need -= freed
