@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 #: work (stateless requests, ingestion) until this long after the question's last try: a waiting
 #: question is tried again after every step, and offloading its session for the requests its
 #: restore had preempted made that try restore it again, preempting them again, step after step
-#: (12 restores, 26 preemptions for one question on a 40-block pool). Work as urgent as the
-#: question (other sessions' questions) may still have it offloaded.
+#: (7 restores, 21 preemptions for one question on a 48-block pool,
+#: ``tests/test_session_pool_pressure.py``). Work as urgent as the question (other sessions'
+#: questions) may still have it offloaded.
 WANTED_S = 1.0
 
 
