@@ -75,22 +75,24 @@ class ForkGate:
         end = projected_tokens(seq) + seq.forked_rows
         return max(0, self.kv.blocks_for(seq.kv_rows(end)) - self.kv.num_blocks_held(seq.seq_id))
 
-    def room_for(self, seqs: Iterable[Sequence], rows: int, end: int) -> bool:
+    def room_for(self, seqs: Iterable[Sequence], rows: int, end: int, extra: int = 0, spare: int = 0) -> bool:
         """Whether a new fork of a parent's first ``rows`` rows that may grow to ``end`` rows may
         take its copied block now: after the copy the free blocks must still hold the started
         forks' remaining growth and the smallest need among the forks at their fork point, this
         one included, so the gate can always start one. (Copies of forks that could not start took
         every free block: nothing progressed until the engine failed the latest one 64 steps
         later.) With no other fork, the new one only needs its copy, as the gate lets the first
-        start whatever its need."""
+        start whatever its need. ``extra`` blocks are taken first (a restore of the parent) and
+        ``spare`` ones could be freed for it (idle sessions, less urgent requests)."""
         kv = self.kv
         copy = 1 if rows % kv.block_size else 0
+        free = kv.pool.num_free + spare - extra
         live = [s for s in seqs if gated(s)]
         if not live:
-            return copy <= kv.pool.num_free
+            return copy <= free
         reserved = self._reserved(live)
         smallest = min([self.need(s) for s in live if at_fork_point(s)] + [kv.blocks_for(end) - kv.blocks_for(rows)])
-        return kv.pool.num_free - copy >= reserved + smallest
+        return free - copy >= reserved + smallest
 
     def begin(self, seqs: Iterable[Sequence]) -> None:
         live = [s for s in seqs if gated(s)]

@@ -21,6 +21,7 @@ from streamkv.errors import (InvalidRequestError, KVCacheFullError, QueueFullErr
                              SessionMovedError, SessionNotFoundError)
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sampling.params import SamplingParams
+from streamkv.sched.fork_gate import gated
 from streamkv.sched.sequence import PriorityClass, SeqStatus
 from streamkv.sessions.flash import FlashEvaluator
 from streamkv.sessions.offload import Offloader
@@ -184,6 +185,15 @@ class SessionManager:
                     klass: PriorityClass) -> dict[str, Any]:
         if not isinstance(question, str) or not question.strip():
             raise InvalidRequestError("question must be a non-empty string")
+        gate, sched = self.engine.scheduler.fork_gate, self.engine.scheduler
+        if gate is not None and session.where != "pool" and any(gated(s) for s in sched.seqs.values()):
+            n = session.data.snapshot_len()  # a restore whose fork could not start then: do not
+            end = min(n + len(session.layout.query_ids(self.engine.tokenizer, question)) + params.max_tokens,
+                      self.engine.max_model_len)  # preempt for it (the question waits on host)
+            restore = self.engine.kv.blocks_for(len(session.offloaded_tokens or ()))
+            if not gate.room_for(sched.seqs.values(), n, end, extra=restore, spare=self.offload.spare_blocks(session, klass)):
+                raise KVCacheFullError("the KV cache is full: the questions already forked hold the blocks this "
+                                       "one needs; retry later")
         self.offload.ensure_resident(session, below=klass)
         data, layout = session.data, session.layout
         q_ids = self.engine.tokenizer.encode(question)
@@ -200,7 +210,6 @@ class SessionManager:
                 self.offload._offload_one(exclude=session)
             if self.engine.pool.num_free < 1:  # then from a running request of a less urgent class
                 self.engine.seq_ops.reclaim(1, below=klass)
-        gate, sched = self.engine.scheduler.fork_gate, self.engine.scheduler
         end = min(n + len(suffix) + params.max_tokens, self.engine.max_model_len)
         if gate is not None and not gate.room_for(sched.seqs.values(), n, end):  # AsyncEngine waits, retries
             session.wanted_at = time.monotonic()  # kept resident meanwhile (offload.WANTED_S)

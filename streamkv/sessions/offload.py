@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from streamkv.errors import KVCacheFullError, QueueFullError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sampling.grammar import GuidedSpec
+from streamkv.sched.fork_gate import droppable
 from streamkv.sched.sequence import PriorityClass, SeqStatus
 from streamkv.sessions.session import Session
 from streamkv.sessions.spec import SessionLayout, SessionSpec
@@ -138,6 +139,17 @@ class Offloader:
                 raise QueueFullError("the KV cache is full; retry later", retry_after=1.0) from None
         session.host_kv, session.host_q, session.offloaded_tokens = None, None, None
         session.emit("restored", tokens=len(tokens))
+
+    def spare_blocks(self, session: Session, klass: PriorityClass) -> int:
+        """At most the blocks a restore of ``session`` for a question of ``klass`` could free:
+        other idle sessions' own blocks and those of running requests of a less urgent class
+        (and of inputs still streaming); an upper bound, as ``ensure_resident`` takes them."""
+        seqs = self.engine.scheduler.seqs.values()
+        sessions = sum(self.freeable(s) for s in self.manager.sessions.values()
+                       if s is not session and s.where == "pool" and self.quiescent(s))
+        requests = sum(self.engine.kv.num_unshared(s.seq_id) for s in seqs if s.status is SeqStatus.RUNNING
+                       and not s.pinned and (s.partial or (s.klass > klass and droppable(s))))
+        return sessions + requests
 
     def _offload_one(self, exclude: Session | None = None, spare_wanted: bool = False) -> int:
         """Offload the least recently used quiescent session that frees at least half the blocks
