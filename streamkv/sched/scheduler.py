@@ -300,11 +300,8 @@ class Scheduler(StepUpdates, Drafting):
         copies, which the caller makes before it writes a released block (they are not queued
         for the next step)."""
         mark = len(self._swap_out)
-        ranked = list(reversed(self.policy.rank(self.seqs.values(), time.perf_counter())))
-        inputs = [s for s in ranked if s.partial]
-        requests = [s for s in ranked if not s.partial and below is not None and s.klass > below and droppable(s)]
-        victims = [s for s in inputs + requests if s.status is SeqStatus.RUNNING and not s.pinned]
-        if below is not None and self.kv.pool.num_free + sum(self.kv.num_unshared(s.seq_id) for s in victims) < blocks:
+        victims = self._victims(below)
+        if below is not None and self.kv.pool.num_free + self.reclaimable(below, victims) < blocks:
             return []  # preempting them all would still leave too few: their work is not wasted
         for seq in victims:
             if self.kv.pool.num_free >= blocks:
@@ -312,6 +309,18 @@ class Scheduler(StepUpdates, Drafting):
             self._preempt(seq)
         pairs, self._swap_out[mark:] = self._swap_out[mark:], []
         return pairs
+
+    def reclaimable(self, below: PriorityClass | None, victims: list[Sequence] | None = None) -> int:
+        """The blocks :meth:`reclaim` could free at most: its victims' own blocks."""
+        return sum(self.kv.num_unshared(s.seq_id) for s in (self._victims(below) if victims is None else victims))
+
+    def _victims(self, below: PriorityClass | None) -> list[Sequence]:
+        """What :meth:`reclaim` may preempt, lowest ranked first: running inputs still streaming,
+        then (``below``) running requests of a less urgent class that give KV back."""
+        ranked = list(reversed(self.policy.rank(self.seqs.values(), time.perf_counter())))
+        inputs = [s for s in ranked if s.partial]
+        requests = [s for s in ranked if not s.partial and below is not None and s.klass > below and droppable(s)]
+        return [s for s in inputs + requests if s.status is SeqStatus.RUNNING and not s.pinned]
 
     def _try_take(self, prop: _Proposal) -> bool:
         seq = prop.seq

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from streamkv.ops.core import EngineCore as Engine
 
 log = logging.getLogger(__name__)
+
+# a question whose fork cannot start now (the fork gate): the server's engine loop waits, retries
+_NO_ROOM = "the KV cache is full: the questions already forked hold the blocks this one needs; retry later"
 QUERY_RESERVE = 64  # context kept free after the window for the scaffold, question and answer
 RELEASED_TTL_S = 60.0  # how long a released session is refused here unless explicitly adopted
 
@@ -188,12 +191,10 @@ class SessionManager:
         gate, sched = self.engine.scheduler.fork_gate, self.engine.scheduler
         if gate is not None and session.where != "pool" and any(gated(s) for s in sched.seqs.values()):
             n = session.data.snapshot_len()  # a restore whose fork could not start then: do not
-            end = min(n + len(session.layout.query_ids(self.engine.tokenizer, question)) + params.max_tokens,
-                      self.engine.max_model_len)  # preempt for it (the question waits on host)
-            restore = self.engine.kv.blocks_for(len(session.offloaded_tokens or ()))
+            end = self._fork_end(n, len(session.layout.query_ids(self.engine.tokenizer, question)), params)
+            restore = self.engine.kv.blocks_for(len(session.offloaded_tokens or ()))  # preempt for it: wait on host
             if not gate.room_for(sched.seqs.values(), n, end, extra=restore, spare=self.offload.spare_blocks(session, klass)):
-                raise KVCacheFullError("the KV cache is full: the questions already forked hold the blocks this "
-                                       "one needs; retry later")
+                raise KVCacheFullError(_NO_ROOM)
         self.offload.ensure_resident(session, below=klass)
         data, layout = session.data, session.layout
         q_ids = self.engine.tokenizer.encode(question)
@@ -210,15 +211,17 @@ class SessionManager:
                 self.offload._offload_one(exclude=session)
             if self.engine.pool.num_free < 1:  # then from a running request of a less urgent class
                 self.engine.seq_ops.reclaim(1, below=klass)
-        end = min(n + len(suffix) + params.max_tokens, self.engine.max_model_len)
-        if gate is not None and not gate.room_for(sched.seqs.values(), n, end):  # AsyncEngine waits, retries
-            session.wanted_at = time.monotonic()  # kept resident meanwhile (offload.WANTED_S)
-            raise KVCacheFullError("the KV cache is full: the questions already forked hold the blocks this "
-                                   "one needs; retry later")
+        if gate is not None and not gate.room_for(sched.seqs.values(), n, self._fork_end(n, len(suffix), params)):
+            session.wanted_at = time.monotonic()  # kept resident meanwhile (offload.WANTED_S); AsyncEngine retries
+            raise KVCacheFullError(_NO_ROOM)
         seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read)
         data.last_used, session.wanted_at = time.monotonic(), float("-inf")  # started: nobody waits now
         return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
                 "computed_prompt_tokens": len(seq.tokens) - seq.num_computed, "prompt_token_ids": list(seq.tokens)}
+
+    def _fork_end(self, rows: int, added: int, params: SamplingParams) -> int:
+        """The rows a question's fork of ``rows`` parent rows and ``added`` own prompt rows may reach."""
+        return min(rows + added + params.max_tokens, self.engine.max_model_len)
 
     def ready_exit(self, session: Session) -> dict[str, Any] | None:
         """The ready-position answer for the current version, if the session enables it and

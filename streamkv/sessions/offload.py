@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from streamkv.errors import KVCacheFullError, QueueFullError
 from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sampling.grammar import GuidedSpec
-from streamkv.sched.fork_gate import droppable
 from streamkv.sched.sequence import PriorityClass, SeqStatus
 from streamkv.sessions.session import Session
 from streamkv.sessions.spec import SessionLayout, SessionSpec
@@ -143,13 +142,11 @@ class Offloader:
     def spare_blocks(self, session: Session, klass: PriorityClass) -> int:
         """At most the blocks a restore of ``session`` for a question of ``klass`` could free:
         other idle sessions' own blocks and those of running requests of a less urgent class
-        (and of inputs still streaming); an upper bound, as ``ensure_resident`` takes them."""
-        seqs = self.engine.scheduler.seqs.values()
+        (and of inputs still streaming: ``Scheduler.reclaimable``); an upper bound, as
+        ``ensure_resident`` takes them."""
         sessions = sum(self.freeable(s) for s in self.manager.sessions.values()
                        if s is not session and s.where == "pool" and self.quiescent(s))
-        requests = sum(self.engine.kv.num_unshared(s.seq_id) for s in seqs if s.status is SeqStatus.RUNNING
-                       and not s.pinned and (s.partial or (s.klass > klass and droppable(s))))
-        return sessions + requests
+        return sessions + self.engine.scheduler.reclaimable(klass)
 
     def _offload_one(self, exclude: Session | None = None, spare_wanted: bool = False) -> int:
         """Offload the least recently used quiescent session that frees at least half the blocks
@@ -176,13 +173,13 @@ class Offloader:
         needing = [(kv.blocks_for(len(s.tokens) + 1), s) for s in seqs if s.status is SeqStatus.WAITING]
         needing += [(kv.growth_cost(s.seq_id, len(s.tokens)), s) for s in seqs  # forks wait too (never dropped)
                     if s.status is SeqStatus.RUNNING and (s.pinned or s.forked_rows) and s.has_work and kv.has(s.seq_id)]
-        positive = [n for n, _ in needing if n > 0]
-        if not positive:
+        needing = [(n, s) for n, s in needing if n > 0]
+        if not needing:
             return
-        spare = all(s.klass > PriorityClass.SESSION for n, s in needing if n > 0)  # none as urgent as a question
+        spare = all(s.klass > PriorityClass.SESSION for _, s in needing)  # none as urgent as a question
         # at least the smallest need; the request that blocks the queue may need more (nothing
         # unpinned passes it, so room for a smaller one behind it served nobody)
-        need = max(min(positive), self.engine.scheduler.blocked_need) - self.engine.pool.num_free
+        need = max(min(n for n, _ in needing), self.engine.scheduler.blocked_need) - self.engine.pool.num_free
         while need > 0:
             freed = self._offload_one(spare_wanted=spare)
             if not freed:
