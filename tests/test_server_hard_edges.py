@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, assert_left_request_stopped
+from tests.server_harness import ServerProcess, assert_left_request_stopped, metric
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -170,12 +170,17 @@ def test_utilities(server):
     assert t["count"] == len(t["tokens"]) > 0
     d = httpx.post(server.url + "/detokenize", headers=AUTH, json={"tokens": t["tokens"]}).json()
     assert d["prompt"] == "Hello world"
+    httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,  # 4 tokens: 3 gaps, engine-side
+               json={"prompt": "Hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     metrics = httpx.get(server.url + "/metrics", headers=AUTH).text
     for name in ("streamkv_requests_total", "streamkv_time_to_first_token_seconds_bucket",
                  "streamkv_kv_blocks_free", "streamkv_prefix_cache_hit_rate", "streamkv_preemptions",
                  "streamkv_requests_waiting", "streamkv_fork_block_waits 0.0",
-                 "streamkv_forks_waiting_for_blocks 0.0", "streamkv_fork_restarts 0.0"):
+                 "streamkv_forks_waiting_for_blocks 0.0", "streamkv_fork_restarts 0.0",
+                 'streamkv_token_gap_ratio_bucket{le="3.0"}', "streamkv_token_gap_worst_ratio"):
         assert name in metrics
+    assert metric(server.url, "streamkv_token_gap_ratio_count", AUTH) >= 3
+    assert metric(server.url, "streamkv_step_interval_median_seconds", AUTH) > 0
 
 
 def test_access_log_line_per_request(server, model):

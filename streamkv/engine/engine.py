@@ -19,6 +19,7 @@ from streamkv.engine.factory import ModelBundle, build_bundle
 from streamkv.engine.kv_policies import KVPolicies, KVPolicyTotals, PolicySpec, kv_report
 from streamkv.engine.outputs import RequestOutput
 from streamkv.engine.response_cache import ResponseCache
+from streamkv.engine.token_gaps import TokenGaps
 from streamkv.errors import InvalidRequestError
 from streamkv.inputs.manager import InputStreams
 from streamkv.kv.block_pool import BlockPool
@@ -49,6 +50,7 @@ class _Request:
     logprobs: list[TokenLogprobs] | None
     arrival: float
     first_token: float | None = None
+    last_token: float | None = None  # the step that emitted its latest token (token_gaps.py)
     reported_tokens: int = 0
     error: str | None = None
     extra: dict = field(default_factory=dict)
@@ -89,6 +91,7 @@ class Engine:
         self.seq_ops = SeqOps(self.scheduler, self.kv, self.kv_ops, self.max_model_len, itertools.count(),
                               getattr(self.bundle.runner, "recent", None))
         self.stats = EngineStats()
+        self.gaps = TokenGaps()  # decode stalls, engine-side
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._pending: list[RequestOutput] = []
@@ -302,6 +305,8 @@ class Engine:
         self.spans.before_step()
         outputs = self.spans.after_step(self.sessions.after_step(outputs + self._step()))
         self._fail_stalled()
+        if not self.has_unfinished():
+            self.gaps.idle()
         if self._kept:
             for out in outputs:
                 if out.finished and out.request_id in self._kept:
@@ -363,6 +368,7 @@ class Engine:
             return outputs + self._fail(plan, f"{type(exc).__name__}: {exc}")
         self.stats.steps += 1
         now = time.perf_counter()
+        self.gaps.step_end(now)
         touched: dict[str, _Request] = {}
         events = self.scheduler.update(plan, result)
         left = Counter(seq.seq_id for seq, _ in events)  # a speculating sequence emits several tokens
@@ -390,6 +396,9 @@ class Engine:
         self.stats.generated_tokens += 1
         if req.first_token is None:
             req.first_token = now
+        elif req.last_token is not None:  # (none between two tokens of one step: 0 s)
+            self.gaps.gap(now - req.last_token)
+        req.last_token = now
         if req.logprobs is not None and seq.seq_id in result.logprobs:
             req.logprobs.append(result.logprobs[seq.seq_id])
         if token is None or (seq.finish_reason == "stop" and token in seq.stop_ids):

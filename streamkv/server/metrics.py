@@ -103,6 +103,20 @@ class _EngineCounters:
         yield CounterMetricFamily("streamkv_flash_hits", "session queries answered from the flash cache",
                                   value=e.sessions.flash.hits.value)
         yield from _span_metrics(e.spans)
+        yield from _gap_metrics(e.gaps)
+
+
+def _gap_metrics(gaps: Any) -> Any:
+    """Engine-side decode stalls (``engine/token_gaps.py``)."""
+    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+    yield HistogramMetricFamily("streamkv_token_gap_ratio", "each sequence's gap between two tokens emitted in "
+                                "different steps, over the median step interval then (engine thread; issue 16's "
+                                "stall target is le 3)", buckets=gaps.cumulative(), sum_value=gaps.ratio_sum)
+    yield GaugeMetricFamily("streamkv_token_gap_worst_ratio", "the largest token gap / median step interval so far",
+                            value=gaps.worst)
+    yield GaugeMetricFamily("streamkv_step_interval_median_seconds", "median time between two model steps' ends "
+                            "while the engine had work (last 64)", value=gaps.median)
 
 
 def _kv_policy_metrics(t: Any) -> Any:
