@@ -177,10 +177,10 @@ def test_utilities(server):
                  "streamkv_kv_blocks_free", "streamkv_prefix_cache_hit_rate", "streamkv_preemptions",
                  "streamkv_requests_waiting", "streamkv_fork_block_waits 0.0",
                  "streamkv_forks_waiting_for_blocks 0.0", "streamkv_fork_restarts 0.0",
-                 'streamkv_token_gap_ratio_bucket{le="3.0"}', "streamkv_token_gap_worst_ratio"):
+                 'streamkv_inter_token_gap_seconds_bucket{le="0.001"}', 'streamkv_step_interval_seconds_bucket{le="+Inf"}'):
         assert name in metrics
-    assert metric(server.url, "streamkv_token_gap_ratio_count", AUTH) >= 3
-    assert metric(server.url, "streamkv_step_interval_median_seconds", AUTH) > 0
+    assert metric(server.url, "streamkv_inter_token_gap_seconds_count", AUTH) >= 3
+    assert metric(server.url, "streamkv_step_interval_seconds_sum", AUTH) > 0
 
 
 def test_access_log_line_per_request(server, model):

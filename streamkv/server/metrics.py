@@ -107,16 +107,15 @@ class _EngineCounters:
 
 
 def _gap_metrics(gaps: Any) -> Any:
-    """Engine-side decode stalls (``engine/token_gaps.py``)."""
-    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+    """Engine-side decode stalls (``engine/token_gaps.py``), seconds."""
+    from prometheus_client.core import HistogramMetricFamily
 
-    yield HistogramMetricFamily("streamkv_token_gap_ratio", "each sequence's gap between two tokens emitted in "
-                                "different steps, over the median step interval then (engine thread; issue 16's "
-                                "stall target is le 3)", buckets=gaps.cumulative(), sum_value=gaps.ratio_sum)
-    yield GaugeMetricFamily("streamkv_token_gap_worst_ratio", "the largest token gap / median step interval so far",
-                            value=gaps.worst)
-    yield GaugeMetricFamily("streamkv_step_interval_median_seconds", "median time between two model steps' ends "
-                            "while the engine had work (last 64)", value=gaps.median)
+    yield HistogramMetricFamily("streamkv_inter_token_gap_seconds", "each sequence's gap between two tokens emitted "
+                                "in different steps (engine thread)", buckets=gaps.gaps.cumulative(),
+                                sum_value=gaps.gaps.total)
+    yield HistogramMetricFamily("streamkv_step_interval_seconds", "time between two model steps' ends while the "
+                                "engine had work (engine thread)", buckets=gaps.intervals.cumulative(),
+                                sum_value=gaps.intervals.total)
 
 
 def _kv_policy_metrics(t: Any) -> Any:
