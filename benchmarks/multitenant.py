@@ -221,8 +221,9 @@ def _ratio(phase: dict, key: str) -> float:
 
 
 def _engine_over(phase: dict) -> str:
-    """``n / N``: engine-side gaps over 3x the median step (``-`` for phases recorded before)."""
-    if "engine_gaps" not in phase:
+    """``n / N``: engine-side gaps over 3x the phase's median step (``-`` for phases recorded
+    before 2fcac7a, which had none or counted against a rolling median)."""
+    if "engine_gap_worst_x" not in phase:
         return "-"
     return f"{phase['engine_gaps_over_3x']:.0f} / {phase['engine_gaps']:.0f}"
 
