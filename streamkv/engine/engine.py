@@ -16,6 +16,7 @@ from typing import Sequence as Seq
 
 from streamkv.config import EngineConfig
 from streamkv.engine.factory import ModelBundle, build_bundle
+from streamkv.engine.intake import PromptChecks
 from streamkv.engine.kv_policies import KVPolicies, KVPolicyTotals, PolicySpec, kv_report
 from streamkv.engine.outputs import RequestOutput
 from streamkv.engine.response_cache import ResponseCache
@@ -27,7 +28,6 @@ from streamkv.kv.host_pool import HostPool
 from streamkv.kv.manager import KVManager
 from streamkv.loading.heap import release_freed_heap
 from streamkv.policies.read import ReadPolicy
-from streamkv.policies.write import WritePolicy
 from streamkv.ops.seq_ops import SeqOps
 from streamkv.sampling.detokenizer import IncrementalDetokenizer
 from streamkv.sampling.params import SamplingParams, prompt_seed
@@ -69,7 +69,7 @@ class EngineStats:
     busy_s: float = 0.0  # wall time inside model steps (schedule + execute + update)
 
 
-class Engine:
+class Engine(PromptChecks):
     """Owns scheduler, KV manager and runner; not thread-safe (one owner thread)."""
 
     def __init__(self, config: EngineConfig | None = None, bundle: ModelBundle | None = None,
@@ -124,19 +124,6 @@ class Engine:
         return make_preemption(name, load_or_measure(self))
 
     # ----------------------------------------------------------------- intake
-    def tokenize_prompt(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InvalidRequestError("prompt must be a string or a list of token ids") from None
-        if any(isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt token ids must be integers")
-        return None, ids
-
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
                     priority: int = 0, klass: PriorityClass = PriorityClass.POOL,
                     partial: bool = False, kv_write: PolicySpec = None, kv_read: PolicySpec = None) -> Sequence | None:
@@ -227,44 +214,6 @@ class Engine:
         self._by_seq[seq.seq_id] = req
         self.stats.prompt_tokens += len(seq.tokens)
         return seq
-
-    def check_prompt(self, prompt: str | Seq[int]) -> list[int]:
-        """Tokenize and validate a prompt exactly as :meth:`add_request` will (thread-safe:
-        reads only immutable engine facts); raises InvalidRequestError."""
-        _, ids = self.tokenize_prompt(prompt)
-        self._validate_ids(ids)
-        return ids
-
-    def _validate_ids(self, ids: list[int], allow_empty: bool = False) -> None:
-        if not ids and not allow_empty:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.bundle.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
-                f"(the prompt must leave room for at least one generated token)")
-        if self.kv.blocks_for(len(ids) + 1) > self.pool.num_blocks:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens but the KV cache holds only "
-                f"{self.pool.num_blocks * self.pool.block_size}; raise --kv-cache-memory")
-
-    def check_write_fits(self, n_tokens: int, max_tokens: int, write: WritePolicy | None) -> None:
-        """A prompt of ``n_tokens`` (answer up to ``max_tokens``) under the write policy ``write``
-        (None: nothing to check) must fit the pool where it peaks, if it gets there: the chunk
-        reaching the compression point holds the point's blocks and the kept rows' new ones at
-        once (Sequence.extra_blocks). One that never can would wait for free blocks forever,
-        ahead of everything queued after it."""
-        if write is None or write.point(n_tokens) > n_tokens + max_tokens - 1:  # never compresses
-            return
-        need = self.kv.blocks_for(write.point(n_tokens)) + write.layout_blocks(self.pool.block_size)
-        if need > self.pool.num_blocks:
-            raise InvalidRequestError(
-                f"kv_write: compressing this {n_tokens}-token prompt holds up to {need} KV blocks at once "
-                f"(the prompt's and the {write.capacity} kept rows' copies) but the KV cache has "
-                f"{self.pool.num_blocks}; raise --kv-cache-memory or lower the policy's budget")
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
