@@ -20,7 +20,9 @@ def _run(requests, **kw):
         engine.add_request(f"r{i}", text, SamplingParams(max_tokens=n, ignore_eos=True),
                            kv_write=POLICY.to_dict() if compress else {"policy": "none"})
     out = {}
-    while engine.has_unfinished():
+    for _ in range(5_000):  # a few hundred steps at most here: more is a livelock, not slowness
+        if not engine.has_unfinished():
+            break
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = o.token_ids
@@ -29,6 +31,7 @@ def _run(requests, **kw):
             seq = engine._requests[rid].seq
             if seq.layout is not None and not seq.swapped:
                 assert engine.kv.num_blocks_held(seq.seq_id) <= -(-POLICY.capacity // 4)
+    assert not engine.has_unfinished(), f"still running after 5,000 steps: {sorted(engine._requests)}"
     assert engine.pool.num_used == 0 and engine.kv.host.num_used == 0
     return out, engine
 
