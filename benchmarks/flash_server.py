@@ -114,9 +114,10 @@ class Api:
     def detokenize(self, ids: list[int]) -> str:
         return self.call("POST", "/detokenize", json={"tokens": ids})["prompt"]
 
-    def metric(self, name: str) -> float | None:
-        """A sample value without labels from /metrics (Prometheus text)."""
-        text = self.http.get("/metrics").text
+    def metric(self, name: str, text: str | None = None) -> float | None:
+        """A sample value without labels from /metrics (Prometheus text; ``text``: a scrape
+        already read)."""
+        text = self.http.get("/metrics").text if text is None else text
         for line in text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])

@@ -103,7 +103,7 @@ def parse() -> argparse.Namespace:
 def counters(api: Api) -> dict[str, Any]:
     """The counters, and the two histograms' cumulative buckets (one scrape)."""
     text = api.http.get("/metrics").text
-    out: dict[str, Any] = {k: api.metric(k) or 0.0 for k in COUNTERS}
+    out: dict[str, Any] = {k: api.metric(k, text) or 0.0 for k in COUNTERS}
     for name in (GAPS, STEPS):
         out[name] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "_bucket{")]
     return out
