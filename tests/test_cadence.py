@@ -165,6 +165,42 @@ def test_a_question_is_charged_to_the_allowance_but_never_cut():
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("with_question", [True, False])
+def test_a_question_prefilling_with_nothing_decoding_caps_the_prompts_beside_it(with_question):
+    """Nobody decodes; a question arrives with a long stateless prompt. The question's first token
+    waits for the whole step, so the prompt beside it gets only what the question left of the
+    allowance (before: its whole chunk; a 682-row chat prompt beside a question made a 2.1 s
+    step on 2 cores, where the question alone took 0.25 s). Without the question, the same
+    prompt takes its whole chunk: nothing latency-bound waits for that step. Same tokens as the
+    uncapped engine either way."""
+    from streamkv.sched.sequence import PriorityClass
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(engine, runner):
+        rng = random.Random(6)
+        ids = ["c"]
+        if with_question:
+            engine.add_request("q", [rng.randrange(1, 64) for _ in range(30)], params, klass=PriorityClass.SESSION)
+            ids.append("q")
+        engine.add_request("c", [rng.randrange(1, 64) for _ in range(60)], params)
+        engine.step()
+        first = {it.seq_id: it.num_tokens for it in runner.plans[-1].seqs}
+        done = engine.run_to_completion(ids)
+        engine.check_integrity()
+        return first, {k: v.token_ids for k, v in done.items()}
+
+    _, want = run(*fake_engine(num_blocks=256, budget=128, speculation="none"))
+    engine, runner = fake_engine(num_blocks=256, budget=128, speculation="none", stall_factor=3.0)
+    engine.scheduler.cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, 0.0)  # timing-free
+    first, got = run(engine, runner)
+    assert got == want
+    if with_question:
+        assert sorted(first.values()) == [30]  # the question whole, the chat prompt nothing
+    else:
+        assert sorted(first.values()) == [60]  # nothing latency-bound: the whole chunk
+
+
 def test_the_embedded_model_answers_alike_with_and_without_the_cadence():
     """The real engine under a tight cadence (F = 1.5: real step times, a long prompt arriving
     beside three decodes) gives the tokens the uncapped engine gives: chunk boundaries set by

@@ -28,6 +28,12 @@ from streamkv.sched.step_output import StepUpdates
 log = logging.getLogger(__name__)
 
 
+def _question(seq: Sequence) -> bool:
+    """A session's or flash question: the latency the decode cadence protects (its prompt rows
+    are charged to a step's allowance, never cut)."""
+    return seq.samples and seq.klass <= PriorityClass.SESSION
+
+
 @dataclass
 class _Proposal:
     """Phase-1 decision: compute ``seq`` up to token index ``end`` this step."""
@@ -209,7 +215,7 @@ class Scheduler(StepUpdates, Drafting):
             if target - computed > 1 and allow is not None:  # prompt rows: under the decode cadence,
                 # except a question (session or flash class): its latency is what the cadence is
                 # for, so its rows are charged (less for the prompts ranked after it) but never cut
-                fits = n if seq.samples and seq.klass <= PriorityClass.SESSION else allow.rows(computed, n)
+                fits = n if _question(seq) else allow.rows(computed, n)
                 if fits < n:
                     n, capped = fits, True
                     if n == 0:
@@ -225,9 +231,11 @@ class Scheduler(StepUpdates, Drafting):
 
     def _allowance(self, ranked: list[Sequence], budget: int) -> StepAllowance | None:
         """Prompt work this step may carry: the decode cadence's while a sequence decodes
-        (computes the row of a token it generated, as ``step_output._decodes`` counts them)."""
-        if self.cadence is None or not any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1
-                                           and s.num_output > 0 for s in ranked):
+        (the row of a token it generated, as ``step_output._decodes`` counts them) or a question
+        has prompt rows (its first token waits for the whole step). Else whole chunks."""
+        if self.cadence is None or not any(
+                (s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0)
+                or (_question(s) and s.computable - s.num_computed > 1) for s in ranked):
             return None
         return self.cadence.allowance(budget)
 
