@@ -165,14 +165,14 @@ def test_a_question_is_charged_to_the_allowance_but_never_cut():
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("with_question", [True, False])
-def test_a_question_prefilling_with_nothing_decoding_caps_the_prompts_beside_it(with_question):
-    """Nobody decodes; a question arrives with a long stateless prompt. The question's first token
-    waits for the whole step, so the prompt beside it gets only what the question left of the
-    allowance (before: its whole chunk; a 682-row chat prompt beside a question made a 2.1 s
-    step on 2 cores, where the question alone took 0.25 s). Without the question, the same
-    prompt takes its whole chunk: nothing latency-bound waits for that step. Same tokens as the
-    uncapped engine either way."""
+@pytest.mark.parametrize("beside", ["question", "session", "nothing"])
+def test_a_step_someone_waits_on_caps_its_prompts_when_nothing_decodes(beside):
+    """Nobody decodes; a long stateless prompt arrives. Beside a question, whose first token
+    waits for the whole step, it gets only what the question left of the allowance (before: its
+    whole chunk; a 682-row chat prompt beside a question made a 2.1 s step on 2 cores, where the
+    question alone took 0.25 s). With a live session (an idle open stream), which may ask at any
+    moment, it gets the allowance. With neither it takes its whole chunk. Same tokens as the
+    uncapped engine in every case."""
     from streamkv.sched.sequence import PriorityClass
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -180,12 +180,16 @@ def test_a_question_prefilling_with_nothing_decoding_caps_the_prompts_beside_it(
     def run(engine, runner):
         rng = random.Random(6)
         ids = ["c"]
-        if with_question:
+        if beside == "session":
+            stream = engine.seq_ops.open([1 + i % 60 for i in range(16)])
+            while stream.num_computed < len(stream.tokens):
+                engine.step()
+        if beside == "question":
             engine.add_request("q", [rng.randrange(1, 64) for _ in range(30)], params, klass=PriorityClass.SESSION)
             ids.append("q")
         engine.add_request("c", [rng.randrange(1, 64) for _ in range(60)], params)
         engine.step()
-        first = {it.seq_id: it.num_tokens for it in runner.plans[-1].seqs}
+        first = sorted(it.num_tokens for it in runner.plans[-1].seqs)
         done = engine.run_to_completion(ids)
         engine.check_integrity()
         return first, {k: v.token_ids for k, v in done.items()}
@@ -195,10 +199,8 @@ def test_a_question_prefilling_with_nothing_decoding_caps_the_prompts_beside_it(
     engine.scheduler.cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, 0.0)  # timing-free
     first, got = run(engine, runner)
     assert got == want
-    if with_question:
-        assert sorted(first.values()) == [30]  # the question whole, the chat prompt nothing
-    else:
-        assert sorted(first.values()) == [60]  # nothing latency-bound: the whole chunk
+    # the question whole and the chat prompt nothing; the allowance's 8 rows; the whole chunk
+    assert first == {"question": [30], "session": [8], "nothing": [60]}[beside]
 
 
 def test_the_embedded_model_answers_alike_with_and_without_the_cadence():

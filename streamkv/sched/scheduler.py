@@ -230,12 +230,17 @@ class Scheduler(StepUpdates, Drafting):
         return out
 
     def _allowance(self, ranked: list[Sequence], budget: int) -> StepAllowance | None:
-        """Prompt work this step may carry: the decode cadence's while a sequence decodes
-        (the row of a token it generated, as ``step_output._decodes`` counts them) or a question
-        has prompt rows (its first token waits for the whole step). Else whole chunks."""
-        if self.cadence is None or not any(
-                (s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0)
-                or (_question(s) and s.computable - s.num_computed > 1) for s in ranked):
+        """Prompt work this step may carry: the decode cadence's while someone waits on the step.
+        A sequence decodes (the row of a token it generated, as ``step_output._decodes`` counts
+        them), a question has prompt rows (its first token waits for the whole step), or a live
+        session (an open stream of class STREAM) may ask one at any moment: a question arriving
+        during an uncapped 1,024-row chunk waited ~2.5 s on 2 cores before its own step began.
+        With none of these, whole chunks."""
+        if self.cadence is None:
+            return None
+        if not any((s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0)
+                   or (_question(s) and s.computable - s.num_computed > 1) for s in ranked) and not any(
+                s.pinned and s.klass is PriorityClass.STREAM for s in self.seqs.values()):
             return None
         return self.cadence.allowance(budget)
 
