@@ -89,6 +89,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kv-cache-memory", default=None, help="KV pool size in bytes (instead of --num-blocks)")
     ap.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "cadence"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-log", default=None, help="PREFIX: each config's server logs every engine step to "
+                    "PREFIX.CONFIG.jsonl (streamkv/engine/step_log.py)")
     ap.add_argument("--plot-from", default=None, help="comma-separated result JSONs: merge their configs into one "
                     "report and plot (no runs)")
     ap.add_argument("--quick", action="store_true", help="8 sessions of 500..3,000 tokens asked every 8 s, 30 s "
@@ -125,7 +127,8 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
     log = RESULTS / f"multitenant-{name}.log"
     pool = (["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory
             else ["--num-blocks", str(args.num_blocks)])
-    server = Server(port, [*pool, "--max-waiting", "100000", *CONFIGS[name]], log)
+    steps = ["--step-log", f"{args.step_log}.{name}.jsonl"] if args.step_log else []
+    server = Server(port, [*pool, "--max-waiting", "100000", *steps, *CONFIGS[name]], log)
     api = Api(server.url)
     try:
         banner = log.read_text().splitlines()[:4]

@@ -230,6 +230,9 @@ class RuntimeConfig:
                 "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense, gemm=amx|avx512, "
                 "lm_head=q8|dense, attention=bf16|f32|amx, prefill_attention=native|sdpa"})
 
+    step_log: str | None = field(default=None, metadata={"unit": "PATH", "help": "append one JSON line per engine "
+                                  "step (its sequences, rows, classes and seconds) to PATH, for diagnosis"})
+
     def __post_init__(self) -> None:
         _check_types(self)
         from streamkv.native.tuning import parse_kernels

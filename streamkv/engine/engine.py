@@ -20,6 +20,7 @@ from streamkv.engine.intake import PromptChecks
 from streamkv.engine.kv_policies import KVPolicies, KVPolicyTotals, PolicySpec, kv_report
 from streamkv.engine.outputs import RequestOutput
 from streamkv.engine.response_cache import ResponseCache
+from streamkv.engine.step_log import StepLog
 from streamkv.engine.token_gaps import TokenGaps
 from streamkv.errors import InvalidRequestError
 from streamkv.inputs.manager import InputStreams
@@ -92,6 +93,7 @@ class Engine(PromptChecks):
                               getattr(self.bundle.runner, "recent", None))
         self.stats = EngineStats()
         self.gaps = TokenGaps()  # decode stalls, engine-side
+        self.step_log = StepLog(self.config.runtime.step_log) if self.config.runtime.step_log else None
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._pending: list[RequestOutput] = []
@@ -308,9 +310,11 @@ class Engine(PromptChecks):
         try:
             if self.kv_ops is not None:
                 self.kv_ops.flush()  # deferred KV moves (span splices) land before the model reads
-            t0 = time.perf_counter()
+            t0, wall = time.perf_counter(), time.time()
             result = self.bundle.runner.execute(plan)
             self.scheduler.observe_step(plan, time.perf_counter() - t0)
+            if self.step_log is not None:
+                self.step_log.record(plan, wall, time.perf_counter() - t0, self.scheduler.seqs)
         except Exception as exc:  # a broken step fails its own requests, not the engine
             log.exception("engine step failed")
             self.stats.step_errors += 1
