@@ -1,8 +1,9 @@
 """Decode cadence: cap a step's prompt work so decoding sequences keep their inter-token gap.
 
 A step that carries prompt chunks next to decodes takes longer than a decode-only step, and
-every decoding sequence waits for it. With ``stall_factor`` F, while any sequence decodes, the
-step's prompt chunks are capped so the step is predicted to take at most F decode-only steps::
+every decoding sequence waits for it. With ``stall_factor`` F, while any sequence decodes, a
+question prefills or a live session may ask one (``Scheduler._allowance``), the step's prompt
+chunks are capped so the step is predicted to take at most F decode-only steps::
 
     step time  t  ~  d  +  sum over chunks of  cost(n, s)
     cost(n, s)    =  c * n  +  k * n * (s + n / 2)     n rows appended after s cached tokens
