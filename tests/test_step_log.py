@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from streamkv.config import EngineConfig, RuntimeConfig
+from streamkv.config import RuntimeConfig
 from streamkv.engine.engine import Engine
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.sequence import PriorityClass
@@ -39,4 +39,19 @@ def test_every_step_is_one_line_with_its_plan(tmp_path):
 def test_an_unwritable_path_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="step_log .* cannot be written"):
         _logged(tmp_path / "missing-dir" / "x")
-    assert EngineConfig.from_flat(step_log=None).runtime.step_log is None
+
+
+def test_a_log_that_fails_later_fails_no_request(tmp_path, caplog):
+    """The path becomes unwritable after start (here a directory takes its place): the steps and
+    their requests go on, the log stops with one warning."""
+    engine, _ = _logged(tmp_path, speculation="none")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    path = tmp_path / "steps.jsonl"
+    path.unlink()
+    path.mkdir()
+    engine.add_request("a", list(range(1, 9)), params)
+    out = engine.run_to_completion(["a"])["a"]
+    plain, _ = fake_engine(speculation="none")
+    plain.add_request("a", list(range(1, 9)), params)
+    assert out.error is None and out.token_ids == plain.run_to_completion(["a"])["a"].token_ids
+    assert engine.step_log.failed and caplog.text.count("cannot be written") == 1

@@ -312,13 +312,14 @@ class Engine(PromptChecks):
                 self.kv_ops.flush()  # deferred KV moves (span splices) land before the model reads
             t0, wall = time.perf_counter(), time.time()
             result = self.bundle.runner.execute(plan)
-            self.scheduler.observe_step(plan, time.perf_counter() - t0)
-            if self.step_log is not None:
-                self.step_log.record(plan, wall, time.perf_counter() - t0, self.scheduler.seqs)
+            seconds = time.perf_counter() - t0
+            self.scheduler.observe_step(plan, seconds)
         except Exception as exc:  # a broken step fails its own requests, not the engine
             log.exception("engine step failed")
             self.stats.step_errors += 1
             return outputs + self._fail(plan, f"{type(exc).__name__}: {exc}")
+        if self.step_log is not None:  # (after the try: a log that cannot be written fails no request)
+            self.step_log.record(plan, wall, seconds, self.scheduler.seqs)
         self.stats.steps += 1
         now = time.perf_counter()
         self.gaps.step_end(now)

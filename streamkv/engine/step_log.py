@@ -12,28 +12,39 @@ appended, one open per step, so a log survives a crash and is never held open be
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from streamkv.sched.plan import StepPlan
 
+log = logging.getLogger(__name__)
+
 
 class StepLog:
-    """Appends a line per step to ``path`` (checked writable at construction)."""
+    """Appends a line per step to ``path`` (checked writable at construction; a write that fails
+    later, a full disk, is logged once and ends the log, never the step)."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
+        self.failed = False
         try:
             with self.path.open("a"):
                 pass
         except OSError as exc:
             raise ValueError(f"step_log {path!r} cannot be written: {exc.strerror or exc}") from exc
 
-    def record(self, plan: StepPlan, started: float, seconds: float, classes: dict[int, Any]) -> None:
+    def record(self, plan: StepPlan, started: float, seconds: float, seqs: dict[int, Any]) -> None:
         """One step: ``plan``'s sequences, started at ``started`` (wall clock), ``seconds`` long;
-        ``classes``: seq id -> the sequence (for its class; finished ones read -1)."""
-        seqs = [[it.seq_id, it.start, len(it.token_ids), int(it.sample), len(it.draft),
-                 int(classes[it.seq_id].klass) if it.seq_id in classes else -1] for it in plan.seqs]
-        line = json.dumps({"t": round(started, 6), "s": round(seconds, 6), "seqs": seqs}, separators=(",", ":"))
-        with self.path.open("a") as f:
-            f.write(line + "\n")
+        ``seqs``: the scheduler's seq id -> sequence (for the class; finished ones read -1)."""
+        if self.failed:
+            return
+        rows = [[it.seq_id, it.start, len(it.token_ids), int(it.sample), len(it.draft),
+                 int(seqs[it.seq_id].klass) if it.seq_id in seqs else -1] for it in plan.seqs]
+        line = json.dumps({"t": round(started, 6), "s": round(seconds, 6), "seqs": rows}, separators=(",", ":"))
+        try:
+            with self.path.open("a") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            self.failed = True
+            log.warning("step log %s cannot be written (%s): no more steps are logged", self.path, exc)
