@@ -42,6 +42,19 @@ def test_under_steady_arrivals_the_decode_time_comes_from_mixed_steps():
     assert _cap(c, 2048) == 40  # (3 - 1) x 20 ms / 1 ms
 
 
+def test_before_any_decode_the_floor_chunk_stands_for_the_decode_step():
+    """Only prompts so far (sessions opening): the first step beside a decoder is capped at
+    (F - 1) floor chunks, not left whole (a 1,012-row chat prompt beside the first decoder made
+    a 1,055 ms step, 16.8x the median, on the Zen 4)."""
+    c = StepCadence(3.0, min_tokens=16, alpha=1.0)
+    for _ in range(3):
+        c.observe(decode_rows=0, prompt_rows=200, seconds=0.200)  # 1 ms per row, no decoder yet
+    assert c.stats.decode_step_s == 0.0
+    assert _cap(c, 2048) == 32  # (3 - 1) x the 16-row floor's 16 ms
+    c.observe(decode_rows=4, prompt_rows=0, seconds=0.040)  # the first decode-only step takes over
+    assert _cap(c, 2048) == 80
+
+
 def test_a_row_costs_more_after_a_long_context_and_gets_a_smaller_chunk():
     """A chunk appended to a long session attends to all of it: c per row plus k per (row x
     cached token). Steps at two contexts separate the two, and the long one's chunk shrinks."""
