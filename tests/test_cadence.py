@@ -25,7 +25,7 @@ def test_the_cap_follows_the_learned_costs():
     c.observe(decode_rows=4, prompt_rows=100, seconds=0.030)  # (30 - 10) ms / 100 rows = 0.2 ms per row
     assert _cap(c, 2048) == 100   # (3 - 1) x 10 ms / 0.2 ms
     assert _cap(c, 50) == 50      # never above the step budget
-    c.observe(decode_rows=0, prompt_rows=10, seconds=0.050)   # 5 ms per row (fixed cost charged to rows)
+    c.observe(decode_rows=0, prompt_rows=20, seconds=0.100)   # 5 ms per row (fixed cost charged to rows)
     assert _cap(c, 2048) == 16    # never below min_tokens: prompts always progress
     assert c.stats.decode_step_s == pytest.approx(0.010) and c.stats.row_s == pytest.approx(0.005)
     avg = StepCadence(3.0, alpha=0.5)
@@ -43,16 +43,32 @@ def test_under_steady_arrivals_the_decode_time_comes_from_mixed_steps():
 
 
 def test_before_any_decode_the_floor_chunk_stands_for_the_decode_step():
-    """Only prompts so far (sessions opening): the first step beside a decoder is capped at
-    (F - 1) floor chunks, not left whole (a 1,012-row chat prompt beside the first decoder made
+    """Only prompts so far (sessions opening): the first step beside a decoder (or a question) is
+    capped at (F - 1) floor chunks, not left whole (a 1,012-row chat prompt beside the first decoder made
     a 1,055 ms step, 16.8x the median, on the Zen 4)."""
     c = StepCadence(3.0, min_tokens=16, alpha=1.0)
     for _ in range(3):
         c.observe(decode_rows=0, prompt_rows=200, seconds=0.200)  # 1 ms per row, no decoder yet
     assert c.stats.decode_step_s == 0.0
     assert _cap(c, 2048) == 32  # (3 - 1) x the 16-row floor's 16 ms
+    assert c.allowance(2048, waited_on=False) is None  # only a live session: uncapped until d is known
     c.observe(decode_rows=4, prompt_rows=0, seconds=0.040)  # the first decode-only step takes over
     assert _cap(c, 2048) == 80
+
+
+def test_one_row_steps_without_decoders_do_not_teach_the_row_cost():
+    """A step of one prompt row and nothing else is mostly the step's fixed cost. Fitted, it
+    priced one row after 4,500 tokens at the whole allowance, so the next step got one row again
+    and taught the same (1,463 one-row steps in 40 s on the Zen 4). Now the chunk keeps its size."""
+    c = StepCadence(3.0, min_tokens=16, alpha=1.0)
+    c.observe(decode_rows=4, prompt_rows=0, seconds=0.020)   # d = 20 ms: 40 ms of prompt work a step
+    for ctx in (0, 4_500):
+        for _ in range(3):
+            c.observe(4, 50, 0.020 + 0.001 * 50 * (1 + ctx / 2_400), row_context(50, ctx))
+    before = c.allowance(2048).rows(4_500, 2048)
+    for i in range(200):  # one bar row per step after 4,500 tokens, 25 ms each (20 ms fixed)
+        c.observe(0, 1, 0.025, row_context(1, 4_500 + i))
+    assert before >= 10 and c.allowance(2048).rows(4_500, 2048) == before
 
 
 def test_a_row_costs_more_after_a_long_context_and_gets_a_smaller_chunk():
@@ -131,7 +147,7 @@ def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay(per_context)
     engine, runner = fake_engine(num_blocks=256, budget=64, speculation="none", stall_factor=3.0)
     seen = []
     cadence = engine.scheduler.cadence
-    cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, per_context)  # timing-free
+    cadence.allowance = lambda budget, waited_on=True: StepAllowance(8.0, 1.0, per_context)  # timing-free
     observe = cadence.observe
     cadence.observe = lambda d, p, s, a=0.0: (seen.append((d, p, a)), observe(d, p, s, a))
     assert run(engine) == want
@@ -161,7 +177,7 @@ def test_a_question_is_charged_to_the_allowance_but_never_cut():
     rng = random.Random(5)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     engine, runner = fake_engine(num_blocks=256, budget=64, speculation="none", stall_factor=3.0)
-    engine.scheduler.cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, 0.0)  # timing-free
+    engine.scheduler.cadence.allowance = lambda budget, waited_on=True: StepAllowance(8.0, 1.0, 0.0)  # timing-free
     for i in range(3):
         engine.add_request(f"s{i}", [rng.randrange(1, 64) for _ in range(6)], params)
     for _ in range(3):
@@ -209,7 +225,7 @@ def test_a_step_someone_waits_on_caps_its_prompts_when_nothing_decodes(beside):
 
     _, want = run(*fake_engine(num_blocks=256, budget=128, speculation="none"))
     engine, runner = fake_engine(num_blocks=256, budget=128, speculation="none", stall_factor=3.0)
-    engine.scheduler.cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, 0.0)  # timing-free
+    engine.scheduler.cadence.allowance = lambda budget, waited_on=True: StepAllowance(8.0, 1.0, 0.0)  # timing-free
     first, got = run(engine, runner)
     assert got == want
     # the question whole and the chat prompt nothing; the allowance's 8 rows; the whole chunk

@@ -106,21 +106,31 @@ class StepCadence:
             prompt_s = self._fit.c * prompt_rows + self._fit.k * context
             self._d = self.stats.decode_step_s = max(seconds - prompt_s, 0.05 * seconds)
             return
+        if not decode_rows and prompt_rows < self.min_tokens:
+            # mostly the step's fixed cost: charged to a few rows it made one row after 4,500
+            # tokens look as dear as the whole allowance, the next step got one row again, and
+            # so on (1,463 one-row steps in 40 s, Zen 4); such steps teach nothing about rows
+            return
         # a step without decoders still has the fixed cost: charging it to the rows errs on the
         # side of smaller chunks until a mixed step corrects it
         base = self._d if decode_rows and self._d is not None else 0.0
         self._fit.add(prompt_rows, context, max(seconds - base, 0.0), self.fit_alpha)
         self.stats.row_s, self.stats.row_context_s = self._fit.c, self._fit.k
 
-    def allowance(self, budget: int) -> StepAllowance | None:
-        """Prompt work a step someone waits on may carry (None until the row costs are known).
+    def allowance(self, budget: int, waited_on: bool = True) -> StepAllowance | None:
+        """Prompt work a step may carry (None until the row costs are known).
 
-        Before any step with decoders has been seen, ``d`` is taken as the floor chunk's cost
-        (``min_tokens`` rows after no context): a server that has only prefilled so far (sessions
-        opening) still caps the first step beside a decoder, which else ran a whole chunk (a
-        1,012-row chat prompt beside the first decoder: 1,055 ms, 16.8x the median step)."""
+        ``waited_on``: a sequence decodes or a question prefills in this step. Before any step
+        with decoders has been seen, ``d`` is then taken as the floor chunk's cost
+        (``min_tokens`` rows after no context), so the first step beside a decoder is capped
+        too: it ran a whole chunk (a 1,012-row chat prompt beside the first decoder: 1,055 ms,
+        16.8x the median step, Zen 4). A step nobody waits on yet (only a live session open)
+        stays uncapped until ``d`` is known: capped at the floor, sessions opening on an idle
+        server fell into one-row steps (the fit charges each step's fixed cost to its rows, so
+        one row after 4,500 tokens looked as dear as the whole allowance), and the benchmark's
+        32 sessions took 477 s to open instead of 263."""
         fit = self._fit
-        if not fit.known:
+        if not fit.known or (self._d is None and not waited_on):
             return None
         floor = chunk_cost(self.min_tokens, 0, fit.c, fit.k)
         d = self._d if self._d is not None else floor

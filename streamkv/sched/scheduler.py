@@ -241,7 +241,7 @@ class Scheduler(StepUpdates, Drafting):
         waited_on = any((s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0)
                         or (_question(s) and s.computable - s.num_computed > 1) for s in ranked)
         live_session = any(s.pinned and s.klass is PriorityClass.STREAM for s in self.seqs.values())
-        return self.cadence.allowance(budget) if waited_on or live_session else None
+        return self.cadence.allowance(budget, waited_on) if waited_on or live_session else None
 
     def _held(self, seq: Sequence) -> bool:
         """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool
