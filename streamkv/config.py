@@ -133,7 +133,7 @@ class SchedulerConfig:
     chunk_min_tokens: int = field(default=128, metadata={"unit": "TOKENS", "help": "adaptive chunking's lower bound"})
     chunk_max_tokens: int = field(default=1024, metadata={"unit": "TOKENS", "help": "adaptive chunking's upper bound"})
     stall_factor: float | None = field(default=None, metadata={"unit": "FACTOR",
-        "help": "decode cadence: while sequences decode, a question prefills or a session is live, cap a step's "
+        "help": "decode cadence: while sequences decode or a question prefills, cap a step's "
                 "prompt rows so the step is predicted to "
                 "take at most this many decode-only steps (costs learned from step times); bounds the longest "
                 "inter-token gap at the price of prefill throughput and TTFT; default off"})

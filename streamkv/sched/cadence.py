@@ -1,9 +1,8 @@
 """Decode cadence: cap a step's prompt work so decoding sequences keep their inter-token gap.
 
 A step that carries prompt chunks next to decodes takes longer than a decode-only step, and
-every decoding sequence waits for it. With ``stall_factor`` F, while any sequence decodes, a
-question prefills or a live session may ask one (``Scheduler._allowance``), the step's prompt
-chunks are capped so the step is predicted to take at most F decode-only steps::
+every decoding sequence waits for it. With ``stall_factor`` F, while any sequence decodes or a
+question prefills (``Scheduler._allowance``), the step's prompt chunks are capped so the step is predicted to take at most F decode-only steps::
 
     step time  t  ~  d  +  sum over chunks of  cost(n, s)
     cost(n, s)    =  c * n  +  k * n * (s + n / 2)     n rows appended after s cached tokens
@@ -117,20 +116,14 @@ class StepCadence:
         self._fit.add(prompt_rows, context, max(seconds - base, 0.0), self.fit_alpha)
         self.stats.row_s, self.stats.row_context_s = self._fit.c, self._fit.k
 
-    def allowance(self, budget: int, waited_on: bool = True) -> StepAllowance | None:
-        """Prompt work a step may carry (None until the row costs are known).
-
-        ``waited_on``: a sequence decodes or a question prefills in this step. Before any step
-        with decoders has been seen, ``d`` is then taken as the floor chunk's cost
-        (``min_tokens`` rows after no context), so the first step beside a decoder is capped
-        too: it ran a whole chunk (a 1,012-row chat prompt beside the first decoder: 1,055 ms,
-        16.8x the median step, Zen 4). A step nobody waits on yet (only a live session open)
-        stays uncapped until ``d`` is known: capped at the floor, sessions opening on an idle
-        server fell into one-row steps (the fit charges each step's fixed cost to its rows, so
-        one row after 4,500 tokens looked as dear as the whole allowance), and the benchmark's
-        32 sessions took 477 s to open instead of 263."""
+    def allowance(self, budget: int) -> StepAllowance | None:
+        """Prompt work a step a decoder or a question waits on may carry (None until the row
+        costs are known). Before any step with decoders has been seen, the floor chunk's cost
+        (``min_tokens`` rows after no context) stands for ``d``, so the first step beside a
+        decoder is capped too: it ran a whole chunk (a 1,012-row chat prompt beside the first
+        decoder: 1,055 ms, 16.8x the median step, Zen 4)."""
         fit = self._fit
-        if not fit.known or (self._d is None and not waited_on):
+        if not fit.known:
             return None
         floor = chunk_cost(self.min_tokens, 0, fit.c, fit.k)
         d = self._d if self._d is not None else floor

@@ -232,16 +232,14 @@ class Scheduler(StepUpdates, Drafting):
     def _allowance(self, ranked: list[Sequence], budget: int) -> StepAllowance | None:
         """Prompt work this step may carry: the decode cadence's while someone waits on the step.
         A sequence decodes (the row of a token it generated, as ``step_output._decodes`` counts
-        them), a question has prompt rows (its first token waits for the whole step), or a live
-        session (an open stream of class STREAM) may ask one at any moment: a question arriving
-        during an uncapped 1,024-row chunk waited ~2.5 s on 2 cores before its own step began.
-        With none of these, whole chunks."""
+        them) or a question has prompt rows (its first token waits for the whole step). With
+        neither, whole chunks: capping them also while a live session merely could ask (058249c)
+        halved the stateless rate the Zen 4 sustains (README, "Decode cadence")."""
         if self.cadence is None:
             return None
         waited_on = any((s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0)
                         or (_question(s) and s.computable - s.num_computed > 1) for s in ranked)
-        live_session = any(s.pinned and s.klass is PriorityClass.STREAM for s in self.seqs.values())
-        return self.cadence.allowance(budget, waited_on) if waited_on or live_session else None
+        return self.cadence.allowance(budget) if waited_on else None
 
     def _held(self, seq: Sequence) -> bool:
         """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool
