@@ -43,9 +43,9 @@ def test_under_steady_arrivals_the_decode_time_comes_from_mixed_steps():
 
 
 def test_before_any_decode_the_floor_chunk_stands_for_the_decode_step():
-    """Only prompts so far (sessions opening): the first step beside a decoder (or a question) is
-    capped at (F - 1) floor chunks, not left whole (a 1,012-row chat prompt beside the first decoder made
-    a 1,055 ms step, 16.8x the median, on the Zen 4)."""
+    """Only prompts so far (sessions opening): the first step beside a decoder (or a question)
+    is capped at (F - 1) floor chunks, not left whole (a 1,012-row chat prompt beside the first
+    decoder made a 1,055 ms step, 16.8x the median, on the Zen 4)."""
     c = StepCadence(3.0, min_tokens=16, alpha=1.0)
     for _ in range(3):
         c.observe(decode_rows=0, prompt_rows=200, seconds=0.200)  # 1 ms per row, no decoder yet
