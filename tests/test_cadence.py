@@ -199,8 +199,9 @@ def test_a_step_someone_waits_on_caps_its_prompts_when_nothing_decodes(beside):
     waits for the whole step, it gets only what the question left of the allowance (before: its
     whole chunk; a 682-row chat prompt beside a question made a 2.1 s step on 2 cores, where the
     question alone took 0.25 s). Beside a live session (an idle open stream), which may ask but
-    has not, or nothing, it takes its whole chunk (capping it beside a live session halved the
-    stateless rate the Zen 4 sustains). Same tokens as the uncapped engine in every case."""
+    has not, or nothing, it takes its whole chunk (capping it beside a live session cost more
+    stateless throughput than it bought on the Zen 4). Same tokens as the uncapped engine in
+    every case."""
     from streamkv.sched.sequence import PriorityClass
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

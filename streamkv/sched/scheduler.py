@@ -234,7 +234,8 @@ class Scheduler(StepUpdates, Drafting):
         A sequence decodes (the row of a token it generated, as ``step_output._decodes`` counts
         them) or a question has prompt rows (its first token waits for the whole step). With
         neither, whole chunks: capping them also while a live session merely could ask (058249c)
-        halved the stateless rate the Zen 4 sustains (README, "Decode cadence")."""
+        cost more stateless throughput than it bought session latency on the Zen 4 (README,
+        "Decode cadence": no run with it sustained 1 req/s, 5 of 7 without it did)."""
         if self.cadence is None:
             return None
         waited_on = any((s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0)
