@@ -25,7 +25,8 @@ Configurations: the first of ``--configs`` (default ``all-on``: cell-budget admi
 chunks, grouped prefill, PLD) runs every rate; each ablation turns one mechanism off and runs the
 highest rate the first one sustained (stateless TTFT p99 <= ``--ttft-slo`` and
 no errors), so each row compares at the same load. ``cadence`` is ``all-on`` plus the decode
-cadence (``--stall-factor 3``, off by default); ``--configs cadence`` sweeps it alone. Results: ``benchmarks/results/multitenant-*.json`` and a plot of
+cadence (``--stall-factor 3``, off by default); ``--configs cadence`` sweeps it alone, and
+``cadence-capped`` cuts questions too (``--question-chunks capped``). Results: ``benchmarks/results/multitenant-*.json`` and a plot of
 session p99 against stateless load.
 """
 from __future__ import annotations
@@ -59,6 +60,9 @@ CONFIGS = {
     # while sequences decode so a step takes at most 3 decode-only steps
     "cadence": ["--admission", "cell-budget", "--chunking", "adaptive", "--grouped-prefill", "--speculation", "pld",
                 "--stall-factor", "3"],
+    # the cadence with questions cut like any prompt while sequences decode (``--question-chunks``)
+    "cadence-capped": ["--admission", "cell-budget", "--chunking", "adaptive", "--grouped-prefill", "--speculation",
+                       "pld", "--stall-factor", "3", "--question-chunks", "capped"],
 }
 COUNTERS = ["streamkv_admission_deferred_requests_total", "streamkv_admission_deferred_chunks_total",
             "streamkv_grouped_prefill_tokens_saved_total", "streamkv_grouped_prefill_followers_total",
@@ -87,7 +91,7 @@ def parse() -> argparse.Namespace:
     # default dtype on a CPU without bf16 dot products), fewer than the 104,000 session tokens
     ap.add_argument("--num-blocks", type=int, default=11650, help="KV pool size in blocks of 16 tokens")
     ap.add_argument("--kv-cache-memory", default=None, help="KV pool size in bytes (instead of --num-blocks)")
-    ap.add_argument("--configs", default=",".join(c for c in CONFIGS if c != "cadence"))
+    ap.add_argument("--configs", default=",".join(c for c in CONFIGS if not c.startswith("cadence")))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-log", default=None, help="PREFIX: each config's server logs every engine step to "
                     "PREFIX.CONFIG.jsonl (streamkv/engine/step_log.py)")

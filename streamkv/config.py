@@ -137,6 +137,11 @@ class SchedulerConfig:
                 "prompt rows so the step is predicted to "
                 "take at most this many decode-only steps (costs learned from step times); bounds the longest "
                 "inter-token gap at the price of prefill throughput and TTFT; default off"})
+    question_chunks: str = field(default="whole", metadata={
+        "help": "whole | capped: a question's (session or flash) prompt rows under the decode cadence while "
+                "sequences decode: whole = in one step, charged to the step's allowance (its answer sooner; "
+                "every decoder waits for the whole prefill); capped = cut to the allowance like any prompt "
+                "(the decoders keep their cadence; its first token a few steps later)"})
     grouped_prefill: bool = field(default=True, metadata={
         "help": "waiting requests whose prompts share full blocks past the prefix-cache match point with a "
                 "prefilling request ranked above them (hash of the next 8 tokens, then verified) wait for it "
@@ -182,6 +187,8 @@ class SchedulerConfig:
         if self.stall_factor is not None and not 1.0 < self.stall_factor < math.inf:  # (NaN fails too)
             raise ValueError(f"stall_factor must be a finite number > 1 (a step may take that many decode steps), got "
                              f"{self.stall_factor}")
+        if self.question_chunks not in ("whole", "capped"):
+            raise ValueError(f"question_chunks must be whole or capped, got {self.question_chunks!r}")
         if self.chunking not in ("adaptive", "static"):
             raise ValueError(f"chunking must be adaptive or static, got {self.chunking!r}")
         if not 1 <= self.chunk_min_tokens <= self.chunk_max_tokens:

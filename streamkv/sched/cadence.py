@@ -55,6 +55,7 @@ class StepAllowance:
     row_s: float
     row_context_s: float
     taken: bool = False
+    questions_whole: bool = True  # a question's rows are charged, never cut (else cut like any prompt's)
 
     def rows(self, start: int, n: int) -> int:
         """Most rows (<= n) of a chunk after ``start`` cached tokens that fit what is left; the

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 def _question(seq: Sequence) -> bool:
     """A session's or flash question: the latency the decode cadence protects (its prompt rows
-    are charged to a step's allowance, never cut)."""
+    are charged to a step's allowance, and cut only with ``question_chunks="capped"`` while
+    sequences decode)."""
     return seq.samples and seq.klass <= PriorityClass.SESSION
 
 
@@ -214,8 +215,9 @@ class Scheduler(StepUpdates, Drafting):
             n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
             if target - computed > 1 and allow is not None:  # prompt rows: under the decode cadence,
                 # except a question (session or flash class): its latency is what the cadence is
-                # for, so its rows are charged (less for the prompts ranked after it) but never cut
-                fits = n if _question(seq) else allow.rows(computed, n)
+                # for, so its rows are charged (less for the prompts ranked after it), and cut
+                # only when it is told to (``question_chunks``, while sequences decode)
+                fits = n if _question(seq) and allow.questions_whole else allow.rows(computed, n)
                 if fits < n:
                     n, capped = fits, True
                     if n == 0:
@@ -238,9 +240,14 @@ class Scheduler(StepUpdates, Drafting):
         "Decode cadence": no run with it sustained 1 req/s, 5 of 7 without it did)."""
         if self.cadence is None:
             return None
-        waited_on = any((s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0)
-                        or (_question(s) and s.computable - s.num_computed > 1) for s in ranked)
-        return self.cadence.allowance(budget) if waited_on else None
+        decoding = any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0
+                       for s in ranked)
+        if not decoding and not any(_question(s) and s.computable - s.num_computed > 1 for s in ranked):
+            return None
+        allow = self.cadence.allowance(budget)
+        if allow is not None:
+            allow.questions_whole = not (decoding and self.config.question_chunks == "capped")
+        return allow
 
     def _held(self, seq: Sequence) -> bool:
         """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool

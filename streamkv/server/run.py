@@ -57,7 +57,8 @@ def _scheduling(engine: Engine) -> str:
     spec_text = (f"speculation {spec.name} (draft budget {cfg.spec_draft_budget}, up to {cfg.spec_max_draft} each)"
                  if spec is not None else "speculation none")
     grouped = "on" if sched.groups is not None else "off"
-    cadence = f", decode cadence {cfg.stall_factor:g}x" if cfg.stall_factor is not None else ""
+    cadence = (f", decode cadence {cfg.stall_factor:g}x (questions {cfg.question_chunks})"
+               if cfg.stall_factor is not None else "")
     return (f"{spec_text}, chunking {cfg.chunking}, admission {cfg.admission}, grouped prefill {grouped}{cadence}, "
             f"queue {cfg.queue_policy}, preemption {cfg.preemption}, fork gate {'on' if cfg.fork_gate else 'off'}")
 
