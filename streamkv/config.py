@@ -139,9 +139,10 @@ class SchedulerConfig:
                 "inter-token gap at the price of prefill throughput and TTFT; default off"})
     question_chunks: str = field(default="whole", metadata={
         "help": "whole | capped: a question's (session or flash) prompt rows under the decode cadence while "
-                "sequences decode: whole = in one step, charged to the step's allowance (its answer sooner; "
-                "every decoder waits for the whole prefill); capped = cut to the allowance like any prompt "
-                "(the decoders keep their cadence; its first token a few steps later)"})
+                "sequences decode: whole = charged to the step's allowance but not cut by it (chunk and budget "
+                "limits still apply; its answer sooner, every decoder waits for its prefill); capped = cut "
+                "to the allowance like any prompt (the decoders keep their cadence; its first token a few "
+                "steps later)"})
     grouped_prefill: bool = field(default=True, metadata={
         "help": "waiting requests whose prompts share full blocks past the prefix-cache match point with a "
                 "prefilling request ranked above them (hash of the next 8 tokens, then verified) wait for it "

@@ -203,7 +203,7 @@ def test_a_question_beside_decoders_is_charged_whole_or_cut_as_configured(questi
     assert got == want
     question = [r[q] for r in rows if r.get(q, 0) > 1]
     assert question == {"whole": [40], "capped": [8] * 5}[question_chunks]
-    assert all(c not in r for r in rows[:len(question)])  # the question first, every step until done
+    assert all(r.get(q, 0) > 1 and c not in r for r in rows[:len(question)])  # first, every step until done
     chat = [r[c] for r in rows if r.get(c, 0) > 1]
     assert chat and max(chat) <= 8 < sum(chat)  # the stateless prompt: capped, chunk by chunk
 

@@ -237,7 +237,9 @@ class Scheduler(StepUpdates, Drafting):
         them) or a question has prompt rows (its first token waits for the whole step). With
         neither, whole chunks: capping them also while a live session merely could ask (058249c)
         cost more stateless throughput than it bought session latency on the Zen 4 (README,
-        "Decode cadence": no run with it sustained 1 req/s, 5 of 7 without it did)."""
+        "Decode cadence": no run with it sustained 1 req/s, 5 of 7 without it did). A question's
+        rows are charged to it but not cut, unless ``question_chunks="capped"`` while a sequence
+        decodes (then a prompt ranked above a question may leave it nothing for a step)."""
         if self.cadence is None:
             return None
         decoding = any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0
