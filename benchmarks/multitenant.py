@@ -60,10 +60,9 @@ CONFIGS = {
     # while sequences decode so a step takes at most 3 decode-only steps
     "cadence": ["--admission", "cell-budget", "--chunking", "adaptive", "--grouped-prefill", "--speculation", "pld",
                 "--stall-factor", "3"],
-    # the cadence with questions cut like any prompt while sequences decode (``--question-chunks``)
-    "cadence-capped": ["--admission", "cell-budget", "--chunking", "adaptive", "--grouped-prefill", "--speculation",
-                       "pld", "--stall-factor", "3", "--question-chunks", "capped"],
 }
+# the cadence with questions cut like any prompt while sequences decode (``--question-chunks``)
+CONFIGS["cadence-capped"] = [*CONFIGS["cadence"], "--question-chunks", "capped"]
 COUNTERS = ["streamkv_admission_deferred_requests_total", "streamkv_admission_deferred_chunks_total",
             "streamkv_grouped_prefill_tokens_saved_total", "streamkv_grouped_prefill_followers_total",
             "streamkv_spec_drafts_proposed_total", "streamkv_spec_drafts_accepted_total",
