@@ -175,10 +175,16 @@ class Sequence:
 
     @property
     def match_tokens(self) -> list[int]:
-        """Tokens a prefix-cache lookup may cover: never a compression point's observed rows."""
+        """Tokens a prefix-cache lookup may cover: never a compression point's observed rows,
+        nor (a policy that observes none) the row reaching the point. A lookup leaves the last
+        token of what it is given, so a hit stops at ``write_point - max(observation, 1)`` at
+        most: some step computes up to the point and enters the layout there. (A recomputed
+        sequence's tokens run past its point; with a hit of exactly ``write_point`` rows its
+        chunk limit was 0 and it never ran again: a hypothesis example of
+        ``tests/test_kv_write_fake.py`` stepped 5,000 times.)"""
         if self.write is None or self.layout is not None:
             return self.tokens
-        return self.tokens[:self.write_point - self.write.observation + 1]
+        return self.tokens[:self.write_point - max(self.write.observation, 1) + 1]
 
     @property
     def num_output(self) -> int:
