@@ -201,3 +201,26 @@ def test_slot_kv_stays_exact_under_speculation_preemption_and_prefix_hits(seed, 
     assert all(reason == "length" for _, _, reason in want)
     if kw["repeat"] and params.max_tokens >= 8:  # periodic outputs: drafts are accepted
         assert spec.scheduler.spec_stats.accepted > 0
+
+
+def test_blocks_that_accepted_drafts_fill_enter_the_prefix_cache_under_their_tokens():
+    # the commit ran before the emitted tokens were appended: a block that accepted drafts
+    # completed was hashed over a short slice, so it (and every later block of the sequence)
+    # sat in the prefix cache under a hash no lookup makes (helper-32: 3 of 7 blocks, a
+    # follow-up turn 48 cached tokens instead of 112)
+    from streamkv.kv.prefix import chain_hashes
+
+    prompt = [1, 2, 3, 4, 5] * 4
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    cached = {}
+    for spec in ("none", "pld"):
+        engine, _ = fake_engine(repeat=5, speculation=spec, spec_ngram_min=1)
+        engine.add_request("a", prompt, params)
+        out = engine.run_to_completion(["a"])["a"]
+        rows = prompt + out.token_ids[:-1]  # the last token has no KV row
+        hashes = chain_hashes(rows, engine.kv.block_size)
+        assert len(hashes) >= 7 and all(engine.pool.lookup(h) is not None for h in hashes), spec
+        engine.add_request("b", rows + [9, 9], SamplingParams(max_tokens=1, temperature=0.0))
+        cached[spec] = engine.run_to_completion(["b"])["b"].num_cached_tokens
+        assert spec == "none" or engine.scheduler.spec_stats.accepted > 10
+    assert cached["pld"] == cached["none"] >= 7 * engine.kv.block_size

@@ -75,8 +75,9 @@ class StepUpdates:
                 seq.reads = seq.reads or ReadCount()
                 seq.reads.add(read)
             seq.reads_to = max(seq.reads_to, seq.num_computed)
-            if seq.cacheable and seq.layout is None:
-                self.kv.commit(seq.seq_id, seq.tokens, seq.exact_rows)
+            if seq.cacheable and seq.layout is None:  # (accepted drafts have rows, not yet tokens)
+                tokens = seq.tokens if seq.exact_rows <= len(seq.tokens) else seq.tokens + list(emitted)
+                self.kv.commit(seq.seq_id, tokens, seq.exact_rows)
             if seq.write is not None and seq.layout is None and seq.num_computed == seq.write_point:
                 self._enter_layout(seq, item, output)
             if not item.sample or not emitted:
