@@ -597,6 +597,34 @@ def test_a_fork_the_gate_holds_is_the_one_failed_when_nothing_progresses():
     engine.check_integrity()
 
 
+def test_a_fork_admitted_then_given_no_rows_hands_its_reservation_back():
+    # the decode cadence may cut an admitted question fork to 0 rows (a prompt ranked above it
+    # took the allowance): the blocks its admission reserved go back, so a fork ranked after it
+    # that fits starts this step instead of waiting for a step in which nobody computes either
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=24, block_size=4)
+    stream = _forked_stream(engine)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    a = engine.add_fork_request("qa", stream, 58, [5, 6, 7], params)
+    b = engine.add_fork_request("qb", stream, 58, [8, 6, 7], params)
+    gate, seqs = engine.scheduler.fork_gate, engine.scheduler.seqs.values
+    gate.begin(seqs())
+    free = engine.pool.num_free
+    assert max(gate.need(a), gate.need(b)) <= free < gate.need(a) + gate.need(b)  # room for one
+    assert gate.admits(a) and not gate.admits(b)  # b waits while a computes
+    gate.begin(seqs())
+    assert gate.admits(a)
+    gate.withdraw(a)  # a got no rows after all
+    assert gate.admits(b) and gate.held == []
+    gate.withdraw(a)  # not the latest admitted: nothing changes
+    assert not gate.admits(a) and gate.held == [a.seq_id]
+    done = _finish_all(engine, {"qa", "qb"})
+    assert all(o.finish_reason == "length" for o in done.values())
+    engine.seq_ops.close(stream)
+    engine.check_integrity()
+
+
 def test_a_new_fork_takes_its_copy_only_while_the_gate_can_still_start_a_fork():
     # 24 blocks, a 58-row stream holds 15: a fork of it to 91 rows needs its copied block and 8
     # more. After one such fork 8 blocks are free; a second copy would leave 7, less than any

@@ -69,6 +69,7 @@ class ForkGate:
         self.held: list[int] = []  # forks held this step (seq ids)
         self._left = 0
         self._open = False  # a fork has started or was admitted this step
+        self._last: tuple[int, int, bool] | None = None  # the latest admitted fork, state before it
 
     def need(self, seq: Sequence) -> int:
         """Blocks ``seq`` may still take before it ends (its projected rows and its parent's)."""
@@ -99,6 +100,7 @@ class ForkGate:
         self.stats.reserved = self._reserved(live)
         self._left = self.kv.pool.num_free - self.stats.reserved
         self._open = any(not at_fork_point(s) for s in live)
+        self._last = None
         self.held = []
 
     def _reserved(self, live: list[Sequence]) -> int:
@@ -110,6 +112,7 @@ class ForkGate:
         if not gated(seq) or not at_fork_point(seq):
             return True
         need = self.need(seq)
+        self._last = (seq.seq_id, self._left, self._open)
         if need <= self._left:
             self._left -= need
             self._open = True
@@ -120,3 +123,10 @@ class ForkGate:
         self.stats.deferred += 1
         self.held.append(seq.seq_id)
         return False
+
+    def withdraw(self, seq: Sequence) -> None:
+        """``seq``, just admitted, gets no rows this step after all (the decode cadence left it
+        none): what its admission reserved goes back to the forks ranked after it."""
+        if self._last is not None and self._last[0] == seq.seq_id:
+            _, self._left, self._open = self._last
+        self._last = None

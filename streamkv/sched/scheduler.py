@@ -221,6 +221,8 @@ class Scheduler(StepUpdates, Drafting):
                 if fits < n:
                     n, capped = fits, True
                     if n == 0:
+                        if self.fork_gate is not None:
+                            self.fork_gate.withdraw(seq)
                         continue
                 allow.take(computed, n)
             draft = self._draft(seq, min(spec_cap, budget - n), crowded) if spec_cap and n == 1 else ()
