@@ -282,8 +282,17 @@ def test_a_fork_is_charged_only_its_own_rows():
     engine.step()
     engine.add_request("r", [7] * 20, params)  # 30 more: well under the ceiling beside 12
     engine.step()
-    assert engine.scheduler.admission.stats.charged_tokens == 12 and engine.scheduler.admission.stats.deferred_requests == 0
+    assert engine.scheduler.admission.stats.charged_tokens == 12 + 30  # the fork's own rows, then r's
+    assert engine.scheduler.admission.stats.deferred_requests == 0
     assert engine.run_to_completion(["q", "r"])["r"].finish_reason == "length"
+    # the gauge (/metrics: streamkv_admission_charged_tokens) is current once they finish, with
+    # no step after them: an idle server showed its last request's charge for good (helper-33)
+    assert engine.scheduler.admission.stats.charged_tokens == 0
+    engine.add_request("s", [7] * 20, params)
+    engine.step()
+    assert engine.scheduler.admission.stats.charged_tokens == 30
+    engine.abort("s")
+    assert engine.scheduler.admission.stats.charged_tokens == 0
 
 
 @pytest.mark.parametrize("first,second,queue", [(5, -5, "fcfs"), (0, 0, "lcas")])

@@ -24,13 +24,18 @@ from streamkv.sched.sequence import Sequence, SeqStatus
 class AdmissionStats:
     deferred_requests: int = 0  # (request, step) pairs a new request waited for the cell budget
     deferred_chunks: int = 0    # prompt chunks held back above the high-water mark
-    charged_tokens: int = 0     # projected tokens of admitted sequences, latest step
+    charged_tokens: int = 0     # projected tokens of admitted sequences (as admitted; less those finished since)
 
 
 def projected_tokens(seq: Sequence) -> int:
     """The KV a sequence may come to hold: its prompt plus every token it may generate, less
     the rows a fork shares with its parent (a session query's window is the session's)."""
     return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len) - seq.forked_rows
+
+
+def _charged(seq: Sequence) -> bool:
+    """Whether the cell budget charges ``seq``: admitted (running or swapped out), not pinned."""
+    return not seq.pinned and (seq.status is SeqStatus.RUNNING or seq.swapped)
 
 
 class CellBudget:
@@ -54,10 +59,15 @@ class CellBudget:
         return self.pool.num_blocks * self.pool.block_size
 
     def begin(self, seqs: Iterable[Sequence]) -> None:
-        self._charged = sum(projected_tokens(s) for s in seqs if not s.pinned and
-                            (s.status is SeqStatus.RUNNING or s.swapped))
+        self._charged = sum(projected_tokens(s) for s in seqs if _charged(s))
         self.stats.charged_tokens = self._charged
         self._chunk_passed = False
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` finishes: its charge leaves the gauge at once (the next step charges afresh;
+        an idle server otherwise showed its last request's charge for good)."""
+        if _charged(seq):
+            self.stats.charged_tokens = max(0, self.stats.charged_tokens - projected_tokens(seq))
 
     def admits(self, seq: Sequence) -> bool:
         """A waiting request may start now (charged if so). The first one always may, so a
@@ -69,6 +79,7 @@ class CellBudget:
             self.stats.deferred_requests += 1
             return False
         self._charged += cost
+        self.stats.charged_tokens = self._charged
         return True
 
     def holds_chunk(self, seq: Sequence) -> bool:

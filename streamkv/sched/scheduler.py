@@ -105,6 +105,8 @@ class Scheduler(StepUpdates, Drafting):
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return None
+        if self.admission is not None:
+            self.admission.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.spec_states.pop(seq_id, None)
