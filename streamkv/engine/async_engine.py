@@ -99,7 +99,7 @@ class AsyncEngine:
     def start(self) -> "AsyncEngine":
         """Start the engine thread. The calling thread (which built the engine) first hands its
         OpenMP team back: idle beside the engine thread's team it made every parallel region of
-        every step slower (a batch-1 decode step 15.5-17.8 ms against 7.2 on the 2-core Zen 4;
+        every step slower (a batch-1 decode step 14.6-17.8 ms against 7.2-8.8 on the 2-core Zen 4;
         ``native/omp.py``)."""
         release_thread_team()
         self._thread.start()
