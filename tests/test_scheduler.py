@@ -621,12 +621,13 @@ def test_a_fork_admitted_then_given_no_rows_hands_its_reservation_back():
     gate.begin(seqs())
     free = engine.pool.num_free
     assert max(gate.need(a), gate.need(b)) <= free < gate.need(a) + gate.need(b)  # room for one
-    assert gate.admits(a) and not gate.admits(b)  # b waits while a computes
-    gate.begin(seqs())
     assert gate.admits(a)
-    gate.withdraw(a)  # a got no rows after all
+    gate.starts(a)
+    assert not gate.admits(b)  # b waits while a computes
+    gate.begin(seqs())
+    assert gate.admits(a)  # a gets no rows after all: it never starts, so it reserves nothing
     assert gate.admits(b) and gate.held == []
-    gate.withdraw(a)  # not the latest admitted: nothing changes
+    gate.starts(b)
     assert not gate.admits(a) and gate.held == [a.seq_id]
     done = _finish_all(engine, {"qa", "qb"})
     assert all(o.finish_reason == "length" for o in done.values())

@@ -12,9 +12,10 @@ With more OpenMP threads than cores, libgomp lets a waiting worker spin only ~10
 it sleeps in the kernel (its "throttled" wait), so each of a step's many parallel regions pays a
 wake-up. On the 2-core AMD EPYC Zen 4 a batch-1 decode step (context 500) ran 14.6-17.8 ms in
 the engine thread against 7.2-8.8 ms once the builder's team was handed back, and 8.0-8.6 ms in
-the building thread itself (``benchmarks/engine_thread.py`` and scratch runs, 2026-12-02). :func:`release_thread_team` hands the
-calling thread's team back (``omp_pause_resource_all``, OpenMP 5.0); a later parallel region in
-that thread builds a new one, so it changes no result, only who waits how.
+the building thread itself (``benchmarks/engine_thread.py`` and scratch runs, 2026-12-02).
+:func:`release_thread_team` hands the calling thread's team back (``omp_pause_resource_all``,
+OpenMP 5.0); a later parallel region in that thread builds a new one, so it changes no result,
+only who waits how.
 """
 from __future__ import annotations
 

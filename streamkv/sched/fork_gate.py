@@ -61,15 +61,16 @@ def passes(seq: Sequence, behind_running: bool = False) -> bool:
 
 class ForkGate:
     """Per step: :meth:`begin` reserves the started forks' growth, then :meth:`admits` answers
-    for each ranked fork at its fork point, in ranking order."""
+    for each ranked fork at its fork point, in ranking order, and :meth:`starts` reserves for
+    each one that is given rows (one admitted and then given none, the decode cadence's 0-row
+    cut, reserves nothing: the forks ranked after it may start)."""
 
     def __init__(self, kv: KVManager) -> None:
         self.kv = kv
         self.stats = ForkGateStats()
         self.held: list[int] = []  # forks held this step (seq ids)
         self._left = 0
-        self._open = False  # a fork has started or was admitted this step
-        self._last: tuple[int, int, bool] | None = None  # the latest admitted fork, state before it
+        self._open = False  # a fork has started or starts this step
 
     def need(self, seq: Sequence) -> int:
         """Blocks ``seq`` may still take before it ends (its projected rows and its parent's)."""
@@ -100,7 +101,6 @@ class ForkGate:
         self.stats.reserved = self._reserved(live)
         self._left = self.kv.pool.num_free - self.stats.reserved
         self._open = any(not at_fork_point(s) for s in live)
-        self._last = None
         self.held = []
 
     def _reserved(self, live: list[Sequence]) -> int:
@@ -108,25 +108,24 @@ class ForkGate:
         return sum(self.need(s) for s in live if not at_fork_point(s))
 
     def admits(self, seq: Sequence) -> bool:
-        """Whether ``seq`` may compute this step (anything but a gated fork at its fork point may)."""
+        """Whether ``seq`` may compute this step (anything but a gated fork at its fork point may);
+        a fork refused is held (counted). Reserves nothing: :meth:`starts` does."""
         if not gated(seq) or not at_fork_point(seq):
             return True
-        need = self.need(seq)
-        self._last = (seq.seq_id, self._left, self._open)
-        if need <= self._left:
-            self._left -= need
-            self._open = True
-            return True
-        if not self._open:  # the first may start even so; it reserves nothing it cannot have, so
-            self._open = True  # a smaller fork that fits still runs past it and frees its copy
+        # the first may start even when it does not fit; it reserves nothing it cannot have, so
+        # a smaller fork that fits still runs past it and frees its copy
+        if self.need(seq) <= self._left or not self._open:
             return True
         self.stats.deferred += 1
         self.held.append(seq.seq_id)
         return False
 
-    def withdraw(self, seq: Sequence) -> None:
-        """``seq``, just admitted, gets no rows this step after all (the decode cadence left it
-        none): what its admission reserved goes back to the forks ranked after it."""
-        if self._last is not None and self._last[0] == seq.seq_id:
-            _, self._left, self._open = self._last
-        self._last = None
+    def starts(self, seq: Sequence) -> None:
+        """``seq``, admitted, computes rows this step: a fork at its fork point reserves its need
+        (what it cannot have, the first one's, stays free) and counts as started."""
+        if not gated(seq) or not at_fork_point(seq):
+            return
+        need = self.need(seq)
+        if need <= self._left:
+            self._left -= need
+        self._open = True

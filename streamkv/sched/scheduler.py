@@ -223,10 +223,10 @@ class Scheduler(StepUpdates, Drafting):
                 if fits < n:
                     n, capped = fits, True
                     if n == 0:
-                        if self.fork_gate is not None:
-                            self.fork_gate.withdraw(seq)
                         continue
                 allow.take(computed, n)
+            if self.fork_gate is not None:
+                self.fork_gate.starts(seq)
             draft = self._draft(seq, min(spec_cap, budget - n), crowded) if spec_cap and n == 1 else ()
             out.append(_Proposal(seq, computed + n, draft))
             budget -= n + len(draft)
