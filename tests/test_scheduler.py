@@ -563,6 +563,7 @@ def test_reclaiming_for_a_restore_preempts_nobody_when_everyone_could_not_free_e
 def test_the_fork_gate_starts_only_the_forks_the_pool_can_hold_to_their_end(num_blocks, forks, max_tokens):
     # without the gate the forks all start, run out of blocks mid-answer and truncate one
     # another back to their fork points (48 blocks, 12 forks of 3 + 50 rows: 97 preemptions)
+    from streamkv.server.metrics import _scheduler_metrics
     from tests.fakes import slot_engine
 
     params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, seed=i) for i in range(forks)]
@@ -576,17 +577,15 @@ def test_the_fork_gate_starts_only_the_forks_the_pool_can_hold_to_their_end(num_
         assert len(done) == forks and all(o.finish_reason == "length" for o in done.values())
         runs[gate] = ({rid: o.token_ids for rid, o in done.items()}, engine.scheduler.num_preemptions,
                       engine.scheduler.fork_gate.stats.deferred if gate else 0)
+        metrics = {f.name: f.samples[0].value for f in _scheduler_metrics(engine.scheduler) if f.samples}
+        assert metrics["streamkv_fork_gate_reserved_blocks"] == 0  # current once idle, not the last step's
+        assert metrics["streamkv_fork_gate_deferred"] == runs[gate][2]
         engine.seq_ops.close(stream)
         engine.check_integrity()
         assert engine.pool.num_free == engine.pool.num_blocks
     (gated_out, gated_preempted, deferred), (free_out, free_preempted, _) = runs[True], runs[False]
     assert gated_out == free_out  # the same answers, in another order of steps
     assert gated_preempted == 0 and deferred > 0 and free_preempted > 0
-    from streamkv.server.metrics import _scheduler_metrics
-
-    engine, _ = slot_engine(num_blocks=num_blocks, block_size=4)
-    metrics = {f.name: f.samples[0].value for f in _scheduler_metrics(engine.scheduler) if f.samples}
-    assert metrics["streamkv_fork_gate_deferred"] == 0 and metrics["streamkv_fork_gate_reserved_blocks"] == 0
 
 
 def test_a_fork_the_gate_holds_is_the_one_failed_when_nothing_progresses():
@@ -631,6 +630,7 @@ def test_a_fork_admitted_then_given_no_rows_hands_its_reservation_back():
     assert not gate.admits(a) and gate.held == [a.seq_id]
     done = _finish_all(engine, {"qa", "qb"})
     assert all(o.finish_reason == "length" for o in done.values())
+    assert gate.stats.reserved == 0  # the gauge is current once idle (it kept the last step's: 1)
     engine.seq_ops.close(stream)
     engine.check_integrity()
 

@@ -517,3 +517,39 @@ def test_a_waiting_question_restores_its_session_once(tmp_path, monkeypatch, cas
     else:
         assert restores == 1 if case == "now" or blockers == "stateless" else restores > 1
     engine.check_integrity()
+
+
+def test_a_request_swapped_out_beside_idle_sessions_comes_back_with_one_queued_behind_it(tmp_path):
+    # A decodes until it needs one block more than the idle sessions leave and swaps itself out;
+    # B, small, queues behind it. Offloading served only the smallest need (B's, which the free
+    # blocks cover) and phase 1 set no blocked need for a swapped sequence, while nothing passes
+    # A once its swap-in fails: nothing ran again (helper-35)
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4, preemption="swap",
+              swap_space=1 << 22)
+    sessions = [llm.session("s", chat=False, retention_tokens=60) for _ in range(2)]
+    for s in sessions:
+        s.push([f"record {i} of some data" for i in range(6)])
+        s.ingest()
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4 * engine.pool.num_blocks - 12, temperature=0, ignore_eos=True)  # fits the pool alone
+    engine.add_request("A", [5, 6, 7], params)
+    seq = engine._requests["A"].seq
+    done: dict = {}
+    for _ in range(400):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if seq.swapped:
+            break
+    assert seq.swapped and not done, "A never had to swap out"
+    assert engine.kv.blocks_for(len(seq.tokens)) > engine.pool.num_free  # A needs more than is free
+    engine.add_request("B", [8, 9], SamplingParams(max_tokens=2, temperature=0))
+    for _ in range(2 * params.max_tokens):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(done) == 2:
+            break
+    assert sorted(done) == ["A", "B"], (engine.scheduler.blocked_need, engine.pool.num_free)
+    alone = LLM(model=str(path), dtype="float32", num_blocks=400, block_size=4)
+    assert done["A"].token_ids == alone.generate([[5, 6, 7]], params)[0].token_ids
+    assert "host" in [s.stats()["kv"]["where"] for s in sessions]
+    engine.check_integrity()
+

@@ -273,12 +273,16 @@ class KVManager:
         """Host blocks swapped in by the previous step are free again."""
         self.host.settle()
 
+    def swap_in_cost(self, seq_id: int, num_tokens: int, extra: int = 0) -> int:
+        """Device blocks :meth:`swap_in` takes for these arguments."""
+        return max(self.blocks_for(num_tokens), len(self._seqs[seq_id].host_ids)) + extra
+
     def swap_in(self, seq_id: int, num_tokens: int, extra: int = 0) -> list[tuple[int, int]] | None:
         """Bring a swapped sequence back with room for ``num_tokens`` rows (and ``extra`` blocks
         after them); None (nothing changed) when the device pool is short. Returns ``(host
         block, device block)`` copies."""
         kv = self._seqs[seq_id]
-        need = max(self.blocks_for(num_tokens), len(kv.host_ids)) + extra
+        need = self.swap_in_cost(seq_id, num_tokens, extra)
         if need > self.pool.num_free:
             return None
         kv.block_ids = self.pool.allocate(need)

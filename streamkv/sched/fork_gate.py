@@ -31,7 +31,7 @@ from streamkv.sched.sequence import Sequence, SeqStatus
 @dataclass
 class ForkGateStats:
     deferred: int = 0   # (fork, step) pairs a fork at its fork point waited for room
-    reserved: int = 0   # blocks the started forks may still take, latest step
+    reserved: int = 0   # blocks the started forks may still take (as of the latest step or finish)
 
 
 def gated(seq: Sequence) -> bool:
@@ -102,6 +102,11 @@ class ForkGate:
         self._left = self.kv.pool.num_free - self.stats.reserved
         self._open = any(not at_fork_point(s) for s in live)
         self.held = []
+
+    def release(self, seqs: Iterable[Sequence]) -> None:
+        """A fork finished: the gauge shows what the started forks among ``seqs`` (those left)
+        may still take (an idle server otherwise showed its last question's reservation)."""
+        self.stats.reserved = self._reserved([s for s in seqs if gated(s)])
 
     def _reserved(self, live: list[Sequence]) -> int:
         """What the started forks among ``live`` (gated forks) may still take to their ends."""

@@ -107,6 +107,8 @@ class Scheduler(StepUpdates, Drafting):
             return None
         if self.admission is not None:
             self.admission.release(seq)
+        if self.fork_gate is not None and seq.forked_rows:
+            self.fork_gate.release(self.seqs.values())
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.spec_states.pop(seq_id, None)
@@ -309,6 +311,11 @@ class Scheduler(StepUpdates, Drafting):
                 gave_back = droppable(seq)  # it preempts itself: its blocks are free now
                 self._cannot_grow(seq, done, preempted)
                 behind_running = behind_running or gave_back
+            elif seq.swapped and not blocked and not seq.partial and not self.blocked_need:
+                # phase 1 costs only fresh admissions: the swap-in that blocks the queue says
+                # what it needs, or offloading would serve only a smaller need behind it
+                self.blocked_need = self.kv.swap_in_cost(seq.seq_id, seq.kv_rows(prop.end),
+                                                         seq.extra_blocks(prop.end, self.kv.block_size))
             # only ``passes`` ones pass it (pinned streams and forks at their fork point still
             # take free blocks: holding them back frees nothing); an input still
             # streaming, which may only take free blocks or its inferiors', holds nobody up

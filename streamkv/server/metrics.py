@@ -156,8 +156,8 @@ def _scheduler_metrics(scheduler: Any) -> Any:
     gate = scheduler.fork_gate.stats if scheduler.fork_gate is not None else None
     yield CounterMetricFamily("streamkv_fork_gate_deferred", "(fork, step) pairs a question's fork waited at its fork "
                               "point for the pool to hold its answer", value=gate.deferred if gate else 0)
-    yield GaugeMetricFamily("streamkv_fork_gate_reserved_blocks", "blocks the started question forks may still take, "
-                            "latest step", value=gate.reserved if gate else 0)
+    yield GaugeMetricFamily("streamkv_fork_gate_reserved_blocks", "blocks the started question forks may still take "
+                            "(as of the latest step or finish)", value=gate.reserved if gate else 0)
     cad = scheduler.cadence.stats if scheduler.cadence is not None else None
     yield CounterMetricFamily("streamkv_cadence_capped_steps", "steps whose prompt rows the decode cadence capped",
                               value=cad.capped_steps if cad else 0)
