@@ -553,3 +553,24 @@ def test_a_request_swapped_out_beside_idle_sessions_comes_back_with_one_queued_b
     assert "host" in [s.stats()["kv"]["where"] for s in sessions]
     engine.check_integrity()
 
+
+def test_a_session_whose_window_is_over_half_the_pool_keeps_ingesting(tmp_path):
+    # every eviction re-positioned the window copy-on-write beside the ready fork (the default
+    # query prefix makes one), which then held the old blocks until the new version was computed:
+    # with a 20-block window in a 40-block pool the stream never found its blocks and the session
+    # stopped at data version 4 of 12 (helper-35)
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    answers = []
+    for num_blocks in (40, 400):
+        llm = LLM(model=str(path), dtype="float32", num_blocks=num_blocks, block_size=4)
+        session = llm.session("s", chat=False, retention_tokens=80)
+        assert llm.engine.sessions.get(session.id).layout.prefix  # it has a ready fork
+        for i in range(12):
+            session.push([f"record {i} of some data here"])
+            session.ingest()
+        stats = session.stats()
+        assert stats["data_version"] == 12 and stats["evictions"] > 0, stats
+        answers.append(session.query("what?", max_tokens=4).token_ids)
+        llm.engine.check_integrity()
+    assert answers[0] == answers[1]
+

@@ -291,6 +291,12 @@ class SessionManager:
         incoming = sum(len(r.ids) for r in batch)
         n_rec, n_tok = data.eviction_for(incoming)
         if n_tok:
+            if session.ready is not None:  # stale once this batch is in; the eviction re-positions
+                # the window, and a ready fork sharing it made that a copy of every block, the old
+                # ones held until the new version was computed: a window over about half the pool
+                # then never found its blocks and the session stopped ingesting (helper-35)
+                self.engine.seq_ops.close(session.ready)
+                session.ready = None
             try:
                 memory = self._evict(session, n_tok)
             except OutOfBlocksError:
