@@ -574,3 +574,30 @@ def test_a_session_whose_window_is_over_half_the_pool_keeps_ingesting(tmp_path):
         llm.engine.check_integrity()
     assert answers[0] == answers[1]
 
+
+
+def test_two_sessions_ingesting_at_once_in_a_pool_that_holds_either_but_not_both(tmp_path):
+    # with chunked prefill both streams took chunks in turn until the pool was dry with neither
+    # batch complete: pinned streams never preempt, a session still ingesting was never
+    # offloaded, and every request after them waited too (helper-35). A batch now starts only
+    # beside the rows other streams still have to compute; a session held back that way is idle,
+    # so it may be offloaded for them, and it comes back for its records when the pool has room
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    runs = []
+    for num_blocks in (40, 400):
+        llm = LLM(model=str(path), dtype="float32", num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32,
+                  max_chunk_tokens=16)  # two streams prefill side by side, 16 rows each a step
+        engine = llm.engine
+        sessions = [llm.session("s", chat=False, retention_tokens=100) for _ in range(2)]
+        for round_ in range(2):
+            for i, s in enumerate(sessions):
+                s.push([f"record {j} of session {i} round {round_} with data" for j in range(4 + 5 * round_)])
+            for _ in range(300):
+                engine.step()
+                if not engine.sessions.has_work():
+                    break
+            assert [s.stats()["data_version"] for s in sessions] == [round_ + 1] * 2
+        later = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
+        runs.append(([s.query("what?", max_tokens=4).token_ids for s in sessions], later))
+        engine.check_integrity()
+    assert runs[0] == runs[1]

@@ -196,15 +196,21 @@ class Scheduler(StepUpdates, Drafting):
             target = seq.computable
             computed = seq.num_computed
             limit = seq.chunk_limit(computed)
-            if seq.status is SeqStatus.WAITING and not seq.swapped:
-                hit = hits.get(seq.seq_id) or self.kv.match_prefix(seq.match_tokens, seq.cache_key)
-                computed = hit.num_tokens(self.kv.block_size)
-                limit = seq.chunk_limit(computed)
-                end = min(target, computed + budget, computed + limit if limit is not None else target)
-                # not even preempting every unpinned sequence would admit it this step: it keeps
-                # its place (only ``passes`` ones pass it) but spends no budget, so pinned streams
-                # (sessions, span queries) and forks, which hold the rest of the pool, progress
-                cost = self.kv.admission_cost(hit, end) + seq.extra_blocks(end, self.kv.block_size)
+            if seq.status is SeqStatus.WAITING:
+                if seq.swapped:
+                    end = min(target, computed + budget, computed + limit if limit is not None else target)
+                    cost = self.kv.swap_in_cost(seq.seq_id, seq.kv_rows(end), seq.extra_blocks(end, self.kv.block_size))
+                else:
+                    hit = hits.get(seq.seq_id) or self.kv.match_prefix(seq.match_tokens, seq.cache_key)
+                    computed = hit.num_tokens(self.kv.block_size)
+                    limit = seq.chunk_limit(computed)
+                    end = min(target, computed + budget, computed + limit if limit is not None else target)
+                    cost = self.kv.admission_cost(hit, end) + seq.extra_blocks(end, self.kv.block_size)
+                # not even preempting every unpinned sequence would admit (or swap in) it this
+                # step: it keeps its place (only ``passes`` ones pass it) but spends no budget, so
+                # pinned streams (sessions, span queries) and forks, which hold the rest of the
+                # pool, progress (a swapped one that counted as this step's prompt work kept the
+                # session streams, background work, from ever going idle to be offloaded for it)
                 if cost > self.kv.pool.num_free:
                     if reclaimable is None:
                         reclaimable = self.kv.pool.num_free + sum(
@@ -311,11 +317,6 @@ class Scheduler(StepUpdates, Drafting):
                 gave_back = droppable(seq)  # it preempts itself: its blocks are free now
                 self._cannot_grow(seq, done, preempted)
                 behind_running = behind_running or gave_back
-            elif seq.swapped and not blocked and not seq.partial and not self.blocked_need:
-                # phase 1 costs only fresh admissions: the swap-in that blocks the queue says
-                # what it needs, or offloading would serve only a smaller need behind it
-                self.blocked_need = self.kv.swap_in_cost(seq.seq_id, seq.kv_rows(prop.end),
-                                                         seq.extra_blocks(prop.end, self.kv.block_size))
             # only ``passes`` ones pass it (pinned streams and forks at their fork point still
             # take free blocks: holding them back frees nothing); an input still
             # streaming, which may only take free blocks or its inferiors', holds nobody up

@@ -234,9 +234,9 @@ class SessionManager:
 
     # ------------------------------------------------------------- step hooks
     def has_work(self) -> bool:
-        """Records to ingest, a stale ``ready`` fork to rebuild or a flash batch due, in some
-        resident session."""
-        return any(s.stream is not None and (
+        """Records to ingest (an offloaded session's too: it comes back for them), a stale
+        ``ready`` fork to rebuild or a flash batch due, in some resident session."""
+        return any((s.stream is None and s.data.queue) or s.stream is not None and (
             s.data.queue or s.stream.num_computed < len(s.stream.tokens)
             or (s.layout.prefix and s.ready_version != s.data.data_version)
             or (s.ready is not None and s.ready.num_computed < len(s.ready.tokens))
@@ -245,9 +245,16 @@ class SessionManager:
             for s in self.sessions.values())
 
     def before_step(self) -> None:
+        kv = self.engine.kv
+        # the rows fed to resident streams and not yet computed, in blocks still to take
+        pending = sum(kv.growth_cost(s.stream.seq_id, len(s.stream.tokens)) for s in self.sessions.values()
+                      if s.stream is not None and kv.has(s.stream.seq_id))
+        self.offload.feed_needs = []
         for session in self.sessions.values():
+            if session.stream is None and session.data.queue:
+                self._bring_back(session, pending)
             if session.stream is not None:
-                self._feed(session)
+                pending += self._feed(session, pending)
                 self._refresh_ready(session)
                 self.flash.schedule(session)
         self.offload.relieve_pressure()
@@ -283,13 +290,24 @@ class SessionManager:
                  "qualifies": ok}
         session.ready_probe = probe  # shown in stats, so the vocabulary and min gap can be tuned
 
-    def _feed(self, session: Session) -> None:
+    def _feed(self, session: Session, pending: int) -> int:
+        """Feed the next batch of queued records to an idle stream; returns the blocks its rows
+        will take. While other streams' fed rows still need ``pending`` blocks, a batch starts
+        only if the free blocks hold it beside them (else it stays queued, and its need asks
+        for idle sessions to be offloaded): two sessions ingesting at once in a pool that held
+        either window but not both took chunks in turn until neither could finish, and pinned
+        streams wait for each other for good (helper-35)."""
         data, stream, streams = session.data, session.stream, self.engine.seq_ops
         if not data.queue or stream is None or not streams.is_idle(stream):
-            return
+            return 0
         batch = data.take_batch(min(data.spec.ingest_batch_tokens, data.spec.record_window))
         incoming = sum(len(r.ids) for r in batch)
         n_rec, n_tok = data.eviction_for(incoming)
+        need = self._feed_need(session, n_tok, incoming)
+        if pending and need > self.engine.pool.num_free - pending:
+            data.requeue(batch)
+            self.offload.feed_needs.append((need + pending, stream.klass))
+            return 0
         if n_tok:
             if session.ready is not None:  # stale once this batch is in; the eviction re-positions
                 # the window, and a ready fork sharing it made that a copy of every block, the old
@@ -301,13 +319,38 @@ class SessionManager:
                 memory = self._evict(session, n_tok)
             except OutOfBlocksError:
                 data.requeue(batch)
-                return
+                return 0
             removed = data.evicted(n_rec, n_tok, memory)
             session.emit("evicted", records=n_rec, tokens=removed, memory_tokens=data.memory,
                          total_evicted=data.counters.records_evicted)
         streams.append(stream, [t for r in batch for t in r.ids])
         for rec in batch:
             data.fed(rec)
+        return need
+
+    def _bring_back(self, session: Session, pending: int) -> None:
+        """Restore an offloaded session whose records wait (offloaded while another session
+        ingested) once the pool holds it beside the rows other streams still have to compute
+        and the request that blocks the queue (or each would offload the other in turn); until
+        then its need asks for idle sessions to be offloaded."""
+        need = self.engine.kv.blocks_for(len(session.offloaded_tokens or ())) + 1
+        if need <= self.engine.pool.num_free - pending - self.engine.scheduler.blocked_need:
+            try:
+                self.offload.ensure_resident(session)
+                return
+            except QueueFullError:
+                pass
+        self.offload.feed_needs.append((need + pending, PriorityClass.STREAM))
+
+    def _feed_need(self, session: Session, evict: int, incoming: int) -> int:
+        """Blocks the stream takes to hold ``incoming`` more tokens after evicting ``evict``
+        (a snapkv session keeps up to its budget of them as memory)."""
+        stream, policy, kv = session.stream, session.spec.kv_write, self.engine.kv
+        assert stream is not None
+        removed = evict
+        if policy is not None and evict:  # the memory and the evicted tokens become the new memory
+            removed += session.data.memory - min(policy.budget, session.data.memory + evict)
+        return kv.growth_cost(stream.seq_id, len(stream.tokens) - removed + incoming)
 
     def _evict(self, session: Session, num_tokens: int) -> int | None:
         """Evict the oldest ``num_tokens`` record tokens of the stream; returns the snapkv memory

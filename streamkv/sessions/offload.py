@@ -1,8 +1,9 @@
 """Where a session's KV lives (pool -> host -> disk) and how it survives a restart.
 
-Offloading a quiescent session (stream idle, queue empty) exports its stream's K/V to
-host tensors and frees its blocks; beyond ``host_offload_bytes`` the least recently used
-host copies spill to ``--session-dir``. The next push or query restores it. With a
+Offloading an idle session (stream computed; records may still wait in its queue) exports
+its stream's K/V to host tensors and frees its blocks; beyond ``host_offload_bytes`` the least
+recently used host copies spill to ``--session-dir``. The next push or query restores it, and
+so does the pool once it can hold it again while records wait (``SessionManager.before_step``). With a
 session dir, every acknowledged push is logged (fsync) before it is acknowledged, and idle
 sessions snapshot their KV; recovery loads the snapshot and re-queues newer pushes.
 """
@@ -45,6 +46,7 @@ class Offloader:
         self.store = SessionStore(cfg.session_dir) if cfg.session_dir else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamkv-session-io")
         self._writes: list[Future] = []
+        self.feed_needs: list[tuple[int, PriorityClass]] = []  # (blocks, class) of ingestion held back this step
         ops = self.engine.kv_ops
         self.kv_bytes_per_token = (ops.cache.nbytes // (ops.cache.num_blocks * ops.cache.block_size)) if ops else 0
 
@@ -70,8 +72,14 @@ class Offloader:
 
     # ------------------------------------------------------------------ offload
     def quiescent(self, session: Session) -> bool:
+        """Idle with nothing queued (checkpoints)."""
+        return self.idle(session) and not session.data.queue
+
+    def idle(self, session: Session) -> bool:
+        """Resident with every fed row computed: it may be offloaded (queued records come back
+        with it; a session held back while another ingests is offloaded for it)."""
         stream = session.stream
-        return (stream is not None and not session.data.queue and self.engine.seq_ops.is_idle(stream))
+        return stream is not None and self.engine.seq_ops.is_idle(stream)
 
     def freeable(self, session: Session) -> int:
         """Pool blocks that offloading ``session`` would give back: those its stream and ready
@@ -81,9 +89,9 @@ class Offloader:
         return self.engine.kv.num_unshared(*seqs)
 
     def offload(self, session: Session) -> int:
-        """Move a quiescent session's KV to host memory; returns the pool blocks this freed."""
+        """Move an idle session's KV to host memory; returns the pool blocks this freed."""
         stream = session.stream
-        if stream is None or not self.quiescent(session):
+        if stream is None or not self.idle(session):
             return 0
         free = self.engine.pool.num_free
         session.host_kv = self.engine.seq_ops.export(stream, len(stream.tokens))
@@ -145,7 +153,7 @@ class Offloader:
         (and of inputs still streaming: ``Scheduler.reclaimable``); an upper bound, as
         ``ensure_resident`` takes them."""
         sessions = sum(self.freeable(s) for s in self.manager.sessions.values()
-                       if s is not session and s.where == "pool" and self.quiescent(s))
+                       if s is not session and s.where == "pool" and self.idle(s))
         return sessions + self.engine.scheduler.reclaimable(klass)
 
     def _offload_one(self, exclude: Session | None = None, spare_wanted: bool = False) -> int:
@@ -157,7 +165,7 @@ class Offloader:
         now = time.monotonic()
         found = [(s, self.freeable(s), self.engine.kv.num_blocks_held(s.stream.seq_id))  # type: ignore[union-attr]
                  for s in sorted(self.manager.sessions.values(), key=lambda s: s.data.last_used)
-                 if s is not exclude and s.where == "pool" and self.quiescent(s)
+                 if s is not exclude and s.where == "pool" and self.idle(s)
                  and not (spare_wanted and now - s.wanted_at < WANTED_S)]
         for enough in (lambda free, held: 2 * free >= held, lambda free, held: free > 0):
             for session, free, held in found:
@@ -170,13 +178,13 @@ class Offloader:
         compute (a session ingesting, a span query's: pinned streams preempt nobody and wait,
         so a span query behind idle sessions waited for good), cannot get its blocks."""
         kv, seqs = self.engine.kv, self.engine.scheduler.seqs.values()
-        needing = [(kv.blocks_for(len(s.tokens) + 1), s) for s in seqs if s.status is SeqStatus.WAITING]
-        needing += [(kv.growth_cost(s.seq_id, len(s.tokens)), s) for s in seqs  # forks wait too (never dropped)
+        needing = [(kv.blocks_for(len(s.tokens) + 1), s.klass) for s in seqs if s.status is SeqStatus.WAITING]
+        needing += [(kv.growth_cost(s.seq_id, len(s.tokens)), s.klass) for s in seqs  # forks wait too (never dropped)
                     if s.status is SeqStatus.RUNNING and (s.pinned or s.forked_rows) and s.has_work and kv.has(s.seq_id)]
-        needing = [(n, s) for n, s in needing if n > 0]
+        needing = [(n, k) for n, k in needing + self.feed_needs if n > 0]
         if not needing:
             return
-        spare = all(s.klass > PriorityClass.SESSION for _, s in needing)  # none as urgent as a question
+        spare = all(k > PriorityClass.SESSION for _, k in needing)  # none as urgent as a question
         # at least the smallest need; the request that blocks the queue may need more (nothing
         # unpinned passes it, so room for a smaller one behind it served nobody)
         need = max(min(n for n, _ in needing), self.engine.scheduler.blocked_need) - self.engine.pool.num_free
