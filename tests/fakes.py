@@ -92,6 +92,14 @@ def fake_engine(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 1
     return Engine(config, bundle), runner
 
 
+class _HostRows(list):
+    """Exported rows; ``nbytes`` as a tensor has it (64 "bytes" per token), for the host budget."""
+
+    @property
+    def nbytes(self) -> int:
+        return 64 * len(self)
+
+
 class FakeKVOps:
     """Slot-level KV moves for :class:`SlotFakeRunner` (what ``runner.kv_ops`` does to tensors)."""
 
@@ -145,7 +153,7 @@ class FakeKVOps:
 
     def export(self, slots):
         self.flush()
-        return [self.slots.get(int(s)) for s in slots.tolist()], None
+        return _HostRows(self.slots.get(int(s)) for s in slots.tolist()), None
 
     def load(self, slots, k, v, start: int = 0) -> None:
         self.flush()
@@ -168,6 +176,10 @@ class SlotFakeRunner(FakeRunner):
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        # every row is checked in its slot below; the base runner's per-sequence memory of the
+        # ids it computed cannot follow a session's eviction (its stream loses rows in place)
+        for item in plan.seqs:
+            self.computed[item.seq_id] = list(item.history[:item.start])
         self.kv_ops.swap(plan.swap_out, plan.swap_in)
         compressed: dict[int, float] = {}
         for item in plan.seqs:
