@@ -197,15 +197,14 @@ class Scheduler(StepUpdates, Drafting):
             computed = seq.num_computed
             limit = seq.chunk_limit(computed)
             if seq.status is SeqStatus.WAITING:
-                if seq.swapped:
-                    end = min(target, computed + budget, computed + limit if limit is not None else target)
-                    cost = self.kv.swap_in_cost(seq.seq_id, seq.kv_rows(end), seq.extra_blocks(end, self.kv.block_size))
-                else:
+                if not seq.swapped:
                     hit = hits.get(seq.seq_id) or self.kv.match_prefix(seq.match_tokens, seq.cache_key)
                     computed = hit.num_tokens(self.kv.block_size)
                     limit = seq.chunk_limit(computed)
-                    end = min(target, computed + budget, computed + limit if limit is not None else target)
-                    cost = self.kv.admission_cost(hit, end) + seq.extra_blocks(end, self.kv.block_size)
+                end = min(target, computed + budget, computed + limit if limit is not None else target)
+                extra = seq.extra_blocks(end, self.kv.block_size)
+                cost = (self.kv.swap_in_cost(seq.seq_id, seq.kv_rows(end), extra) if seq.swapped
+                        else self.kv.admission_cost(hit, end) + extra)
                 # not even preempting every unpinned sequence would admit (or swap in) it this
                 # step: it keeps its place (only ``passes`` ones pass it) but spends no budget, so
                 # pinned streams (sessions, span queries) and forks, which hold the rest of the

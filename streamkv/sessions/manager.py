@@ -249,15 +249,15 @@ class SessionManager:
         # the rows fed to resident streams and not yet computed, in blocks still to take
         pending = sum(kv.growth_cost(s.stream.seq_id, len(s.stream.tokens)) for s in self.sessions.values()
                       if s.stream is not None and kv.has(s.stream.seq_id))
-        self.offload.feed_needs = []
+        held_back: list[tuple[int, PriorityClass]] = []  # (blocks, class) of ingestion that waits
         for session in self.sessions.values():
             if session.stream is None and session.data.queue:
-                self._bring_back(session, pending)
+                self._bring_back(session, pending, held_back)
             if session.stream is not None:
-                pending += self._feed(session, pending)
+                pending += self._feed(session, pending, held_back)
                 self._refresh_ready(session)
                 self.flash.schedule(session)
-        self.offload.relieve_pressure()
+        self.offload.relieve_pressure(held_back)
 
     def after_step(self, outputs: list[Any]) -> list[Any]:
         """Advance versions, emit events, absorb finished flash evaluations (returns the
@@ -290,11 +290,11 @@ class SessionManager:
                  "qualifies": ok}
         session.ready_probe = probe  # shown in stats, so the vocabulary and min gap can be tuned
 
-    def _feed(self, session: Session, pending: int) -> int:
+    def _feed(self, session: Session, pending: int, held_back: list[tuple[int, PriorityClass]]) -> int:
         """Feed the next batch of queued records to an idle stream; returns the blocks its rows
         will take. While other streams' fed rows still need ``pending`` blocks, a batch starts
-        only if the free blocks hold it beside them (else it stays queued, and its need asks
-        for idle sessions to be offloaded): two sessions ingesting at once in a pool that held
+        only if the free blocks hold it beside them (else it stays queued, and its need goes to
+        ``held_back``, for idle sessions to be offloaded): two sessions ingesting at once in a pool that held
         either window but not both took chunks in turn until neither could finish, and pinned
         streams wait for each other for good (helper-35)."""
         data, stream, streams = session.data, session.stream, self.engine.seq_ops
@@ -306,7 +306,7 @@ class SessionManager:
         need = self._feed_need(session, n_tok, incoming)
         if pending and need > self.engine.pool.num_free - pending:
             data.requeue(batch)
-            self.offload.feed_needs.append((need + pending, stream.klass))
+            held_back.append((need + pending, stream.klass))
             return 0
         if n_tok:
             if session.ready is not None and self.engine.pool.num_free < self._copy_need(session, need):
@@ -331,11 +331,11 @@ class SessionManager:
             data.fed(rec)
         return need
 
-    def _bring_back(self, session: Session, pending: int) -> None:
+    def _bring_back(self, session: Session, pending: int, held_back: list[tuple[int, PriorityClass]]) -> None:
         """Restore an offloaded session whose records wait (offloaded while another session
         ingested) once the pool holds it beside the rows other streams still have to compute
         and the request that blocks the queue (or each would offload the other in turn); until
-        then its need asks for idle sessions to be offloaded."""
+        then its need goes to ``held_back``, for idle sessions to be offloaded."""
         need = self.engine.kv.blocks_for(len(session.offloaded_tokens or ())) + 1
         if need <= self.engine.pool.num_free - pending - self.engine.scheduler.blocked_need:
             try:
@@ -343,7 +343,7 @@ class SessionManager:
                 return
             except QueueFullError:
                 pass
-        self.offload.feed_needs.append((need + pending, PriorityClass.STREAM))
+        held_back.append((need + pending, PriorityClass.STREAM))
 
     def _copy_need(self, session: Session, need: int) -> int:
         """Blocks a copy-on-write eviction takes: a fresh copy of the window after the frozen

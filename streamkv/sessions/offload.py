@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from streamkv.errors import KVCacheFullError, QueueFullError
 from streamkv.kv.block_pool import OutOfBlocksError
@@ -46,7 +46,6 @@ class Offloader:
         self.store = SessionStore(cfg.session_dir) if cfg.session_dir else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamkv-session-io")
         self._writes: list[Future] = []
-        self.feed_needs: list[tuple[int, PriorityClass]] = []  # (blocks, class) of ingestion held back this step
         ops = self.engine.kv_ops
         self.kv_bytes_per_token = (ops.cache.nbytes // (ops.cache.num_blocks * ops.cache.block_size)) if ops else 0
 
@@ -173,15 +172,16 @@ class Offloader:
                     return self.offload(session)
         return 0
 
-    def relieve_pressure(self) -> None:
+    def relieve_pressure(self, held_back: Iterable[tuple[int, PriorityClass]] = ()) -> None:
         """Offload idle sessions while a waiting sequence, or a pinned stream with rows to
         compute (a session ingesting, a span query's: pinned streams preempt nobody and wait,
-        so a span query behind idle sessions waited for good), cannot get its blocks."""
+        so a span query behind idle sessions waited for good), or ingestion ``held_back`` this
+        step (``(blocks, class)``), cannot get its blocks."""
         kv, seqs = self.engine.kv, self.engine.scheduler.seqs.values()
         needing = [(kv.blocks_for(len(s.tokens) + 1), s.klass) for s in seqs if s.status is SeqStatus.WAITING]
         needing += [(kv.growth_cost(s.seq_id, len(s.tokens)), s.klass) for s in seqs  # forks wait too (never dropped)
                     if s.status is SeqStatus.RUNNING and (s.pinned or s.forked_rows) and s.has_work and kv.has(s.seq_id)]
-        needing = [(n, k) for n, k in needing + self.feed_needs if n > 0]
+        needing = [(n, k) for n, k in [*needing, *held_back] if n > 0]
         if not needing:
             return
         spare = all(k > PriorityClass.SESSION for _, k in needing)  # none as urgent as a question
