@@ -212,7 +212,7 @@ def _library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = ctypes.c_int
     lib.streamkv_fwd_workspace.argtypes = [p, i64]
     lib.streamkv_fwd_workspace.restype = ctypes.c_size_t
-    fn = lib.streamkv_kv_move
+    fn = lib.streamkv_kv_move_ordered
     fn.restype = ctypes.c_int
     fn.argtypes = [i32, p, p, i32, i64, i32, i32, p, p, i64, p]
     fn = lib.streamkv_kv_move_between
@@ -345,33 +345,55 @@ def gguf_dequant() -> Callable[[int, int, int, int], int] | None:
 def kv_move() -> Callable[..., None] | None:
     """The native KV row mover with key rotation (``kv_move.c``), or None without the kernels."""
     lib = _library()
-    return None if lib is None else functools.partial(_kv_move, lib.streamkv_kv_move_between)
+    return None if lib is None else functools.partial(_kv_move, lib.streamkv_kv_move_between,
+                                                      lib.streamkv_kv_move_ordered)
 
 
-def _kv_move(fn: ctypes._CFuncPtr, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
-             cos_sin: torch.Tensor | None) -> None:
+def _kv_move(fn: ctypes._CFuncPtr, ordered: ctypes._CFuncPtr, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor,
+             dst: torch.Tensor, cos_sin: torch.Tensor | None) -> None:
     """Rows ``src`` [N] -> ``dst`` [N] of caches k, v [L, S, H, D]; ``cos_sin`` [N, D/2, 2] float32
     rotates the keys (None: plain copy). When a destination slot is also a source slot (an
-    in-place eviction moving rows down), the source rows are staged first (an exact copy), so
-    threads never read a row another thread already overwrote; the arithmetic is the same."""
+    in-place eviction moving rows down), threads must never read a row another thread already
+    overwrote: where every such slot is read by a row no later than the one that writes it, the
+    rows go in index order within each layer (``streamkv_kv_move_ordered``); otherwise the
+    source rows are staged first (an exact copy). The arithmetic is the same on every path."""
     if k.dtype not in (torch.bfloat16, torch.float32) or v.dtype != k.dtype:
         raise TypeError(f"native kv_move supports bfloat16/float32 caches, got {k.dtype}")
     if not (k.is_contiguous() and v.is_contiguous()) or k.device.type != "cpu":
         raise ValueError("native kv_move needs contiguous CPU caches")
     src, dst = src.to(torch.int64).contiguous(), dst.to(torch.int64).contiguous()
     cs = None if cos_sin is None else cos_sin.to(torch.float32).contiguous()
+    cs_ptr = None if cs is None else cs.data_ptr()
     layers, slots, heads, dim = k.shape
     ks, vs, src_slots = k, v, slots
     if bool(torch.isin(dst, src).any()):
+        if _reads_first(src, dst):
+            rc = ordered(int(k.dtype == torch.bfloat16), k.data_ptr(), v.data_ptr(), layers, slots, heads, dim,
+                         src.data_ptr(), dst.data_ptr(), src.numel(), cs_ptr)
+            if rc != 0:
+                raise ValueError(f"native kv_move rejected the move (code {rc})")
+            return
         if bool(((src < 0) | (src >= slots)).any()):
             raise ValueError("native kv_move rejected the move (code 2)")
         ks, vs, src_slots = k.index_select(1, src), v.index_select(1, src), src.numel()
         src = torch.arange(src.numel(), dtype=torch.int64)
     rc = fn(int(k.dtype == torch.bfloat16), ks.data_ptr(), vs.data_ptr(), src_slots, k.data_ptr(), v.data_ptr(),
-            slots, layers, heads, dim, src.data_ptr(), dst.data_ptr(), src.numel(),
-            None if cs is None else cs.data_ptr())
+            slots, layers, heads, dim, src.data_ptr(), dst.data_ptr(), src.numel(), cs_ptr)
     if rc != 0:
         raise ValueError(f"native kv_move rejected the move (code {rc})")
+
+
+def _reads_first(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether moving rows in index order reads every slot before writing it: the sources
+    [N] are distinct, and a destination slot ``dst[i]`` that is a source ``src[j]`` has
+    ``j <= i`` (true of an eviction's downward move, rows in position order)."""
+    order = torch.argsort(src)
+    ranked = src[order]
+    if bool((ranked[1:] == ranked[:-1]).any()):
+        return False
+    at = torch.searchsorted(ranked, dst).clamp(max=src.numel() - 1)
+    hit = ranked[at] == dst
+    return bool((order[at][hit] <= torch.arange(dst.numel())[hit]).all())
 
 
 def page_select() -> Callable[..., torch.Tensor] | None:

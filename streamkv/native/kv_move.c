@@ -2,8 +2,8 @@
  * the native form of streamkv.runner.kv_ops.KVOps.copy, all ranges of a call at once.
  *
  * k, v    [L, S, H, D] bfloat16 (bf16 = 1) or float32 caches, contiguous
- * src,dst [N] slots; row i of every layer goes from src[i] to dst[i] (no dst slot is a src slot:
- *         KVOps.copy stages an overlapping move, see streamkv_kv_move_between)
+ * src,dst [N] slots; row i of every layer goes from src[i] to dst[i] (a dst slot that is also a
+ *         src slot: streamkv_kv_move_ordered, or a staged copy, see _kv_move in __init__.py)
  * cs      [N, D/2, 2] float32 (cos, sin) of row i's shift per frequency, or NULL (no rotation)
  *
  * Keys use the rotate-half layout (x1 = x[:D/2], x2 = x[D/2:]); in float32, rounded once:
@@ -11,7 +11,7 @@
  *     out1 = x1 * cos - x2 * sin        out2 = x2 * cos + x1 * sin
  *
  * Values carry no position: copied as they are. One pass over the rows, parallel over
- * (layer, row) pairs; each output element is computed by one thread in a fixed order, so
+ * (layer, row) pairs (or (layer, k/v) for an ordered in-place move); each output element is computed by one thread in a fixed order, so
  * the result does not depend on the thread count.
  */
 #include <stdint.h>
@@ -52,41 +52,68 @@ static void rotate_f32(const float *x, float *y, const float *cs, int half) {
     }
 }
 
+/* Row i of one layer of one of the caches: src slot so -> dst slot d (row elements each);
+ * keys (cs != NULL) rotated by row i's (cos, sin). so == d is allowed (an in-place rotation
+ * reads each pair before writing it; memmove for the copy). */
+static inline void move_row(int bf16, const char *s, char *dd, int64_t so, int64_t d, int64_t row, int64_t esz,
+                            const float *cs, int heads, int dim) {
+    if (cs == NULL) {
+        memmove(dd + d * esz, s + so * esz, row * esz);
+        return;
+    }
+    for (int h = 0; h < heads; h++) {
+        if (bf16)
+            rotate_bf16((const uint16_t *)s + so + h * dim, (uint16_t *)dd + d + h * dim, cs, dim / 2);
+        else
+            rotate_f32((const float *)s + so + h * dim, (float *)dd + d + h * dim, cs, dim / 2);
+    }
+}
+
+static int bad_slots(const int64_t *src, const int64_t *dst, int64_t n, int64_t src_slots, int64_t dst_slots) {
+    for (int64_t i = 0; i < n; i++)
+        if (src[i] < 0 || src[i] >= src_slots || dst[i] < 0 || dst[i] >= dst_slots) return 1;
+    return 0;
+}
+
 /* Rows src[i] of (ks, vs) [L, src_slots, H, D] -> rows dst[i] of (kd, vd) [L, dst_slots, H, D]. The
  * two pairs may be the same tensors only when no dst slot is also a src slot (threads run over
- * rows in any order): an in-place move whose ranges overlap goes through a staging copy
- * (streamkv_kv_move_between with the staged rows as the source; the same arithmetic, the same bits). */
+ * rows in any order); an in-place move whose ranges overlap goes through streamkv_kv_move_ordered
+ * or a staging copy (this function with the staged rows as the source). The same arithmetic,
+ * the same bits, on every path. */
 int streamkv_kv_move_between(int bf16, const void *ks, const void *vs, int64_t src_slots, void *kd, void *vd,
                              int64_t dst_slots, int layers, int heads, int dim,
                              const int64_t *src, const int64_t *dst, int64_t n, const float *cs) {
     if (dim % 2 || layers < 1 || heads < 1 || n < 0) return 1;
+    if (bad_slots(src, dst, n, src_slots, dst_slots)) return 2;
     const int64_t row = (int64_t)heads * dim, esz = bf16 ? 2 : 4;
-    const int half = dim / 2;
-    for (int64_t i = 0; i < n; i++)
-        if (src[i] < 0 || src[i] >= src_slots || dst[i] < 0 || dst[i] >= dst_slots) return 2;
-    const char *ksb = (const char *)ks, *vsb = (const char *)vs;
-    char *kdb = (char *)kd, *vdb = (char *)vd;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < (int64_t)layers * n; t++) {
         int64_t l = t / n, i = t % n;
         int64_t so = (l * src_slots + src[i]) * row, d = (l * dst_slots + dst[i]) * row;
-        memcpy(vdb + d * esz, vsb + so * esz, row * esz);
-        if (cs == NULL) {
-            memcpy(kdb + d * esz, ksb + so * esz, row * esz);
-            continue;
-        }
-        const float *c = cs + i * dim;  /* half pairs of (cos, sin) */
-        for (int h = 0; h < heads; h++) {
-            if (bf16)
-                rotate_bf16((const uint16_t *)ksb + so + h * dim, (uint16_t *)kdb + d + h * dim, c, half);
-            else
-                rotate_f32((const float *)ksb + so + h * dim, (float *)kdb + d + h * dim, c, half);
-        }
+        move_row(bf16, (const char *)vs, (char *)vd, so, d, row, esz, NULL, heads, dim);
+        move_row(bf16, (const char *)ks, (char *)kd, so, d, row, esz, cs == NULL ? NULL : cs + i * dim, heads, dim);
     }
     return 0;
 }
 
-int streamkv_kv_move(int bf16, void *k, void *v, int layers, int64_t slots, int heads, int dim,
-                     const int64_t *src, const int64_t *dst, int64_t n, const float *cs) {
-    return streamkv_kv_move_between(bf16, k, v, slots, k, v, slots, layers, heads, dim, src, dst, n, cs);
+/* The same move within one pair of caches [L, slots, H, D], rows taken in index order: row i is
+ * read before row i is written, and before any row after it. A dst slot may so be a src slot,
+ * provided the row that reads it comes no later than the row that writes it (an eviction
+ * moving rows down: dst position < src position). Parallel over (layer, k or v) only, so no
+ * staging copy: each element is still computed by one thread, by the same arithmetic. */
+int streamkv_kv_move_ordered(int bf16, void *k, void *v, int layers, int64_t slots, int heads, int dim,
+                             const int64_t *src, const int64_t *dst, int64_t n, const float *cs) {
+    if (dim % 2 || layers < 1 || heads < 1 || n < 0) return 1;
+    if (bad_slots(src, dst, n, slots, slots)) return 2;
+    const int64_t row = (int64_t)heads * dim, esz = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < 2 * (int64_t)layers; t++) {
+        const int is_k = (int)(t % 2);
+        const int64_t l = t / 2;
+        char *c = is_k ? (char *)k : (char *)v;
+        for (int64_t i = 0; i < n; i++)
+            move_row(bf16, c, c, (l * slots + src[i]) * row, (l * slots + dst[i]) * row, row, esz,
+                     is_k && cs != NULL ? cs + i * dim : NULL, heads, dim);
+    }
+    return 0;
 }
