@@ -309,13 +309,11 @@ class SessionManager:
             held_back.append((need + pending, stream.klass))
             return 0
         if n_tok:
-            if session.ready is not None and self.engine.pool.num_free < self._copy_need(session, need):
-                # the ready fork (stale once this batch is in) shares the window, so the eviction
-                # copies it to fresh blocks and the old ones stay held until the new version is
-                # computed: with no room for that, a window over about half the pool never found
-                # its blocks and the session stopped ingesting (helper-35). Closed first, the
-                # eviction moves the rows in place (slower: 125 against 80 ms for a 6,000-token
-                # window, Zen 4, so only when the copy does not fit)
+            if session.ready is not None:  # stale once this batch is in, and it shares the window:
+                # left open, the eviction copies the window into fresh blocks and the old ones stay
+                # held until the new version is computed (a window over about half the pool then
+                # never found its blocks: helper-35). Closed, the rows move down in their own
+                # blocks: 11 against 55-70 ms for a 6,000-token window (embedded model, Zen 4)
                 self.engine.seq_ops.close(session.ready)
                 session.ready = None
             try:
@@ -344,13 +342,6 @@ class SessionManager:
             except QueueFullError:
                 pass
         held_back.append((need + pending, PriorityClass.STREAM))
-
-    def _copy_need(self, session: Session, need: int) -> int:
-        """Blocks a copy-on-write eviction takes: a fresh copy of the window after the frozen
-        prefix's full blocks, and ``need`` for the batch after it."""
-        stream, kv = session.stream, self.engine.kv
-        assert stream is not None
-        return kv.num_blocks_held(stream.seq_id) - session.data.frozen_len // kv.block_size + need
 
     def _feed_need(self, session: Session, evict: int, incoming: int) -> int:
         """Blocks the stream takes to hold ``incoming`` more tokens after evicting ``evict``
