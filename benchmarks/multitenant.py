@@ -4,6 +4,7 @@ server, everything on, then each scheduler mechanism off in turn.
     .venv/bin/python benchmarks/multitenant.py                 # ~35 min on 2 cores
     .venv/bin/python benchmarks/multitenant.py --configs cadence   # ~12 min: the decode cadence's sweep
     .venv/bin/python benchmarks/multitenant.py --quick         # ~6 min: 8 sessions, shorter phases
+    .venv/bin/python benchmarks/multitenant.py --no-sweep --ablation-rate 1 --repeats 2  # ~55 min: the arm
 
 Workload (``multitenant_load.py``):
 - ``--sessions`` live sessions (default 32), contexts spread evenly from ``--ctx-min`` to
@@ -14,17 +15,23 @@ Workload (``multitenant_load.py``):
   ``--rates`` req/s: arrival gaps, prompt and output lengths from the Azure 2023 conversation
   trace (lengths x 0.25), 30% of requests carrying one ~600-token system prompt with 6 tool schemas.
 
-Measured per phase: session-query round trip p50/p99, stateless TTFT and TPOT p50/p99, decode
-stalls (the longest gap between two streamed chunks of one request, against the median gap,
-which stands for the median step), the same engine-side (token gaps against the phase's median
-step interval, from ``/metrics``' histograms), output chunks/s. Then a burst: ``--burst`` requests with one
-fresh (cold) tool system prompt sent at once; the prompt tokens they computed (prompt - cached,
-from ``usage.prompt_tokens_details``).
+Measured per phase: session-query round trip p50/p99, stateless TTFT and TPOT (per token)
+p50/p99, decode stalls (the longest gap between two streamed chunks of one request, against the
+median gap, which stands for the median step), the same engine-side (token gaps against the
+phase's median step interval, from ``/metrics``' histograms), output tokens/s (and chunks/s: a
+chunk carries every accepted draft). Then a burst: ``--burst`` requests with one fresh (cold)
+tool system prompt sent at once while the engine prefills a 4,096-token prompt, so they wait
+together; the prompt tokens they computed (prompt - cached, from
+``usage.prompt_tokens_details``). ``--burst-only`` runs the burst alone on a fresh server per config.
 
 Configurations: the first of ``--configs`` (default ``all-on``: cell-budget admission, adaptive
-chunks, grouped prefill, PLD) runs every rate; each ablation turns one mechanism off and runs the
-highest rate the first one sustained (stateless TTFT p99 <= ``--ttft-slo`` and
-no errors), so each row compares at the same load. ``cadence`` is ``all-on`` plus the decode
+chunks, grouped prefill, PLD) runs every rate (the sweep). Then the ablation arm: every config,
+the first included, on a fresh server at one rate (``--ablation-rate``, default the highest rate
+the sweep sustained: stateless TTFT p99 <= ``--ttft-slo`` and no errors), ``--repeats`` times in
+turn (A B C A B C), so every row starts from the same state at the same load and its spread is
+measured. The sweep's row at that rate is not one of them: it ran after four earlier phases (on
+2026-12-02 all-on gave 2.2 s session p99 there and 7.3 s on a fresh server). Near the knee a run
+can tip into a growing queue, so read the arm at a rate below it (``--ablation-rate 1``). ``cadence`` is ``all-on`` plus the decode
 cadence (``--stall-factor 3``, off by default); ``--configs cadence`` sweeps it alone, and
 ``cadence-capped`` cuts questions too (``--question-chunks capped``). Results: ``benchmarks/results/multitenant-*.json`` and a plot of
 session p99 against stateless load.
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -42,8 +50,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multitenant_load as load  # noqa: E402
-from common import RESULTS, fmt, machine_info, md_table, write_json  # noqa: E402
+from common import RESULTS, machine_info, md_table, write_json  # noqa: E402
 from flash_server import Api, Server, free_port  # noqa: E402
+from multitenant_report import _spread, plot, report, sustained  # noqa: E402
 
 from streamkv.engine.token_gaps import Histogram  # noqa: E402
 
@@ -92,6 +101,13 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--kv-cache-memory", default=None, help="KV pool size in bytes (instead of --num-blocks)")
     ap.add_argument("--configs", default=",".join(c for c in CONFIGS if not c.startswith("cadence")))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ablation-rate", type=float, default=None, help="stateless req/s of the ablation arm "
+                    "(default: the highest rate the sweep sustained)")
+    ap.add_argument("--repeats", type=int, default=1, help="fresh-server runs of each config in the ablation arm")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the sweep: the ablation arm alone "
+                    "(needs --ablation-rate)")
+    ap.add_argument("--burst-only", action="store_true", help="each config: a fresh server and the burst "
+                    "alone, --repeats times (no sessions, no phases; ~1 min each)")
     ap.add_argument("--step-log", default=None, help="PREFIX: each config's server logs every engine step to "
                     "PREFIX.CONFIG.jsonl (streamkv/engine/step_log.py)")
     ap.add_argument("--plot-from", default=None, help="comma-separated result JSONs: merge their configs into one "
@@ -99,6 +115,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="8 sessions of 500..3,000 tokens asked every 8 s, 30 s "
                     "phases, rates 0,0.5,2")
     args = ap.parse_args()
+    if args.no_sweep and args.ablation_rate is None:
+        ap.error("--no-sweep needs --ablation-rate")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     if args.quick:
         args.sessions, args.ctx_max, args.duration, args.rates = 8, 3000, 30.0, "0,0.5,2"
         args.record_every = args.question_every = 8.0
@@ -124,13 +144,14 @@ def engine_gaps(before: dict[str, Any], after: dict[str, Any]) -> dict[str, floa
             "engine_gap_p99_x": gaps.quantile(0.99) / med, "engine_gap_worst_x": gaps.max_bound() / med}
 
 
-def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
-    """Start a server with ``name``'s flags, fill the sessions, run each phase and the burst."""
+def run_config(name: str, args: argparse.Namespace, rates: list[float], tag: str = "") -> dict:
+    """Start a server with ``name``'s flags, fill the sessions, run each phase and the burst
+    (``tag`` names the run's log files: ``.r1`` for the ablation arm's first repeat)."""
     port = free_port()
-    log = RESULTS / f"multitenant-{name}.log"
+    log = RESULTS / f"multitenant-{name}{tag}.log"
     pool = (["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory
             else ["--num-blocks", str(args.num_blocks)])
-    steps = ["--step-log", f"{args.step_log}.{name}.jsonl"] if args.step_log else []
+    steps = ["--step-log", f"{args.step_log}.{name}{tag}.jsonl"] if args.step_log else []
     server = Server(port, [*pool, "--max-waiting", "100000", *steps, *CONFIGS[name]], log)
     api = Api(server.url)
     try:
@@ -140,8 +161,9 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
         t0 = time.perf_counter()
         sessions = asyncio.run(_create(server.url, contexts, args.seed))
         setup_s = time.perf_counter() - t0
-        print(f"[{name}] {len(sessions)} sessions, {sum(contexts):,} context tokens, filled in {setup_s:.0f} s",
-              flush=True)
+        held = api.metric("streamkv_kv_blocks_used")  # the sessions' footprint, to size a tight pool by
+        print(f"[{name}] {len(sessions)} sessions, {sum(contexts):,} context tokens, filled in {setup_s:.0f} s, "
+              f"{held:.0f} KV blocks held", flush=True)
         system = load.tool_system_prompt()
         phases = []
         for rate in rates:
@@ -165,8 +187,8 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float]) -> dict:
         burst = asyncio.run(load.burst(server.url, args.burst, salt=f"[{name} {time.time_ns()}] "))
         print(f"[{name}] burst of {args.burst}: {burst['computed_tokens']:,} of {burst['prompt_tokens']:,} prompt "
               f"tokens computed", flush=True)
-        return {"name": name, "flags": CONFIGS[name], "banner": banner, "setup_s": setup_s, "phases": phases,
-                "burst": burst}
+        return {"name": name, "flags": CONFIGS[name], "banner": banner, "setup_s": setup_s, "blocks_after_fill": held,
+                "phases": phases, "burst": burst}
     finally:
         api.close()
         server.stop()
@@ -179,15 +201,29 @@ async def _create(url: str, contexts: list[int], seed: int) -> list[load.LiveSes
         return sessions
 
 
-def sustained(phases: list[dict], slo: float) -> float:
-    ok = [p["rate"] for p in phases if p["rate"] > 0 and p["errors"] == 0 and not p.get("session_errors")
-          and p["ttft_p99_s"] <= slo]
-    return max(ok, default=0.0)
+def burst_only(names: list[str], args: argparse.Namespace, machine: dict) -> None:
+    """The burst on a fresh server per config and repeat, in turn: computed prompt tokens."""
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(args.repeats):
+        for name in names:
+            server = Server(free_port(), ["--num-blocks", str(args.num_blocks), *CONFIGS[name]],
+                            RESULTS / f"multitenant-burst-{name}.r{r + 1}.log")
+            try:
+                runs[name].append(asyncio.run(load.burst(server.url, args.burst, salt=f"[{name} {time.time_ns()}] ")))
+            finally:
+                server.stop()
+            b = runs[name][-1]
+            print(f"[{name}] burst of {args.burst}: {b['computed_tokens']:,} of {b['prompt_tokens']:,} prompt tokens "
+                  f"computed, last TTFT {b['ttft_max_s']:.2f} s, errors {b['errors']}", flush=True)
+    path = write_json("multitenant-burst", {"machine": machine, "args": vars(args), "bursts": runs})
+    rows = [[n, len(bs), _spread([b["computed_tokens"] for b in bs], 0), bs[0]["prompt_tokens"],
+             _spread([b["ttft_max_s"] for b in bs], 2)] for n, bs in runs.items()]
+    print(md_table(["config", "runs", "computed tokens", "prompt tokens", "last TTFT s"], rows))
+    print(f"results: {path}")
 
 
 def merged(paths: list[str]) -> dict:
     """Results of several runs as one (the first run's machine, reference and ablation rate)."""
-    import json
     runs = [json.loads(Path(p).read_text()) for p in paths]
     out = {**runs[0], "configs": {}}
     for r in runs:
@@ -204,131 +240,26 @@ def main() -> None:
         return
     rates = [float(r) for r in args.rates.split(",")]
     names = args.configs.split(",")
+    RESULTS.mkdir(parents=True, exist_ok=True)  # the servers' logs go there from the first run
     machine = machine_info()
     print(f"CPU: {machine['cpu']['model']} ({machine['cores']} cores; {' '.join(machine['cpu']['flags'])})", flush=True)
-    results = {"machine": machine, "args": vars(args), "configs": {}}
-    ref = names[0]  # the reference runs every rate; the others idle and its highest sustained rate
-    results["configs"][ref] = run_config(ref, args, rates)
-    top = sustained(results["configs"][ref]["phases"], args.ttft_slo) or max(rates)
-    results["reference"], results["ablation_rate"] = ref, top
-    for name in names[1:]:
-        results["configs"][name] = run_config(name, args, [top])
+    if args.burst_only:
+        return burst_only(names, args, machine)
+    results = {"machine": machine, "args": vars(args), "configs": {}, "reference": names[0]}
+    top = args.ablation_rate
+    if not args.no_sweep:  # the reference runs every rate
+        results["configs"][names[0]] = run_config(names[0], args, rates)
+        top = top if top is not None else sustained(results["configs"][names[0]]["phases"], args.ttft_slo) or max(rates)
+    results["ablation_rate"], results["ablation"] = top, {n: [] for n in names}
+    if len(names) > 1 or args.no_sweep:
+        for r in range(args.repeats):  # in turn, so a drift of the machine spreads over every config
+            for name in names:
+                results["ablation"][name].append(run_config(name, args, [top], tag=f".r{r + 1}"))
+                (RESULTS / "multitenant-partial.json").write_text(json.dumps(results, default=str))
     path = write_json("multitenant", results)
     print(report(results, args))
     plot(results, RESULTS / f"{path.stem}.png")
     print(f"results: {path}")
-
-
-def _ratio(phase: dict, key: str) -> float:
-    """``phase[key]`` (a gap statistic, ms: ``gap_worst_p99_ms``, the p99 over requests of each
-    one's worst gap, or ``gap_p99_ms``, the p99 over all gaps) over the median gap; NaN for
-    phases recorded before ``key`` was."""
-    return phase.get(key, float("nan")) / phase["gap_median_ms"]
-
-
-def _engine_over(phase: dict) -> str:
-    """``n / N``: engine-side gaps over 3x the phase's median step (``-`` for phases recorded
-    before 2fcac7a, which had none or counted against a rolling median)."""
-    if "engine_gap_worst_x" not in phase:
-        return "-"
-    return f"{phase['engine_gaps_over_3x']:.0f} / {phase['engine_gaps']:.0f}"
-
-
-def report(results: dict, args: argparse.Namespace) -> str:
-    m = results["machine"]
-    lines = [f"Machine: {m['cpu']['model']}, {m['cores']} cores ({' '.join(m['cpu']['flags'])}); "
-             f"{args.sessions} sessions of {args.ctx_min}..{args.ctx_max} tokens, {args.duration:.0f} s phases", ""]
-    head = ["config", "stateless req/s", "session p50 ms", "session p99 ms", "TTFT p50 s", "TTFT p99 s",
-            "TPOT p50 ms", "TPOT p99 ms", "worst gap ms", "median gap ms", "gap/median", "p99 worst gap/median",
-            "p99 gap/median", "engine gaps > 3x", "engine p99 gap", "engine worst gap", "chunks/s",
-            "deferred chunks", "drafts acc/prop", "errors", "session refusals"]
-    rows = []
-    for name, c in results["configs"].items():
-        for p in c["phases"]:
-            rows.append([name, fmt(p["rate"], 2), fmt(p["session_p50_ms"]), fmt(p["session_p99_ms"]),
-                         fmt(p["ttft_p50_s"], 2), fmt(p["ttft_p99_s"], 2), fmt(p["tpot_p50_ms"]), fmt(p["tpot_p99_ms"]),
-                         fmt(p["gap_max_ms"]), fmt(p["gap_median_ms"]), fmt(p["stall_ratio"], 1),
-                         fmt(_ratio(p, "gap_worst_p99_ms"), 1), fmt(_ratio(p, "gap_p99_ms"), 1),
-                         _engine_over(p), fmt(p.get("engine_gap_p99_x", float("nan")), 1),
-                         f"<= {p['engine_gap_worst_x']:.1f}" if "engine_gap_worst_x" in p else "-",
-                         fmt(p["output_chunks_per_s"], 1), fmt(p["admission_deferred_chunks"]),
-                         f"{p['spec_drafts_accepted']:.0f}/{p['spec_drafts_proposed']:.0f}", p["errors"],
-                         p.get("session_errors", "-")])
-    lines.append(md_table(head, rows))
-    lines.append("")
-    brow = [[n, c["burst"]["requests"], c["burst"]["prompt_tokens"], c["burst"]["computed_tokens"],
-             fmt(c["burst"]["ttft_max_s"], 2)] for n, c in results["configs"].items()]
-    lines.append(md_table(["config", "burst requests", "prompt tokens", "computed tokens", "last TTFT s"], brow))
-    lines += ["", *targets(results, args.ttft_slo)]
-    return "\n".join(lines)
-
-
-def _session_verdict(ratio: float, rate: float, top: float, ttft_p99_s: float) -> str:
-    """The session target (p99 <= 2x idle) is read at ``top``, the highest sustained rate."""
-    if rate == top:
-        return f"target <= 2x at the highest sustained rate: {'met' if ratio <= 2 else 'NOT met'}"
-    if rate > top:
-        return f"not sustained, TTFT p99 {ttft_p99_s:.1f} s: reported only"
-    return "below the highest sustained rate: reported only"
-
-
-def targets(results: dict, slo: float) -> list[str]:
-    cfg = results["configs"]
-    out = []
-    for name in dict.fromkeys([results.get("reference", "all-on"), "cadence"]):
-        if name not in cfg:
-            continue
-        ph = {p["rate"]: p for p in cfg[name]["phases"]}
-        if 0.0 in ph:
-            # the session target holds at the highest sustainable load (the issue's words), the
-            # highest rate whose stateless TTFT p99 met the objective; past it the queue grows
-            # through the phase and every latency with it, so a ratio there is only reported
-            top = sustained(cfg[name]["phases"], slo)
-            if not top:
-                out.append(f"- {name}: no stateless rate was sustained (TTFT p99 <= {slo:g} s): the session "
-                           f"target cannot be read from this run; run lower --rates")
-            for rate, p in sorted(ph.items()):
-                if rate > 0:
-                    r = p["session_p99_ms"] / ph[0.0]["session_p99_ms"]
-                    all_p99 = _ratio(p, "gap_p99_ms")
-                    verdict = _session_verdict(r, rate, top, p["ttft_p99_s"])
-                    out.append(f"- {name} at {rate} req/s: session p99 / idle p99 {r:.2f}x ({verdict}); "
-                               f"worst inter-token gap / median gap "
-                               f"{p['stall_ratio']:.1f}x (target <= 3x: {'met' if p['stall_ratio'] <= 3 else 'NOT met'}); "
-                               f"p99 of per-request worst gaps / median gap {_ratio(p, 'gap_worst_p99_ms'):.1f}x; p99 of all "
-                               f"gaps / median gap {all_p99:.1f}x (proposed target <= 3x: "
-                               f"{'met' if all_p99 <= 3 else 'NOT met'}); engine-side gaps over 3x the median step "
-                               f"{_engine_over(p)} (worst <= {p.get('engine_gap_worst_x', float('nan')):.1f}x)")
-    if "all-on" in cfg and "no-grouping" in cfg:
-        a, b = cfg["all-on"]["burst"]["computed_tokens"], cfg["no-grouping"]["burst"]["computed_tokens"]
-        cut = 1 - a / b if b else float("nan")
-        out.append(f"- burst prompt tokens computed: {a:,} grouped vs {b:,} ungrouped, cut {cut:.0%} "
-                   f"(target >= 50%: {'met' if cut >= 0.5 else 'NOT met'})")
-    return out
-
-
-def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:  # the results and tables are written already
-        print("plot: skipped (matplotlib is not installed: pip install matplotlib)")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    for name, c in results["configs"].items():
-        pts = sorted((p["rate"], p["session_p99_ms"]) for p in c["phases"])
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name,
-                linestyle="-" if len(pts) > 1 else ":")
-    ax.set_xlabel("stateless load (req/s, Azure conversation trace)")
-    ax.set_ylabel("session-query p99 (ms)")
-    ax.set_title(f"{len(results['configs'])} configs, {results['args']['sessions']} live sessions")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

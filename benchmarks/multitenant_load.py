@@ -91,6 +91,7 @@ class Stream:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    completion_tokens: int = 0  # from usage: a chunk may carry several tokens (accepted drafts)
 
 
 async def chat_stream(client: httpx.AsyncClient, url: str, req: Request, t0: float) -> Stream:
@@ -113,6 +114,7 @@ async def chat_stream(client: httpx.AsyncClient, url: str, req: Request, t0: flo
                     u = chunk["usage"]
                     s.prompt_tokens = u.get("prompt_tokens", 0)
                     s.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    s.completion_tokens = u.get("completion_tokens", 0)
     except httpx.HTTPError as exc:
         s.error = f"{type(exc).__name__}: {exc}"
     return s
@@ -200,11 +202,14 @@ def _refused(r: httpx.Response) -> int:
 
 
 def stream_stats(streams: list[Stream], wall: float) -> dict:
-    """TTFT / TPOT percentiles (s, ms), output chunks/s, and decode stalls: every gap between
-    two streamed chunks of one request (ms); the median gap stands for the median step."""
+    """TTFT / TPOT percentiles (s, ms), output tokens/s and chunks/s, and decode stalls: every
+    gap between two streamed chunks of one request (ms); the median gap stands for the median
+    step. TPOT is per token (usage's completion tokens), not per chunk: with speculation one
+    chunk carries every accepted draft, so per-chunk figures would charge PLD for its wins."""
     ok = [s for s in streams if s.stamps and not s.error]
     ttft = [s.stamps[0] - s.sent for s in ok]
-    tpot = [(s.stamps[-1] - s.stamps[0]) / (len(s.stamps) - 1) * 1e3 for s in ok if len(s.stamps) > 1]
+    tpot = [(s.stamps[-1] - s.stamps[0]) / (s.completion_tokens - 1) * 1e3 for s in ok
+            if len(s.stamps) > 1 and s.completion_tokens > 1]
     per_stream = [[(b - a) * 1e3 for a, b in zip(s.stamps, s.stamps[1:])] for s in ok if len(s.stamps) > 1]
     gaps = [g for one in per_stream for g in one]
     worst = [max(one) for one in per_stream]
@@ -214,7 +219,8 @@ def stream_stats(streams: list[Stream], wall: float) -> dict:
             "ttft_p99_s": pct(ttft, 99), "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
             "gap_median_ms": med, "gap_max_ms": top, "gap_worst_p99_ms": pct(worst, 99), "gap_p99_ms": pct(gaps, 99),
             "stall_ratio": top / med if gaps else float("nan"),
-            "output_chunks_per_s": sum(len(s.stamps) for s in ok) / wall if wall else 0.0}
+            "output_chunks_per_s": sum(len(s.stamps) for s in ok) / wall if wall else 0.0,
+            "output_tokens_per_s": sum(s.completion_tokens for s in ok) / wall if wall else 0.0}
 
 
 async def run_phase(url: str, sessions: list[LiveSession], requests: list[Request], duration: float,
@@ -240,19 +246,27 @@ async def run_phase(url: str, sessions: list[LiveSession], requests: list[Reques
             "wall_s": wall, **stream_stats(list(streams), wall)}
 
 
-async def burst(url: str, n: int, salt: str, user_tokens: int = 40) -> dict:
-    """``n`` requests with one fresh (cold) shared tool system prompt, sent at once: the prompt
-    tokens they computed (prompt - cached) and the time until the last one finished."""
+async def burst(url: str, n: int, salt: str, user_tokens: int = 40, busy_tokens: int = 4096,
+                busy_lead_s: float = 0.2) -> dict:
+    """``n`` requests with one fresh (cold) shared tool system prompt, sent at once while the
+    engine prefills a ``busy_tokens``-token prompt of its own (sent ``busy_lead_s`` before them;
+    0 = none), so that the burst waits together, as it does on a busy server. On an idle engine
+    the first arrival starts alone and the others find its blocks in the prefix cache with or
+    without grouping (on 2026-12-02 both computed ~1,090 of ~5,800 tokens). Returns the prompt
+    tokens the ``n`` computed (prompt - cached) and the time until the last one's first token."""
     system = tool_system_prompt(salt)
     text = prompt_text(50_000)
-    reqs = [Request(0.0, [{"role": "system", "content": system},
-                          {"role": "user", "content": text[i * 500:i * 500 + 4 * user_tokens]}], 8, True)
+    reqs = [Request(busy_lead_s, [{"role": "system", "content": system},
+                                  {"role": "user", "content": text[i * 500:i * 500 + 4 * user_tokens]}], 8, True)
             for i in range(n)]
+    busy = [Request(0.0, [{"role": "user", "content": salt + text[10_000:10_000 + 4 * busy_tokens]}], 1, False)
+            ] if busy_tokens else []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as client:
         t0 = time.perf_counter()
-        streams = await asyncio.gather(*(chat_stream(client, url, r, t0) for r in reqs))
+        streams = await asyncio.gather(*(chat_stream(client, url, r, t0) for r in [*busy, *reqs]))
         wall = time.perf_counter() - t0
-    return {"requests": n, "errors": sum(1 for s in streams if s.error),
+    streams = streams[len(busy):]
+    return {"requests": n, "busy_tokens": busy_tokens, "errors": sum(1 for s in streams if s.error),
             "prompt_tokens": sum(s.prompt_tokens for s in streams),
             "computed_tokens": sum(s.prompt_tokens - s.cached_tokens for s in streams),
             "ttft_max_s": max((s.stamps[0] - s.sent for s in streams if s.stamps), default=float("nan")),
