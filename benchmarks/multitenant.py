@@ -31,10 +31,11 @@ the sweep sustained: stateless TTFT p99 <= ``--ttft-slo`` and no errors), ``--re
 turn (A B C A B C), so every row starts from the same state at the same load and its spread is
 measured. The sweep's row at that rate is not one of them: it ran after four earlier phases (on
 2026-12-02 all-on gave 2.2 s session p99 there and 7.3 s on a fresh server). Near the knee a run
-can tip into a growing queue, so read the arm at a rate below it (``--ablation-rate 1``). ``cadence`` is ``all-on`` plus the decode
-cadence (``--stall-factor 3``, off by default); ``--configs cadence`` sweeps it alone, and
-``cadence-capped`` cuts questions too (``--question-chunks capped``). Results: ``benchmarks/results/multitenant-*.json`` and a plot of
-session p99 against stateless load.
+can tip into a growing queue, so read the arm at a rate below it (``--ablation-rate 1``).
+``cadence`` is ``all-on`` plus the decode cadence (``--stall-factor 3``, off by default);
+``--configs cadence`` sweeps it alone, and ``cadence-capped`` cuts questions too
+(``--question-chunks capped``). Results: ``benchmarks/results/multitenant-*.json`` and a plot
+of session p99 against stateless load.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multitenant_load as load  # noqa: E402
 from common import RESULTS, machine_info, md_table, write_json  # noqa: E402
 from flash_server import Api, Server, free_port  # noqa: E402
-from multitenant_report import _spread, plot, report, sustained  # noqa: E402
+from multitenant_report import spread, plot, report, sustained  # noqa: E402
 
 from streamkv.engine.token_gaps import Histogram  # noqa: E402
 
@@ -181,7 +182,8 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float], tag: str
                   f" TTFT p99 {row['ttft_p99_s']:.2f} s, stall {row['gap_max_ms']:.0f} ms "
                   f"(median gap {row['gap_median_ms']:.0f} ms; engine-side {row['engine_gaps_over_3x']:.0f} of "
                   f"{row['engine_gaps']:.0f} gaps over 3x the median step of {row['engine_step_median_ms']:.0f} ms, "
-                  f"p99 {row['engine_gap_p99_x']:.1f}x, worst <= {row['engine_gap_worst_x']:.1f}x), errors {row['errors']}, "
+                  f"p99 {row['engine_gap_p99_x']:.1f}x, worst <= {row['engine_gap_worst_x']:.1f}x), "
+                  f"errors {row['errors']}, "
                   f"session pushes/questions refused {row['session_errors']}, preemptions {row['preemptions']:.0f}",
                   flush=True)
         burst = asyncio.run(load.burst(server.url, args.burst, salt=f"[{name} {time.time_ns()}] "))
@@ -216,8 +218,8 @@ def burst_only(names: list[str], args: argparse.Namespace, machine: dict) -> Non
             print(f"[{name}] burst of {args.burst}: {b['computed_tokens']:,} of {b['prompt_tokens']:,} prompt tokens "
                   f"computed, last TTFT {b['ttft_max_s']:.2f} s, errors {b['errors']}", flush=True)
     path = write_json("multitenant-burst", {"machine": machine, "args": vars(args), "bursts": runs})
-    rows = [[n, len(bs), _spread([b["computed_tokens"] for b in bs], 0), bs[0]["prompt_tokens"],
-             _spread([b["ttft_max_s"] for b in bs], 2)] for n, bs in runs.items()]
+    rows = [[n, len(bs), spread([b["computed_tokens"] for b in bs], 0), bs[0]["prompt_tokens"],
+             spread([b["ttft_max_s"] for b in bs], 2)] for n, bs in runs.items()]
     print(md_table(["config", "runs", "computed tokens", "prompt tokens", "last TTFT s"], rows))
     print(f"results: {path}")
 

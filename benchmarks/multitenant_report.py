@@ -60,20 +60,23 @@ def report(results: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-# the ablation arm's columns: (heading, phase key or a function of the run, digits)
-ARM = [("session p50 ms", "session_p50_ms", 0), ("session p99 ms", "session_p99_ms", 0),
-       ("TTFT p50 s", "ttft_p50_s", 2), ("TTFT p99 s", "ttft_p99_s", 2), ("TPOT p50 ms", "tpot_p50_ms", 0),
-       ("TPOT p99 ms", "tpot_p99_ms", 0), ("worst gap ms", "gap_max_ms", 0),
-       ("tokens/s", lambda run: run["phases"][0].get("output_tokens_per_s", float("nan")), 1),
-       ("deferred chunks", "admission_deferred_chunks", 0), ("drafts accepted", "spec_drafts_accepted", 0),
-       ("preemptions", "preemptions", 0), ("burst computed tokens", lambda run: run["burst"]["computed_tokens"], 0)]
+# the ablation arm's columns: (heading, phase key or a function of the run, digits, compared):
+# "compared" columns are the latencies and throughput whose ranges are set against the reference's
+ARM = [("session p50 ms", "session_p50_ms", 0, True), ("session p99 ms", "session_p99_ms", 0, True),
+       ("TTFT p50 s", "ttft_p50_s", 2, True), ("TTFT p99 s", "ttft_p99_s", 2, True),
+       ("TPOT p50 ms", "tpot_p50_ms", 0, True), ("TPOT p99 ms", "tpot_p99_ms", 0, True),
+       ("worst gap ms", "gap_max_ms", 0, True),
+       ("tokens/s", lambda run: run["phases"][0].get("output_tokens_per_s", float("nan")), 1, True),
+       ("deferred chunks", "admission_deferred_chunks", 0, False),
+       ("drafts accepted", "spec_drafts_accepted", 0, False), ("preemptions", "preemptions", 0, False),
+       ("burst computed tokens", lambda run: run["burst"]["computed_tokens"], 0, False)]
 
 
 def _arm_values(runs: list[dict], key: Any) -> list[float]:
     return [float(key(run)) if callable(key) else float(run["phases"][0][key]) for run in runs]
 
 
-def _spread(values: list[float], digits: int) -> str:
+def spread(values: list[float], digits: int) -> str:
     """``median [min-max]`` (the median alone for one run)."""
     med = fmt(statistics.median(values), digits)
     return med if len(values) == 1 else f"{med} [{fmt(min(values), digits)}-{fmt(max(values), digits)}]"
@@ -86,16 +89,16 @@ def ablation_report(results: dict) -> list[str]:
     if not arm:
         return []
     ref = results["reference"]
-    rows = [[n, len(runs), *(_spread(_arm_values(runs, k), d) for _, k, d in ARM)] for n, runs in arm.items()]
+    rows = [[n, len(runs), *(spread(_arm_values(runs, k), d) for _, k, d, _ in ARM)] for n, runs in arm.items()]
     out = [(f"Ablation arm: fresh server per run, {results['ablation_rate']:g} stateless req/s "
-            "(median [min-max] over runs)"), "", md_table(["config", "runs", *(h for h, _, _ in ARM)], rows), ""]
+            "(median [min-max] over runs)"), "", md_table(["config", "runs", *(h for h, _, _, _ in ARM)], rows), ""]
     if ref not in arm or len(arm[ref]) < 2:
         return out + ["- ablations: the reference needs 2 or more runs to tell its spread (--repeats)", ""]
     for name, runs in arm.items():
         if name == ref:
             continue
         apart = []
-        for head, key, digits in ARM[:8]:
+        for head, key, digits in (c[:3] for c in ARM if c[3]):
             a, b = _arm_values(arm[ref], key), _arm_values(runs, key)
             if max(a) < min(b) or max(b) < min(a):
                 apart.append(f"{head} {fmt(statistics.median(b), digits)} vs {fmt(statistics.median(a), digits)}")
@@ -135,8 +138,9 @@ def targets(results: dict, slo: float) -> list[str]:
                     verdict = _session_verdict(r, rate, top, p["ttft_p99_s"])
                     out.append(f"- {name} at {rate} req/s: session p99 / idle p99 {r:.2f}x ({verdict}); "
                                f"worst inter-token gap / median gap "
-                               f"{p['stall_ratio']:.1f}x (target <= 3x: {'met' if p['stall_ratio'] <= 3 else 'NOT met'}); "
-                               f"p99 of per-request worst gaps / median gap {_ratio(p, 'gap_worst_p99_ms'):.1f}x; p99 of all "
+                               f"{p['stall_ratio']:.1f}x (target <= 3x: "
+                               f"{'met' if p['stall_ratio'] <= 3 else 'NOT met'}); p99 of per-request worst gaps "
+                               f"/ median gap {_ratio(p, 'gap_worst_p99_ms'):.1f}x; p99 of all "
                                f"gaps / median gap {all_p99:.1f}x (proposed target <= 3x: "
                                f"{'met' if all_p99 <= 3 else 'NOT met'}); engine-side gaps over 3x the median step "
                                f"{_engine_over(p)} (worst <= {p.get('engine_gap_worst_x', float('nan')):.1f}x)")
@@ -166,11 +170,11 @@ def plot(results: dict, path: Path) -> None:
                 linestyle="-" if len(pts) > 1 else ":")
     arm = {n: runs for n, runs in results.get("ablation", {}).items() if runs}
     for i, (name, runs) in enumerate(arm.items()):  # side by side around the arm's rate
-        if runs:
-            p99 = _arm_values(runs, "session_p99_ms")
-            med = statistics.median(p99)
-            ax.errorbar([results["ablation_rate"] * (1 + 0.04 * (i - (len(arm) - 1) / 2))], [med], yerr=[[med - min(p99)], [max(p99) - med]], fmt="s",
-                        capsize=3, label=f"{name}, fresh x{len(runs)}")
+        p99 = _arm_values(runs, "session_p99_ms")
+        med = statistics.median(p99)
+        x = results["ablation_rate"] * (1 + 0.04 * (i - (len(arm) - 1) / 2))
+        ax.errorbar([x], [med], yerr=[[med - min(p99)], [max(p99) - med]], fmt="s", capsize=3,
+                    label=f"{name}, fresh x{len(runs)}")
     ax.set_xlabel("stateless load (req/s, Azure conversation trace)")
     ax.set_ylabel("session-query p99 (ms)")
     ax.set_title(f"{len(set(results['configs']) | set(arm))} configs, {results['args']['sessions']} live sessions")
