@@ -330,6 +330,35 @@ def test_high_water_holds_prompt_chunks_back_and_outputs_stay():
     assert all(plan.num_tokens > 0 for plan in runner.plans if plan.seqs or not plan.released)
 
 
+def test_above_high_water_prompts_go_one_at_a_time_and_outputs_stay():
+    # a pinned stream holds 40 of 64 blocks, above the 60% high water from the first step. New
+    # requests then start only when no admitted prompt is still prefilling: admitting them beside
+    # held chunks piled up half-computed prompts, each holding KV, that preempted one another on
+    # a tight pool (README, "tight pool": 10-25 preemptions where no admission had none)
+    prompts = _prompts(4, seed=13, lo=24, hi=25)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain, _ = fake_engine(num_blocks=64, budget=32, chunk=8)
+    want, _ = _run(plain, prompts, params)
+    engine, runner = fake_engine(num_blocks=64, budget=32, chunk=8, admission="cell-budget",
+                                 admission_ceiling=1.0, admission_high_water=0.6)
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(160)])
+    while not engine.seq_ops.is_idle(stream):
+        engine.step()
+    assert engine.kv.pool.num_used > 0.6 * 64
+    runner.plans.clear()
+    got, _ = _run(engine, prompts, params)
+    assert got == want
+    mid: set[int] = set()  # unpinned sequences with part of their prompt computed
+    for plan in runner.plans:
+        for it in plan.seqs:
+            if it.seq_id != stream and it.start < it.num_prompt:
+                mid.add(it.seq_id)
+                if it.start + it.num_tokens >= it.num_prompt:
+                    mid.discard(it.seq_id)
+        assert len(mid) <= 1 and not plan.preempted
+    assert engine.scheduler.admission.stats.deferred_requests > 0
+
+
 def test_a_fork_that_can_never_grow_fails_as_retryable():
     # a fork keeps its parent's rows (never dropped); when the rest of the pool is pinned and
     # nothing runs, its request fails after STALL_STEPS empty steps (a 503), not a spin for ever

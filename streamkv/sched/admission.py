@@ -4,9 +4,13 @@
 projected size, ``min(prompt + max_tokens, max_len)`` tokens of KV ("cells"). A new
 request is admitted only while the charges stay under ``ceiling`` x the pool; the rest of
 the pool is reserved for cached prefixes and session state. Above ``high_water`` pool
-occupancy, running sequences' prompt chunks wait step by step (decodes go on, and the
-highest-ranked prompt keeps one chunk per step, so nothing stalls). Requests are
-never rejected for this, only delayed; pinned streams (sessions, span queries) are exempt::
+occupancy, prompt chunks go one per step: decodes go on, the highest-ranked running prompt
+keeps one chunk per step (so nothing stalls), the other running prompts' chunks wait, and a
+new request starts only when no admitted prompt is still prefilling (its first chunk is a
+prompt chunk too: admitting new requests beside held ones piled up half-computed prompts that
+each held a chunk of KV, and with the pool's last 5% as headroom they preempted each other,
+README "tight pool"). Requests are never rejected for this, only delayed; pinned streams
+(sessions, span queries) are exempt::
 
     pool tokens  |====== charged (admitted) ======|---- free for new ----|== reserve ==|
                  0                                      ceiling x pool              pool
@@ -53,15 +57,23 @@ class CellBudget:
         self.stats = AdmissionStats()
         self._charged = 0
         self._chunk_passed = False  # a prompt chunk went ahead this step
+        self._prefilling = False    # an admitted (charged) sequence still has prompt rows to compute
 
     @property
     def pool_tokens(self) -> int:
         return self.pool.num_blocks * self.pool.block_size
 
     def begin(self, seqs: Iterable[Sequence]) -> None:
+        seqs = list(seqs)
         self._charged = sum(projected_tokens(s) for s in seqs if _charged(s))
         self.stats.charged_tokens = self._charged
         self._chunk_passed = False
+        self._prefilling = any(_charged(s) and s.status is SeqStatus.RUNNING and s.computable - s.num_computed > 1
+                               for s in seqs)
+
+    def above_high_water(self) -> bool:
+        """Pool occupancy (referenced blocks) is above the high-water mark."""
+        return self.pool.num_used > self.high_water * self.pool.num_blocks
 
     def release(self, seq: Sequence) -> None:
         """``seq`` finishes: its charge leaves the gauge at once (the next step charges afresh;
@@ -71,13 +83,16 @@ class CellBudget:
 
     def admits(self, seq: Sequence) -> bool:
         """A waiting request may start now (charged if so). The first one always may, so a
-        request larger than the ceiling still runs, alone."""
+        request larger than the ceiling still runs, alone. Above the high-water mark it waits
+        while an admitted prompt is still prefilling (or another was admitted this step)."""
         if seq.pinned:
             return True
         cost = projected_tokens(seq)
-        if self._charged and self._charged + cost > self.ceiling * self.pool_tokens:
+        over_ceiling = self._charged + cost > self.ceiling * self.pool_tokens
+        if self._charged and (over_ceiling or (self._prefilling and self.above_high_water())):
             self.stats.deferred_requests += 1
             return False
+        self._prefilling = self._prefilling or seq.computable - seq.num_computed > 1
         self._charged += cost
         self.stats.charged_tokens = self._charged
         return True
@@ -87,7 +102,7 @@ class CellBudget:
         The highest-ranked prompt still moves (one chunk per step), so a step never stalls."""
         if seq.pinned or seq.status is not SeqStatus.RUNNING or seq.computable - seq.num_computed <= 1:
             return False
-        if self.pool.num_used <= self.high_water * self.pool.num_blocks or not self._chunk_passed:
+        if not self.above_high_water() or not self._chunk_passed:
             self._chunk_passed = True
             return False
         self.stats.deferred_chunks += 1

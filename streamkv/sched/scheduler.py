@@ -173,7 +173,10 @@ class Scheduler(StepUpdates, Drafting):
                            else (set(), {}))
         ranked = [s for s in ranked if s.seq_id not in followers]  # they wait for a leader's blocks
         spec_cap = self._spec_cap(ranked)
-        self.chunk = chunk = self.config.chunk_for(sum(1 for s in ranked if s.computable - s.num_computed > 1))
+        prefilling = sum(1 for s in ranked if s.computable - s.num_computed > 1)
+        if self.admission is not None and self.admission.above_high_water():
+            prefilling = min(prefilling, 1)  # prompt chunks go one per step: the one that moves gets a whole chunk
+        self.chunk = chunk = self.config.chunk_for(prefilling)
         crowded = spec_cap and any(s.status is SeqStatus.WAITING for s in ranked)
         if self.admission is not None:
             self.admission.begin(self.seqs.values())
