@@ -145,13 +145,18 @@ def engine_gaps(before: dict[str, Any], after: dict[str, Any]) -> dict[str, floa
             "engine_gap_p99_x": gaps.quantile(0.99) / med, "engine_gap_worst_x": gaps.max_bound() / med}
 
 
+def pool_flags(args: argparse.Namespace) -> list[str]:
+    """The server's KV pool: ``--kv-cache-memory`` bytes when given, else ``--num-blocks``."""
+    return (["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory
+            else ["--num-blocks", str(args.num_blocks)])
+
+
 def run_config(name: str, args: argparse.Namespace, rates: list[float], tag: str = "") -> dict:
     """Start a server with ``name``'s flags, fill the sessions, run each phase and the burst
     (``tag`` names the run's log files: ``.r1`` for the ablation arm's first repeat)."""
     port = free_port()
     log = RESULTS / f"multitenant-{name}{tag}.log"
-    pool = (["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory
-            else ["--num-blocks", str(args.num_blocks)])
+    pool = pool_flags(args)
     steps = ["--step-log", f"{args.step_log}.{name}{tag}.jsonl"] if args.step_log else []
     server = Server(port, [*pool, "--max-waiting", "100000", *steps, *CONFIGS[name]], log)
     api = Api(server.url)
@@ -208,7 +213,7 @@ def burst_only(names: list[str], args: argparse.Namespace, machine: dict) -> Non
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.repeats):
         for name in names:
-            server = Server(free_port(), ["--num-blocks", str(args.num_blocks), *CONFIGS[name]],
+            server = Server(free_port(), [*pool_flags(args), *CONFIGS[name]],
                             RESULTS / f"multitenant-burst-{name}.r{r + 1}.log")
             try:
                 runs[name].append(asyncio.run(load.burst(server.url, args.burst, salt=f"[{name} {time.time_ns()}] ")))

@@ -68,8 +68,7 @@ class CellBudget:
         self._charged = sum(projected_tokens(s) for s in seqs if _charged(s))
         self.stats.charged_tokens = self._charged
         self._chunk_passed = False
-        self._prefilling = any(_charged(s) and s.status is SeqStatus.RUNNING and s.computable - s.num_computed > 1
-                               for s in seqs)
+        self._prefilling = any(_charged(s) and s.status is SeqStatus.RUNNING and s.prefilling for s in seqs)
 
     def above_high_water(self) -> bool:
         """Pool occupancy (referenced blocks) is above the high-water mark."""
@@ -92,7 +91,7 @@ class CellBudget:
         if self._charged and (over_ceiling or (self._prefilling and self.above_high_water())):
             self.stats.deferred_requests += 1
             return False
-        self._prefilling = self._prefilling or seq.computable - seq.num_computed > 1
+        self._prefilling = self._prefilling or seq.prefilling
         self._charged += cost
         self.stats.charged_tokens = self._charged
         return True
@@ -100,7 +99,7 @@ class CellBudget:
     def holds_chunk(self, seq: Sequence) -> bool:
         """A running sequence's next prompt chunk waits: the pool is above the high-water mark.
         The highest-ranked prompt still moves (one chunk per step), so a step never stalls."""
-        if seq.pinned or seq.status is not SeqStatus.RUNNING or seq.computable - seq.num_computed <= 1:
+        if seq.pinned or seq.status is not SeqStatus.RUNNING or not seq.prefilling:
             return False
         if not self.above_high_water() or not self._chunk_passed:
             self._chunk_passed = True

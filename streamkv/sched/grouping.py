@@ -71,7 +71,7 @@ class PrefillGroups:
                     seq.grouped_from = start if seq.grouped_from < 0 else seq.grouped_from
                     self.stats.deferred_steps += 1
                     continue
-            elif seq.computable - seq.num_computed > 1:
+            elif seq.prefilling:
                 start = seq.num_computed // bs * bs  # its full computed blocks are prefix hits by now
             else:
                 continue

@@ -173,7 +173,7 @@ class Scheduler(StepUpdates, Drafting):
                            else (set(), {}))
         ranked = [s for s in ranked if s.seq_id not in followers]  # they wait for a leader's blocks
         spec_cap = self._spec_cap(ranked)
-        prefilling = sum(1 for s in ranked if s.computable - s.num_computed > 1)
+        prefilling = sum(1 for s in ranked if s.prefilling)
         if self.admission is not None and self.admission.above_high_water():
             prefilling = min(prefilling, 1)  # prompt chunks go one per step: the one that moves gets a whole chunk
         self.chunk = chunk = self.config.chunk_for(prefilling)
@@ -258,7 +258,7 @@ class Scheduler(StepUpdates, Drafting):
             return None
         decoding = any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0
                        for s in ranked)
-        if not decoding and not any(_question(s) and s.computable - s.num_computed > 1 for s in ranked):
+        if not decoding and not any(_question(s) and s.prefilling for s in ranked):
             return None
         allow = self.cadence.allowance(budget)
         if allow is not None:

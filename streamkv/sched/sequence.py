@@ -116,6 +116,11 @@ class Sequence:
         return n - 1 if self.partial and n else n
 
     @property
+    def prefilling(self) -> bool:
+        """More than one row to compute now: prompt work (a decode step computes one row)."""
+        return self.computable - self.num_computed > 1
+
+    @property
     def has_work(self) -> bool:
         """Rows to compute, or swapped-out rows to bring back (idle streams and inputs waiting
         for more text have none and are not even ranked)."""
