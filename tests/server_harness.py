@@ -43,6 +43,36 @@ def assert_left_request_stopped(url: str, headers: dict[str, str] | None = None)
     assert metric(url, "streamkv_engine_steps_total", headers) == before, "the abandoned request kept running"
 
 
+def count_499(url: str, headers: dict[str, str] | None = None) -> float:
+    """Requests logged as 499 (client closed the request) on any route."""
+    text = httpx.get(url + "/metrics", headers=headers).text
+    return sum(float(v) for v in re.findall(r'^streamkv_requests_total\{.*status="499".*\} (\S+)$', text, re.M))
+
+
+def abandon(url: str, path: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 120.0) -> None:
+    """Posts ``body`` to ``path`` over a raw socket, closes the socket once the engine has stepped
+    for it, then waits for the route to log a 499 and checks the engine stopped stepping.
+
+    No wall-clock guess: the client leaves after the request is seen running, and the 499 proves
+    the route aborted it rather than finishing it (a 200 here means the request was too short)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    before_499, before = count_499(url, headers), metric(url, "streamkv_engine_steps_total", headers)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{head}"
+                 f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    deadline = time.monotonic() + timeout
+    while metric(url, "streamkv_engine_steps_total", headers) < before + 2:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.02)
+    sock.close()
+    while count_499(url, headers) == before_499:
+        assert time.monotonic() < deadline, "no 499 logged: the request finished before the client left"
+        time.sleep(0.1)
+    assert_left_request_stopped(url, headers)
+
+
 def idle_steps(url: str, timeout: float = 60.0) -> float:
     """The engine's step count once it stops changing (three equal reads 0.2 s apart)."""
     deadline, seen = time.monotonic() + timeout, []

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess, assert_left_request_stopped, metric
+from tests.server_harness import ServerProcess, abandon, assert_left_request_stopped, metric
 
 TEXT = ("Page one: the river Loire flows through Orleans and Tours. Page two: Chambord was built for "
         "Francis I. Question: who was Chambord built for?")
@@ -273,9 +273,7 @@ def test_a_client_that_leaves_a_plain_finish_aborts_the_answer(http, server):
     """A non-streamed finish whose client gave up kept generating to max_tokens (holding its KV
     blocks); the route now sees the disconnect (0.25 s poll) and aborts the answer."""
     sid = _open(http, prompt=TEXT, temperature=0, max_tokens=400, ignore_eos=True)
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.url}/v1/input_streams/{sid}/finish", json={}, timeout=1.5)
-    assert_left_request_stopped(server.url)
+    abandon(server.url, f"/v1/input_streams/{sid}/finish", {})
 
 
 def test_a_failed_answer_over_the_websocket_is_an_error_frame():
