@@ -7,7 +7,8 @@ equals the fake model run on its prompt, KV integrity after every step, the admi
 gate gauges at 0 when idle, and an empty pool once the sessions are deleted. The pinned examples
 are mixes that hung before the fixes of stop 63 (a swapped request that could not come back,
 two sessions ingesting into a pool that holds either window but not both, a session whose ready
-fork held its old window after an eviction) or left the fork gate's gauge set.
+fork held its old window after an eviction) or left the fork gate's gauge set; and three of stop 68 (two streams mid-ingestion waiting for each other's
+blocks, a stream starved of rows behind a request that could fit only once it was offloaded).
 """
 from __future__ import annotations
 
@@ -125,6 +126,9 @@ def _drive(engine: Engine, rng: random.Random, cfg: dict[str, Any], sessions: li
 @example(seed=36)   # the same
 @example(seed=252)  # a session's eviction that needed copies of the blocks its stale ready fork held
 @example(seed=89)   # the fork gate's gauge left at 1 when idle
+@example(seed=2726)  # a feed's eviction freed blocks that a later restore and a ready fork took: two streams stuck
+@example(seed=1246)  # a request too big beside a stream's blocks gave them back over and over; the stream got no row
+@example(seed=1683)  # the same
 def test_random_multitenant_mixes_end_with_every_answer_right_and_the_pool_empty(seed):
     cfg = _config(seed)
     rng = random.Random(seed * 1000 + 3)

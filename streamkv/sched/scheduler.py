@@ -78,6 +78,7 @@ class Scheduler(StepUpdates, Drafting):
         self.gated: frozenset[int] = frozenset()  # forks the fork gate held at their fork point, latest step
         self.progressed = False  # the latest step computed new rows (or moved KV back)
         self._starved: list[int] = []
+        self._gave_way = False  # a running sequence preempted itself for want of a block, latest step
         # blocks the first waiting request that cannot be admitted needs (it holds up every
         # unpinned one behind it), latest step; 0: none (sessions offload idle KV for it)
         self.blocked_need = 0
@@ -135,6 +136,9 @@ class Scheduler(StepUpdates, Drafting):
         now = time.perf_counter()
         self.kv.begin_step()
         ranked = self.policy.rank([s for s in self.seqs.values() if s.has_work], now)
+        if self._gave_way:
+            ranked = _streams_first(ranked)
+        self._gave_way = False
         proposals = self._propose(ranked)
         scheduled, preempted = self._acquire(proposals, lambda: self.policy.rank(self.seqs.values(), now))
         released, self._released = tuple(self._released), []
@@ -401,6 +405,7 @@ class Scheduler(StepUpdates, Drafting):
             self._preempt(seq)
             preempted.append(seq.seq_id)
             self._starved.append(seq.seq_id)  # if nothing computes new rows, it is as stuck
+            self._gave_way = True
         else:
             log.warning("sequence %d needs more KV than the whole pool; finishing it", seq.seq_id)
             self.finish(seq.seq_id, "length")
@@ -445,3 +450,13 @@ class Scheduler(StepUpdates, Drafting):
             rows=layout.rows if layout is not None else -1,
             write_row=layout.row(start) if layout is not None else -1,
             ring_from=layout.ring_from if layout is not None else -1, observe=seq.observe, draft=prop.draft)
+
+
+def _streams_first(ranked: list[Sequence]) -> list[Sequence]:
+    """The ranking with pinned streams (sessions ingesting, span queries) moved to the front,
+    for the step after a running request gave its blocks back for want of one. Streams rank
+    last, so requests ranked above them took the whole token budget step after step; a request
+    that needs more than the pool holds beside a stream's blocks then prefilled, found no
+    block and gave them back, over and over, while the stream, a few rows from idle (and only
+    then offloadable for it), never got a row (fuzz seeds 1246, 1683)."""
+    return [s for s in ranked if s.pinned] + [s for s in ranked if not s.pinned]

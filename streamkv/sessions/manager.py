@@ -245,19 +245,29 @@ class SessionManager:
             for s in self.sessions.values())
 
     def before_step(self) -> None:
-        kv = self.engine.kv
-        # the rows fed to resident streams and not yet computed, in blocks still to take
-        pending = sum(kv.growth_cost(s.stream.seq_id, len(s.stream.tokens)) for s in self.sessions.values()
-                      if s.stream is not None and kv.has(s.stream.seq_id))
+        # the rows fed to resident streams and their ready forks and not yet computed, in blocks
+        # still to take: a feed, a restore or a ready fork that came after another session's feed
+        # in the same step took the blocks that feed's eviction had just freed for its rows, and
+        # two streams mid-ingestion that each needed more than was left waited for each other for
+        # good (neither idle, so neither could be offloaded: fuzz seed 2726)
+        pending = sum(self._owed(s) for s in self.sessions.values())
         held_back: list[tuple[int, PriorityClass]] = []  # (blocks, class) of ingestion that waits
         for session in self.sessions.values():
             if session.stream is None and session.data.queue:
                 self._bring_back(session, pending, held_back)
             if session.stream is not None:
-                pending += self._feed(session, pending, held_back)
+                owed = self._owed(session)
+                self._feed(session, pending, held_back)
                 self._refresh_ready(session)
+                pending += self._owed(session) - owed
                 self.flash.schedule(session)
         self.offload.relieve_pressure(held_back)
+
+    def _owed(self, session: Session) -> int:
+        """Blocks the session's stream and ready fork still take for their rows fed and not yet computed."""
+        kv = self.engine.kv
+        return sum(kv.growth_cost(s.seq_id, len(s.tokens)) for s in (session.stream, session.ready)
+                   if s is not None and kv.has(s.seq_id))
 
     def after_step(self, outputs: list[Any]) -> list[Any]:
         """Advance versions, emit events, absorb finished flash evaluations (returns the
@@ -290,16 +300,16 @@ class SessionManager:
                  "qualifies": ok}
         session.ready_probe = probe  # shown in stats, so the vocabulary and min gap can be tuned
 
-    def _feed(self, session: Session, pending: int, held_back: list[tuple[int, PriorityClass]]) -> int:
-        """Feed the next batch of queued records to an idle stream; returns the blocks its rows
-        will take. While other streams' fed rows still need ``pending`` blocks, a batch starts
-        only if the free blocks hold it beside them (else it stays queued, and its need goes to
-        ``held_back``, for idle sessions to be offloaded): two sessions ingesting at once in a pool that held
-        either window but not both took chunks in turn until neither could finish, and pinned
-        streams wait for each other for good (helper-35)."""
+    def _feed(self, session: Session, pending: int, held_back: list[tuple[int, PriorityClass]]) -> None:
+        """Feed the next batch of queued records to an idle stream. While other streams' fed rows
+        still need ``pending`` blocks, a batch starts only if the free blocks hold it beside them
+        (else it stays queued, and its need goes to ``held_back``, for idle sessions to be
+        offloaded): two sessions ingesting at once in a pool that held either window but not
+        both took chunks in turn until neither could finish, and pinned streams wait for each
+        other for good (helper-35)."""
         data, stream, streams = session.data, session.stream, self.engine.seq_ops
         if not data.queue or stream is None or not streams.is_idle(stream):
-            return 0
+            return
         batch = data.take_batch(min(data.spec.ingest_batch_tokens, data.spec.record_window))
         incoming = sum(len(r.ids) for r in batch)
         n_rec, n_tok = data.eviction_for(incoming)
@@ -307,7 +317,7 @@ class SessionManager:
         if pending and need > self.engine.pool.num_free - pending:
             data.requeue(batch)
             held_back.append((need + pending, stream.klass))
-            return 0
+            return
         if n_tok:
             if session.ready is not None:  # stale once this batch is in, and it shares the window:
                 # left open, the eviction copies the window into fresh blocks and the old ones stay
@@ -320,14 +330,13 @@ class SessionManager:
                 memory = self._evict(session, n_tok)
             except OutOfBlocksError:
                 data.requeue(batch)
-                return 0
+                return
             removed = data.evicted(n_rec, n_tok, memory)
             session.emit("evicted", records=n_rec, tokens=removed, memory_tokens=data.memory,
                          total_evicted=data.counters.records_evicted)
         streams.append(stream, [t for r in batch for t in r.ids])
         for rec in batch:
             data.fed(rec)
-        return need
 
     def _bring_back(self, session: Session, pending: int, held_back: list[tuple[int, PriorityClass]]) -> None:
         """Restore an offloaded session whose records wait (offloaded while another session
