@@ -1,7 +1,8 @@
 """Admission control: when a new prefill may start, and when a prompt chunk waits.
 
 ``cell-budget`` (the Attention Once design): every admitted sequence is charged its
-projected size, ``min(prompt + max_tokens, max_len)`` tokens of KV ("cells"). A new
+projected size, ``min(prompt + max_tokens, max_len)`` tokens of KV ("cells"), at most its
+write policy's capacity. A new
 request is admitted only while the charges stay under ``ceiling`` x the pool; the rest of
 the pool is reserved for cached prefixes and session state. Above ``high_water`` pool
 occupancy, prompt chunks go one per step: decodes go on, the highest-ranked running prompt
@@ -32,9 +33,15 @@ class AdmissionStats:
 
 
 def projected_tokens(seq: Sequence) -> int:
-    """The KV a sequence may come to hold: its prompt plus every token it may generate, less
-    the rows a fork shares with its parent (a session query's window is the session's)."""
-    return min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len) - seq.forked_rows
+    """The KV a sequence may come to hold: its prompt plus every token it may generate, at most
+    its write policy's capacity (a compressed sequence keeps that many rows, later tokens in its
+    ring: charged its whole prompt, a snapstream request at budget 1,024 counted 3.8x its KV),
+    less the rows a fork shares with its parent (a session query's window is the session's).
+    The prompt's own peak before compression is the high-water mark's to bound."""
+    size = min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len)
+    if seq.write is not None:
+        size = min(size, seq.write.capacity)
+    return size - seq.forked_rows
 
 
 def _charged(seq: Sequence) -> bool:
