@@ -199,26 +199,33 @@ def test_compressed_output_is_the_same_batched_chunked_and_repeated(llm, solo):
     assert [_result(o) for o in chunked.generate([_doc(i) for i in range(3)], PARAMS, kv_write=SNAP)] == solo
 
 
-def test_cell_budget_admission_charges_a_compressed_request_its_capacity(solo):
-    """Charged prompt + max_tokens, four compressed requests that each keep 208 rows looked like
-    ~1,900 tokens against a 1,280-token ceiling, and admission held some back for KV they would
-    never hold; charged their capacity, all start at once. Outputs stay the same bits."""
+def test_cell_budget_admission_charges_a_compressed_request_what_its_phase_holds(solo):
+    """Charged prompt + max_tokens for good, compressed requests that keep 208 rows each were
+    held back for KV they no longer held: under a 1,280-token ceiling two of these ~460-token
+    requests ran at once. Charged their prompt and layout while they prefill, then the layout's
+    208 rows, all four come to hold KV at once. Outputs stay the same bits."""
     from streamkv import LLM
     from streamkv.sched.admission import projected_tokens
 
-    llm = LLM(max_num_batched_tokens=256, num_blocks=160, block_size=16, admission="cell-budget",
-              admission_ceiling=0.5)
-    engine = llm.engine
-    ids = [f"c{i}" for i in range(4)]
-    for i, rid in enumerate(ids):
-        engine.add_request(rid, _doc(i % 3), PARAMS, kv_write=SNAP)
-    seqs = [engine._requests[rid].seq for rid in ids]
-    ceiling = 0.5 * 160 * 16
-    assert sum(min(s.num_prompt_tokens + PARAMS.max_tokens, s.max_len) for s in seqs) > ceiling  # the premise
-    assert [projected_tokens(s) for s in seqs] == [16 + 128 + 64] * 4
-    done = engine.run_to_completion(ids)
-    assert engine.scheduler.admission.stats.deferred_requests == 0
-    assert [_result(done[rid]) for rid in ids] == [solo[i % 3] for i in range(4)]
+    def most_at_once(kv_write):
+        llm = LLM(max_num_batched_tokens=256, num_blocks=160, block_size=16, admission="cell-budget",
+                  admission_ceiling=0.5)
+        engine, ids = llm.engine, [f"c{i}" for i in range(4)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, _doc(i % 3), PARAMS, kv_write=kv_write)
+        seqs, most, done = [engine._requests[rid].seq for rid in ids], 0, {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            most = max(most, engine.scheduler.num_running)
+            for s in seqs:
+                if s.layout is not None and s.finish_reason is None:
+                    assert projected_tokens(s) == 16 + 128 + 64
+        return most, [done[rid] for rid in ids], engine.scheduler.admission.stats
+
+    plain, _, _ = most_at_once(None)
+    most, outs, stats = most_at_once(SNAP)
+    assert plain == 2 and most == 4 and stats.deferred_requests > 0  # still paced while they prefill
+    assert [_result(o) for o in outs] == [solo[i % 3] for i in range(4)]
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -1,8 +1,8 @@
 """Admission control: when a new prefill may start, and when a prompt chunk waits.
 
 ``cell-budget`` (the Attention Once design): every admitted sequence is charged its
-projected size, ``min(prompt + max_tokens, max_len)`` tokens of KV ("cells"), at most its
-write policy's capacity. A new
+projected size, ``min(prompt + max_tokens, max_len)`` tokens of KV ("cells"); with a write
+policy, what its phase holds (:func:`projected_tokens`). A new
 request is admitted only while the charges stay under ``ceiling`` x the pool; the rest of
 the pool is reserved for cached prefixes and session state. Above ``high_water`` pool
 occupancy, prompt chunks go one per step: decodes go on, the highest-ranked running prompt
@@ -33,14 +33,26 @@ class AdmissionStats:
 
 
 def projected_tokens(seq: Sequence) -> int:
-    """The KV a sequence may come to hold: its prompt plus every token it may generate, at most
-    its write policy's capacity (a compressed sequence keeps that many rows, later tokens in its
-    ring: charged its whole prompt, a snapstream request at budget 1,024 counted 3.8x its KV),
-    less the rows a fork shares with its parent (a session query's window is the session's).
-    The prompt's own peak before compression is the high-water mark's to bound."""
+    """The KV a sequence may come to hold: its prompt plus every token it may generate, less
+    the rows a fork shares with its parent (a session query's window is the session's).
+
+    With a write policy the charge follows its phase: until the layout starts, the rows up to
+    the policy's point plus the layout's own (both are held in the step that compresses); once
+    compressed, the layout's capacity (later tokens go to its ring). Charged its plain
+    projection for good, a snapstream request at budget 1,024 counted 3.8x its KV after
+    compression, and admission held back requests for room that was free::
+
+        prefilling   [ prompt rows ........................ | layout ]   point + capacity
+        compressed   [ layout ]                                          capacity
+    """
     size = min(seq.num_prompt_tokens + seq.params.max_tokens, seq.max_len)
-    if seq.write is not None:
-        size = min(size, seq.write.capacity)
+    write = seq.write
+    if write is not None:
+        point = write.point(seq.num_prompt_tokens)
+        if seq.layout is not None:
+            size = write.capacity
+        elif size >= point:
+            size = point + write.capacity
     return size - seq.forked_rows
 
 
