@@ -224,7 +224,10 @@ def pool_run(args, kv: dict) -> dict:
     end-to-end throughput."""
     from streamkv.sched.sequence import SeqStatus
 
-    llm = LLM(num_blocks=args.pool_blocks, max_num_seqs=64, max_num_batched_tokens=2048, speculation="none")
+    admission = ({"admission": "cell-budget", "admission_ceiling": args.pool_admission_ceiling}
+                 if args.pool_admission == "cell-budget" else {})
+    llm = LLM(num_blocks=args.pool_blocks, max_num_seqs=64, max_num_batched_tokens=2048, speculation="none",
+              **admission)
     engine, sched = llm.engine, llm.engine.scheduler
     params = SamplingParams(max_tokens=args.gen_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(long_prompts(engine.tokenizer, args.requests, args.prompt_tokens)):
@@ -244,7 +247,8 @@ def pool_run(args, kv: dict) -> dict:
     generated = args.requests * args.gen_tokens
     # max_concurrent counts running sequences, prompts part-computed included (under preemption
     # churn many hold a fraction of their KV); max_decoding those holding their whole prompt at once
-    return {"max_concurrent": most, "max_decoding": most_decoding, "peak_blocks": peak_blocks, "wall_s": round(wall, 1),
+    return {"admission": args.pool_admission, "max_concurrent": most, "max_decoding": most_decoding,
+            "peak_blocks": peak_blocks, "wall_s": round(wall, 1),
             "tok_per_s_end_to_end": round(generated / wall, 2), "decode_only_tok_per_s":
             round(dec_rows / dec_time, 1) if dec_time else None, "preemptions": sched.num_preemptions}
 
@@ -338,6 +342,11 @@ def main() -> None:
     ap.add_argument("--pool-configs", default="none,snapstream_1024,snapstream_1024_w128",
                     help="pool runs: none (always first), snapstream_1024 (64 sinks + 1,024 + a 512 ring), "
                     "snapstream_1024_w128 (a 128 ring), snapstream_1024_total (1,024 rows in all)")
+    ap.add_argument("--pool-admission", choices=["none", "cell-budget"], default="none",
+                    help="pool runs: the scheduler's admission (cell-budget charges a compressed request "
+                    "its policy's capacity, so prompts are not all started at once to preempt each other)")
+    ap.add_argument("--pool-admission-ceiling", type=float, default=1.0,
+                    help="cell-budget ceiling for the pool runs (a pool of their own: nothing to reserve)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=6000)
     ap.add_argument("--gen-tokens", type=int, default=64)
