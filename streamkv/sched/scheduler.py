@@ -79,6 +79,7 @@ class Scheduler(StepUpdates, Drafting):
         self.progressed = False  # the latest step computed new rows (or moved KV back)
         self._starved: list[int] = []
         self._gave_way = False  # a running sequence preempted itself for want of a block, latest step
+        self._unplaced: list[int] = []  # pinned streams phase 1 found no reachable block for, this step
         # blocks the first waiting request that cannot be admitted needs (it holds up every
         # unpinned one behind it), latest step; 0: none (sessions offload idle KV for it)
         self.blocked_need = 0
@@ -172,6 +173,7 @@ class Scheduler(StepUpdates, Drafting):
         # go on: their charge only drops as they finish, so stalling them stalled both forever)
         reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
         self.blocked_need = 0
+        self._unplaced = []
         out: list[_Proposal] = []
         followers, hits = (self.groups.plan(ranked, self.policy.background) if self.groups is not None
                            else (set(), {}))
@@ -219,9 +221,7 @@ class Scheduler(StepUpdates, Drafting):
                 # session streams, background work, from ever going idle to be offloaded for it)
                 if cost > self.kv.pool.num_free:
                     if reclaimable is None:
-                        reclaimable = self.kv.pool.num_free + sum(
-                            self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
-                            if s.status is SeqStatus.RUNNING and not s.pinned)
+                        reclaimable = self._reclaimable_blocks()
                     if cost > reclaimable:
                         if not blocked and not seq.partial:
                             self.blocked_need = cost
@@ -229,6 +229,18 @@ class Scheduler(StepUpdates, Drafting):
                         continue
             # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
             n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
+            if seq.pinned and seq.status is SeqStatus.RUNNING and n > 0:
+                # a stream's chunk only as far as free and reclaimable blocks reach: the budget of
+                # a chunk that cannot get its blocks is spent for nothing, and a stream ranked
+                # below it, one row from idle (so offloadable for the first), never got that row
+                # (fuzz seed 8500). None reachable: it spends no budget and counts as starved
+                if reclaimable is None:
+                    reclaimable = self._reclaimable_blocks()
+                rows = (self.kv.num_blocks_held(seq.seq_id) + reclaimable) * self.kv.block_size - computed
+                if rows <= 0:
+                    self._unplaced.append(seq.seq_id)
+                    continue
+                n = min(n, rows)
             if target - computed > 1 and allow is not None:  # prompt rows: under the decode cadence,
                 # except a question (session or flash class): its latency is what the cadence is
                 # for, so its rows are charged (less for the prompts ranked after it), and cut
@@ -248,6 +260,11 @@ class Scheduler(StepUpdates, Drafting):
         if capped and self.cadence is not None:
             self.cadence.stats.capped_steps += 1
         return out
+
+    def _reclaimable_blocks(self) -> int:
+        """Free blocks plus those every unpinned running sequence holds (what preempting them all gives)."""
+        return self.kv.pool.num_free + sum(self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
+                                           if s.status is SeqStatus.RUNNING and not s.pinned)
 
     def _allowance(self, ranked: list[Sequence], budget: int) -> StepAllowance | None:
         """Prompt work this step may carry: the decode cadence's while someone waits on the step.
@@ -290,7 +307,7 @@ class Scheduler(StepUpdates, Drafting):
         done: list[_Proposal] = []
         done_ids: set[int] = set()
         blocked = behind_running = False
-        self._starved = []
+        self._starved = list(self._unplaced)
         for prop in proposals:
             seq = prop.seq
             if seq.seq_id in preempted:
