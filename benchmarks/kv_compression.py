@@ -343,8 +343,9 @@ def main() -> None:
                     help="pool runs: none (always first), snapstream_1024 (64 sinks + 1,024 + a 512 ring), "
                     "snapstream_1024_w128 (a 128 ring), snapstream_1024_total (1,024 rows in all)")
     ap.add_argument("--pool-admission", choices=["none", "cell-budget"], default="none",
-                    help="pool runs: the scheduler's admission (cell-budget charges a compressed request "
-                    "its policy's capacity, so prompts are not all started at once to preempt each other)")
+                    help="pool runs: the scheduler's admission (cell-budget charges a compressed request its "
+                    "prompt and layout while it prefills, the layout once compressed, so prompts are not "
+                    "all started at once to preempt each other)")
     ap.add_argument("--pool-admission-ceiling", type=float, default=1.0,
                     help="cell-budget ceiling for the pool runs (a pool of their own: nothing to reserve)")
     ap.add_argument("--requests", type=int, default=32)

@@ -7,9 +7,10 @@ equals the fake model run on its prompt, KV integrity after every step, the admi
 gate gauges at 0 when idle, and an empty pool once the sessions are deleted. The pinned examples
 are mixes that hung before the fixes of stop 63 (a swapped request that could not come back,
 two sessions ingesting into a pool that holds either window but not both, a session whose ready
-fork held its old window after an eviction) or left the fork gate's gauge set; and three of stop 68 (two streams mid-ingestion waiting for each other's
-blocks, a stream starved of rows behind a request that could fit only once it was offloaded,
-or behind another stream's chunk that could get no block).
+fork held its old window after an eviction) or left the fork gate's gauge set; and those of
+stop 68 (two streams mid-ingestion waiting for each other's blocks, a stream starved of rows
+behind a request that could fit only once it was offloaded, or behind another stream's chunk
+that could get no block).
 """
 from __future__ import annotations
 
