@@ -33,13 +33,14 @@ def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
     return float(m.group(1))
 
 
-def assert_left_request_stopped(url: str, headers: dict[str, str] | None = None) -> None:
+def assert_left_request_stopped(url: str, headers: dict[str, str] | None = None,
+                                settle_s: float = 1.5, window_s: float = 1.5) -> None:
     """After a client gave up on a long request: once the disconnect is seen (the routes poll every
-    0.25 s) and the abort has gone through the engine, the engine takes no more steps (the request
-    left running would step for seconds more)."""
-    time.sleep(1.5)
+    0.25 s) and the abort has gone through the engine (``settle_s``, which must outlast a step in
+    flight), the engine takes no step for ``window_s`` (the request left running would step on)."""
+    time.sleep(settle_s)
     before = metric(url, "streamkv_engine_steps_total", headers)
-    time.sleep(1.5)
+    time.sleep(window_s)
     assert metric(url, "streamkv_engine_steps_total", headers) == before, "the abandoned request kept running"
 
 
@@ -49,7 +50,8 @@ def count_499(url: str, headers: dict[str, str] | None = None) -> float:
     return sum(float(v) for v in re.findall(r'^streamkv_requests_total\{.*status="499".*\} (\S+)$', text, re.M))
 
 
-def abandon(url: str, path: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 120.0) -> None:
+def abandon(url: str, path: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 120.0,
+            settle_s: float = 1.5, window_s: float = 1.5) -> None:
     """Posts ``body`` to ``path`` over a raw socket, closes the socket once the engine has stepped
     for it, then waits for the route to log a 499 and checks the engine stopped stepping.
 
@@ -70,7 +72,7 @@ def abandon(url: str, path: str, body: dict, headers: dict[str, str] | None = No
     while count_499(url, headers) == before_499:
         assert time.monotonic() < deadline, "no 499 logged: the request finished before the client left"
         time.sleep(0.1)
-    assert_left_request_stopped(url, headers)
+    assert_left_request_stopped(url, headers, settle_s, window_s)
 
 
 def idle_steps(url: str, timeout: float = 60.0) -> float:
