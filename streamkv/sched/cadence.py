@@ -2,8 +2,8 @@
 
 A step that carries prompt chunks next to decodes takes longer than a decode-only step, and
 every decoding sequence waits for it. With ``stall_factor`` F, while any sequence decodes or a
-question prefills (``Scheduler._allowance``), the step's prompt chunks are capped so the step is
-predicted to take at most F decode-only steps::
+question prefills (``Proposing._allowance`` in ``propose.py``), the step's prompt chunks are
+capped so the step is predicted to take at most F decode-only steps::
 
     step time  t  ~  d  +  sum over chunks of  cost(n, s)
     cost(n, s)    =  c * n  +  k * n * (s + n / 2)     n rows appended after s cached tokens

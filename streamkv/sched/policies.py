@@ -53,7 +53,7 @@ class QueuePolicy(ABC):
 
     def background(self, seq: Sequence) -> bool:
         """True for the lower tier (an input still streaming): its prefill yields to the upper
-        tier's (see ``Scheduler._propose``)."""
+        tier's (see ``Proposing._propose`` in ``propose.py``)."""
         return self.tiered and seq.partial
 
     def _aging(self, seq: Sequence, now: float) -> tuple[bool, float]:

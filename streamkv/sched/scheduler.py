@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from streamkv.config import SchedulerConfig
 from streamkv.kv.manager import KVManager
 from streamkv.sched.admission import CellBudget
-from streamkv.sched.cadence import StepAllowance, StepCadence
+from streamkv.sched.cadence import StepCadence
 from streamkv.sched.fork_gate import ForkGate, at_fork_point, droppable, passes
 from streamkv.sched.grouping import PrefillGroups
 from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.policies import QueuePolicy, make_queue_policy
 from streamkv.sched.preemption import PreemptionPolicy, Recompute
+from streamkv.sched.propose import Proposal, Proposing, streams_first
 from streamkv.sched.sequence import PriorityClass, Sequence, SeqStatus
 from streamkv.sched.speculation import Drafting, SpecState, SpecStats, Speculator
 from streamkv.sched.step_output import StepUpdates
@@ -28,25 +28,10 @@ from streamkv.sched.step_output import StepUpdates
 log = logging.getLogger(__name__)
 
 
-def _question(seq: Sequence) -> bool:
-    """A session's or flash question: the latency the decode cadence protects (its prompt rows
-    are charged to a step's allowance, and cut only with ``question_chunks="capped"`` while
-    sequences decode)."""
-    return seq.samples and seq.klass <= PriorityClass.SESSION
-
-
-@dataclass
-class _Proposal:
-    """Phase-1 decision: compute ``seq`` up to token index ``end`` this step."""
-
-    seq: Sequence
-    end: int
-    draft: tuple[int, ...] = ()  # speculated tokens after ``end`` (``speculation.py``)
-
-
-class Scheduler(StepUpdates, Drafting):
-    """Owns the waiting/running sets; asks the KV manager for blocks. Applying a step's outputs
-    (``update``, ``observe_step``) lives in ``step_output.py``."""
+class Scheduler(Proposing, StepUpdates, Drafting):
+    """Owns the waiting/running sets; asks the KV manager for blocks. Phase 1 (``_propose``)
+    lives in ``propose.py``, applying a step's outputs (``update``, ``observe_step``) in
+    ``step_output.py``."""
 
     def __init__(self, config: SchedulerConfig, kv: KVManager, policy: QueuePolicy | None = None,
                  preemption: PreemptionPolicy | None = None, speculator: Speculator | None = None) -> None:
@@ -138,7 +123,7 @@ class Scheduler(StepUpdates, Drafting):
         self.kv.begin_step()
         ranked = self.policy.rank([s for s in self.seqs.values() if s.has_work], now)
         if self._gave_way:
-            ranked = _streams_first(ranked)
+            ranked = streams_first(ranked)
         self._gave_way = False
         proposals = self._propose(ranked)
         scheduled, preempted = self._acquire(proposals, lambda: self.policy.rank(self.seqs.values(), now))
@@ -155,147 +140,8 @@ class Scheduler(StepUpdates, Drafting):
         self.gated = frozenset(self.fork_gate.held) if self.fork_gate is not None else frozenset()
         return StepPlan(work, tuple(preempted), released, *swaps)
 
-    def _propose(self, ranked: list[Sequence]) -> list[_Proposal]:
-        """Phase 1: chunk sizes under the token budget and sequence cap (no state change).
-
-        ``ranked`` holds only sequences with work. The lower tier (inputs still streaming) is
-        background work: it gets no prefill in a step where a sequence ranked above it
-        prefills (more than one row), so a finishing request's last chunk never waits for
-        prefill nobody needs yet::
-
-            budget |== complete inputs' prefill ==|              (no background this step)
-            budget |= decodes =|======= background prefill =======|
-        """
-        budget = self.config.max_num_batched_tokens
-        foreground_prefill = False
-        blocked = False  # a waiting sequence that cannot fit: only ``passes`` ones may pass it
-        deferred = False  # a request admission defers: no new request passes it (running ones
-        # go on: their charge only drops as they finish, so stalling them stalled both forever)
-        reclaimable: int | None = None  # free + unpinned running blocks, counted only when needed
-        self.blocked_need = 0
-        self._unplaced = []
-        out: list[_Proposal] = []
-        followers, hits = (self.groups.plan(ranked, self.policy.background) if self.groups is not None
-                           else (set(), {}))
-        ranked = [s for s in ranked if s.seq_id not in followers]  # they wait for a leader's blocks
-        spec_cap = self._spec_cap(ranked)
-        prefilling = sum(1 for s in ranked if s.prefilling)
-        if self.admission is not None and self.admission.above_high_water():
-            prefilling = min(prefilling, 1)  # prompt chunks go one per step: the one that moves gets a whole chunk
-        self.chunk = chunk = self.config.chunk_for(prefilling)
-        crowded = spec_cap and any(s.status is SeqStatus.WAITING for s in ranked)
-        if self.admission is not None:
-            self.admission.begin(self.seqs.values())
-        if self.fork_gate is not None:
-            self.fork_gate.begin(self.seqs.values())
-        allow = self._allowance(ranked, budget)
-        capped = False
-        for seq in ranked:
-            if budget <= 0 or len(out) >= self.config.max_num_seqs:
-                break
-            background = self.policy.background(seq)
-            fresh = seq.status is SeqStatus.WAITING and not seq.swapped and not seq.pinned
-            if (background and foreground_prefill) or (blocked and not passes(seq)) or (deferred and fresh):
-                continue
-            if self.admission is not None and self._held(seq):
-                deferred = deferred or fresh
-                continue
-            if self.fork_gate is not None and not self.fork_gate.admits(seq):
-                continue
-            target = seq.computable
-            computed = seq.num_computed
-            limit = seq.chunk_limit(computed)
-            if seq.status is SeqStatus.WAITING:
-                if not seq.swapped:
-                    hit = hits.get(seq.seq_id) or self.kv.match_prefix(seq.match_tokens, seq.cache_key)
-                    computed = hit.num_tokens(self.kv.block_size)
-                    limit = seq.chunk_limit(computed)
-                end = min(target, computed + budget, computed + limit if limit is not None else target)
-                extra = seq.extra_blocks(end, self.kv.block_size)
-                cost = (self.kv.swap_in_cost(seq.seq_id, seq.kv_rows(end), extra) if seq.swapped
-                        else self.kv.admission_cost(hit, end) + extra)
-                # not even preempting every unpinned sequence would admit (or swap in) it this
-                # step: it keeps its place (only ``passes`` ones pass it) but spends no budget, so
-                # pinned streams (sessions, span queries) and forks, which hold the rest of the
-                # pool, progress (a swapped one that counted as this step's prompt work kept the
-                # session streams, background work, from ever going idle to be offloaded for it)
-                if cost > self.kv.pool.num_free:
-                    if reclaimable is None:
-                        reclaimable = self._reclaimable_blocks()
-                    if cost > reclaimable:
-                        if not blocked and not seq.partial:
-                            self.blocked_need = cost
-                        blocked = blocked or not seq.partial  # background work holds nobody up
-                        continue
-            # n == 0: a partial input whose arrived part is all a prefix hit (admitted, no rows)
-            n = max(0, min(target - computed, budget, chunk, limit if limit is not None else budget))
-            if seq.pinned and seq.status is SeqStatus.RUNNING and n > 0:
-                # a stream's chunk only as far as free and reclaimable blocks reach: the budget of
-                # a chunk that cannot get its blocks is spent for nothing, and a stream ranked
-                # below it, one row from idle (so offloadable for the first), never got that row
-                # (fuzz seed 8500). None reachable: it spends no budget and counts as starved
-                if reclaimable is None:
-                    reclaimable = self._reclaimable_blocks()
-                rows = (self.kv.num_blocks_held(seq.seq_id) + reclaimable) * self.kv.block_size - computed
-                if rows <= 0:
-                    self._unplaced.append(seq.seq_id)
-                    continue
-                n = min(n, rows)
-            if target - computed > 1 and allow is not None:  # prompt rows: under the decode cadence,
-                # except a question (session or flash class): its latency is what the cadence is
-                # for, so its rows are charged (less for the prompts ranked after it), and cut
-                # only when it is told to (``question_chunks``, while sequences decode)
-                fits = n if _question(seq) and allow.questions_whole else allow.rows(computed, n)
-                if fits < n:
-                    n, capped = fits, True
-                    if n == 0:
-                        continue
-                allow.take(computed, n)
-            if self.fork_gate is not None:
-                self.fork_gate.starts(seq)
-            draft = self._draft(seq, min(spec_cap, budget - n), crowded) if spec_cap and n == 1 else ()
-            out.append(_Proposal(seq, computed + n, draft))
-            budget -= n + len(draft)
-            foreground_prefill = foreground_prefill or (not background and n > 1)
-        if capped and self.cadence is not None:
-            self.cadence.stats.capped_steps += 1
-        return out
-
-    def _reclaimable_blocks(self) -> int:
-        """Free blocks plus those every unpinned running sequence holds (what preempting them all gives)."""
-        return self.kv.pool.num_free + sum(self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
-                                           if s.status is SeqStatus.RUNNING and not s.pinned)
-
-    def _allowance(self, ranked: list[Sequence], budget: int) -> StepAllowance | None:
-        """Prompt work this step may carry: the decode cadence's while someone waits on the step.
-        A sequence decodes (the row of a token it generated, as ``step_output._decodes`` counts
-        them) or a question has prompt rows (its first token waits for the whole step). With
-        neither, whole chunks: capping them also while a live session merely could ask (058249c)
-        cost more stateless throughput than it bought session latency on the Zen 4 (README,
-        "Decode cadence": no run with it sustained 1 req/s, 5 of 7 without it did). A question's
-        rows are charged to it but not cut, unless ``question_chunks="capped"`` while a sequence
-        decodes (then a prompt ranked above a question may leave it nothing for a step)."""
-        if self.cadence is None:
-            return None
-        decoding = any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0
-                       for s in ranked)
-        if not decoding and not any(_question(s) and s.prefilling for s in ranked):
-            return None
-        allow = self.cadence.allowance(budget)
-        if allow is not None:
-            allow.questions_whole = not (decoding and self.config.question_chunks == "capped")
-        return allow
-
-    def _held(self, seq: Sequence) -> bool:
-        """Cell-budget admission: a new request waits for room, or a prompt chunk for the pool
-        to fall below the high-water mark."""
-        assert self.admission is not None
-        if seq.status is SeqStatus.WAITING and not seq.swapped:
-            return not self.admission.admits(seq)
-        return self.admission.holds_chunk(seq)
-
-    def _acquire(self, proposals: list[_Proposal],
-                 rank_all: Callable[[], list[Sequence]]) -> tuple[list[_Proposal], list[int]]:
+    def _acquire(self, proposals: list[Proposal],
+                 rank_all: Callable[[], list[Sequence]]) -> tuple[list[Proposal], list[int]]:
         """Phase 2: take blocks in rank order, preempting from the bottom of the ranking of
         every sequence (idle ones hold KV too; ranked only when a victim is needed). An input
         still streaming (background work) only preempts inputs still streaming ranked below
@@ -304,7 +150,7 @@ class Scheduler(StepUpdates, Drafting):
         victims: list[Sequence] | None = None
         place: dict[int, int] = {}
         preempted: list[int] = []
-        done: list[_Proposal] = []
+        done: list[Proposal] = []
         done_ids: set[int] = set()
         blocked = behind_running = False
         self._starved = list(self._unplaced)
@@ -377,7 +223,7 @@ class Scheduler(StepUpdates, Drafting):
         requests = [s for s in ranked if not s.partial and below is not None and s.klass > below and droppable(s)]
         return [s for s in inputs + requests if s.status is SeqStatus.RUNNING and not s.pinned]
 
-    def _try_take(self, prop: _Proposal) -> bool:
+    def _try_take(self, prop: Proposal) -> bool:
         seq = prop.seq
         extra = seq.extra_blocks(prop.end, self.kv.block_size)
         if seq.status is SeqStatus.RUNNING:
@@ -413,7 +259,7 @@ class Scheduler(StepUpdates, Drafting):
         seq.event("scheduled")
         return True
 
-    def _cannot_grow(self, seq: Sequence, done: list[_Proposal], preempted: list[int]) -> None:
+    def _cannot_grow(self, seq: Sequence, done: list[Proposal], preempted: list[int]) -> None:
         """A running sequence found no block and nobody below it to preempt."""
         if done or any(s.status is SeqStatus.RUNNING and s is not seq for s in self.seqs.values()):
             if at_fork_point(seq):  # a fork at its fork point: nothing of its own to give back, it waits
@@ -452,7 +298,7 @@ class Scheduler(StepUpdates, Drafting):
         self.preemptions_by_kind[kind] += 1
         seq.event(f"preempted_{kind}")
 
-    def _to_plan(self, prop: _Proposal) -> ScheduledSeq:
+    def _to_plan(self, prop: Proposal) -> ScheduledSeq:
         seq = prop.seq
         start, end = seq.num_computed, prop.end
         layout = seq.layout
@@ -468,12 +314,3 @@ class Scheduler(StepUpdates, Drafting):
             write_row=layout.row(start) if layout is not None else -1,
             ring_from=layout.ring_from if layout is not None else -1, observe=seq.observe, draft=prop.draft)
 
-
-def _streams_first(ranked: list[Sequence]) -> list[Sequence]:
-    """The ranking with pinned streams (sessions ingesting, span queries) moved to the front,
-    for the step after a running request gave its blocks back for want of one. Streams rank
-    last, so requests ranked above them took the whole token budget step after step; a request
-    that needs more than the pool holds beside a stream's blocks then prefilled, found no
-    block and gave them back, over and over, while the stream, a few rows from idle (and only
-    then offloadable for it), never got a row (fuzz seeds 1246, 1683)."""
-    return [s for s in ranked if s.pinned] + [s for s in ranked if not s.pinned]
