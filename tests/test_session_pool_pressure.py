@@ -629,3 +629,46 @@ def test_two_sessions_ingesting_at_once_in_a_pool_that_holds_either_but_not_both
         runs.append(([s.query("what?", max_tokens=4).token_ids for s in sessions], later))
         engine.check_integrity()
     assert runs[0] == runs[1]
+
+
+def test_a_stream_whose_chunk_finds_too_few_blocks_computes_what_they_hold_and_answers_the_same(
+        tmp_path, monkeypatch):
+    # between steps something else (a restore, a ready fork; here the test) took the blocks a
+    # stream's next chunk needs: phase 1 cuts the chunk to the rows the reachable blocks hold
+    # (e9a9879) instead of spending the budget on a chunk that gets no block, and once blocks
+    # come back the stream goes on. Different chunk boundaries, the same KV: the answer equals
+    # an undisturbed run's bit for bit
+    from streamkv.sched.propose import Proposing
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    fit, cuts = Proposing._fit, []
+
+    def spy(self, seq, st, computed, n):
+        rows = fit(self, seq, st, computed, n)
+        if seq.pinned and n > 0 and (rows or 0) < n:
+            cuts.append((n, rows))
+        return rows
+
+    monkeypatch.setattr(Proposing, "_fit", spy)
+    answers = []
+    for steal in (False, True):
+        llm = LLM(model=str(path), dtype="float32", num_blocks=80, block_size=4, max_num_batched_tokens=64,
+                  max_chunk_tokens=32)
+        engine = llm.engine
+        session = llm.session("s", chat=False, retention_tokens=250)
+        session.push([f"record {j} of some data here, with a few more words" for j in range(12)])
+        stream = engine.sessions.get(session.id).stream
+        for _ in range(2):  # the feed, then its first chunk: the stream is mid-ingestion
+            engine.step()
+        assert 0 < stream.num_computed < stream.computable, (stream.num_computed, stream.computable)
+        taken = engine.pool.allocate(engine.pool.num_free - 2) if steal else []
+        start, reach = stream.num_computed, (engine.kv.num_blocks_held(stream.seq_id) + 2) * 4
+        for _ in range(3):  # two free blocks: the rows they hold in all, instead of 32 a step
+            engine.step()
+        # the cut chunk got the rows the two blocks hold (an uncut 32-row chunk got no block)
+        assert start < stream.num_computed <= reach if steal else stream.num_computed > reach
+        engine.pool.release(taken)
+        session.ingest()
+        answers.append(session.query("what is in the records?", max_tokens=12).token_ids)
+        engine.check_integrity()
+    assert cuts and all(rows is None or rows < n for n, rows in cuts), cuts
+    assert answers[0] == answers[1]
