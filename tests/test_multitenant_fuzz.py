@@ -10,7 +10,8 @@ two sessions ingesting into a pool that holds either window but not both, a sess
 fork held its old window after an eviction) or left the fork gate's gauge set; and those of
 stop 68 (two streams mid-ingestion waiting for each other's blocks, a stream starved of rows
 behind a request that could fit only once it was offloaded, or behind another stream's chunk
-that could get no block).
+that could get no block); and those of stop 69 (found by a scan of seeds 10,001-20,000: streams
+mid-ingestion starved beside idle ready forks, with no session idle enough to offload).
 """
 from __future__ import annotations
 
@@ -132,6 +133,10 @@ def _drive(engine: Engine, rng: random.Random, cfg: dict[str, Any], sessions: li
 @example(seed=1246)  # a request too big beside a stream's blocks gave them back over and over; the stream got no row
 @example(seed=1683)  # the same
 @example(seed=8500)  # a stream's chunk that could get no block spent the budget a stream one row from idle needed
+@example(seed=10076)  # two streams mid-ingestion a block or two short beside their sessions' idle ready forks
+@example(seed=12833)  # the same, with a question's fork waiting too
+@example(seed=13874)  # the same
+@example(seed=15073)  # the same
 def test_random_multitenant_mixes_end_with_every_answer_right_and_the_pool_empty(seed):
     cfg = _config(seed)
     rng = random.Random(seed * 1000 + 3)

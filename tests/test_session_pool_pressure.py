@@ -662,8 +662,7 @@ def test_a_stream_whose_chunk_finds_too_few_blocks_computes_what_they_hold_and_a
         assert 0 < stream.num_computed < stream.computable, (stream.num_computed, stream.computable)
         taken = engine.pool.allocate(engine.pool.num_free - 2) if steal else []
         start, reach = stream.num_computed, (engine.kv.num_blocks_held(stream.seq_id) + 2) * 4
-        for _ in range(3):  # two free blocks: the rows they hold in all, instead of 32 a step
-            engine.step()
+        engine.step()  # two free blocks: the rows they hold, instead of 32
         # the cut chunk got the rows the two blocks hold (an uncut 32-row chunk got no block)
         assert start < stream.num_computed <= reach if steal else stream.num_computed > reach
         engine.pool.release(taken)

@@ -191,8 +191,24 @@ class Offloader:
         while need > 0:
             freed = self._offload_one(spare_wanted=spare)
             if not freed:
-                return
+                break
             need -= freed
+        if need > 0 and self.engine.scheduler.stalled:
+            self._close_ready_forks(self.engine.pool.num_free + need)
+
+    def _close_ready_forks(self, free: int) -> None:
+        """The last resort when the latest step computed nothing, pinned work starved and no
+        session could be offloaded: close resident sessions' ``ready`` forks (a query forks the
+        stream instead; the next version makes a new one) until ``free`` blocks are. Each
+        holds its own copy of the window's last block and the query prefix's rows: two sessions
+        ingesting at once, each stream a block or two short, waited for good beside their idle
+        ready forks (fuzz seeds 10076, 12833, 13874, 15073)."""
+        for session in self.manager.sessions.values():
+            if self.engine.pool.num_free >= free:
+                return
+            if session.ready is not None:
+                self.engine.seq_ops.close(session.ready)
+                session.ready = None
 
     # ------------------------------------------------------------- persistence
     def maintain(self) -> None:
