@@ -176,7 +176,8 @@ class Offloader:
         """Offload idle sessions while a waiting sequence, or a pinned stream with rows to
         compute (a session ingesting, a span query's: pinned streams preempt nobody and wait,
         so a span query behind idle sessions waited for good), or ingestion ``held_back`` this
-        step (``(blocks, class)``), cannot get its blocks."""
+        step (``(blocks, class)``), cannot get its blocks; when that is not enough and the
+        latest step stalled, close ``ready`` forks too."""
         kv, seqs = self.engine.kv, self.engine.scheduler.seqs.values()
         needing = [(kv.blocks_for(len(s.tokens) + 1), s.klass) for s in seqs if s.status is SeqStatus.WAITING]
         needing += [(kv.growth_cost(s.seq_id, len(s.tokens)), s.klass) for s in seqs  # forks wait too (never dropped)
