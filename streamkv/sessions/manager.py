@@ -319,13 +319,12 @@ class SessionManager:
             held_back.append((need + pending, stream.klass))
             return
         if n_tok:
-            if session.ready is not None:  # stale once this batch is in, and it shares the window:
-                # left open, the eviction copies the window into fresh blocks and the old ones stay
-                # held until the new version is computed (a window over about half the pool then
-                # never found its blocks: helper-35). Closed, the rows move down in their own
-                # blocks: 11 against 55-70 ms for a 6,000-token window (embedded model, Zen 4)
-                self.engine.seq_ops.close(session.ready)
-                session.ready = None
+            # the ready fork is stale once this batch is in, and it shares the window: left open,
+            # the eviction copies the window into fresh blocks and the old ones stay held until
+            # the new version is computed (a window over about half the pool then never found its
+            # blocks: helper-35). Closed, the rows move down in their own blocks: 11 against
+            # 55-70 ms for a 6,000-token window (embedded model, Zen 4)
+            self.close_ready(session)
             try:
                 memory = self._evict(session, n_tok)
             except OutOfBlocksError:
@@ -385,13 +384,17 @@ class SessionManager:
         streams.evict(stream, data.frozen_len, count, picks)
         return keep
 
+    def close_ready(self, session: Session) -> None:
+        """Close the session's ``ready`` fork, if open (queries fork the stream meanwhile)."""
+        if session.ready is not None:
+            self.engine.seq_ops.close(session.ready)
+            session.ready = None
+
     def _refresh_ready(self, session: Session) -> None:
         data, stream = session.data, session.stream
         if session.ready_version == data.data_version or not session.layout.prefix or stream is None:
             return
-        if session.ready is not None:
-            self.engine.seq_ops.close(session.ready)
-            session.ready = None
+        self.close_ready(session)
         peek = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2) if session.spec.ready_exit else None
         try:
             session.ready = self.engine.seq_ops.fork(stream, data.snapshot_len(), session.layout.prefix, peek=peek)

@@ -207,9 +207,7 @@ class Offloader:
         for session in self.manager.sessions.values():
             if self.engine.pool.num_free >= free:
                 return
-            if session.ready is not None:
-                self.engine.seq_ops.close(session.ready)
-                session.ready = None
+            self.manager.close_ready(session)
 
     # ------------------------------------------------------------- persistence
     def maintain(self) -> None:
