@@ -11,7 +11,10 @@ fork held its old window after an eviction) or left the fork gate's gauge set; a
 stop 68 (two streams mid-ingestion waiting for each other's blocks, a stream starved of rows
 behind a request that could fit only once it was offloaded, or behind another stream's chunk
 that could get no block); and those of stop 69 (found by a scan of seeds 10,001-20,000: streams
-mid-ingestion starved beside idle ready forks, with no session idle enough to offload).
+mid-ingestion starved beside idle ready forks, with no session idle enough to offload); and
+that of stop 70 (seed 23061: a session brought back from host opened its ready fork with the
+block another stream, one chunk from idle, needed, over and over; seed 12910: with that fix,
+idle sessions that filled the pool left stale ready forks the engine stepped for, for good).
 """
 from __future__ import annotations
 
@@ -137,6 +140,8 @@ def _drive(engine: Engine, rng: random.Random, cfg: dict[str, Any], sessions: li
 @example(seed=12833)  # the same, with a question's fork waiting too
 @example(seed=13874)  # the same
 @example(seed=15073)  # the same
+@example(seed=23061)  # a restored session's ready fork took the block a stream one chunk from idle needed
+@example(seed=12910)  # then: idle sessions filled the pool, and their stale ready forks kept the engine stepping
 def test_random_multitenant_mixes_end_with_every_answer_right_and_the_pool_empty(seed):
     cfg = _config(seed)
     rng = random.Random(seed * 1000 + 3)

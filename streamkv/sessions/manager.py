@@ -235,10 +235,13 @@ class SessionManager:
     # ------------------------------------------------------------- step hooks
     def has_work(self) -> bool:
         """Records to ingest (an offloaded session's too: it comes back for them), a stale
-        ``ready`` fork to rebuild or a flash batch due, in some resident session."""
+        ``ready`` fork to rebuild while the free blocks hold it (else it waits for a step other
+        work makes: an engine whose pool idle sessions filled stepped for it for good, fuzz seed
+        12910) or a flash batch due, in some resident session."""
         return any((s.stream is None and s.data.queue) or s.stream is not None and (
             s.data.queue or s.stream.num_computed < len(s.stream.tokens)
-            or (s.layout.prefix and s.ready_version != s.data.data_version)
+            or (s.layout.prefix and s.ready_version != s.data.data_version
+                and self._ready_blocks(s) <= self.engine.pool.num_free)
             or (s.ready is not None and s.ready.num_computed < len(s.ready.tokens))
             or (s.flash.questions and s.flash.batch_version is None
                 and s.flash.evaluated_version < s.data.data_version))
@@ -258,7 +261,7 @@ class SessionManager:
             if session.stream is not None:
                 owed = self._owed(session)
                 self._feed(session, pending, held_back)
-                self._refresh_ready(session)
+                self._refresh_ready(session, pending + self._owed(session) - owed)
                 pending += self._owed(session) - owed
                 self.flash.schedule(session)
         self.offload.relieve_pressure(held_back)
@@ -390,17 +393,32 @@ class SessionManager:
             self.engine.seq_ops.close(session.ready)
             session.ready = None
 
-    def _refresh_ready(self, session: Session) -> None:
+    def _refresh_ready(self, session: Session, pending: int) -> None:
+        """Fork a new ``ready`` fork at the newest complete version, if the free blocks hold its
+        own blocks (a copy of the window's last block, the query prefix's rows) beside the
+        ``pending`` blocks fed rows still take. It is an optimisation, and it ranks above the
+        streams: a session brought back from host forked one with the block another stream, a
+        few rows from idle, needed; that stream got no row, a request it kept out of the pool
+        prefilled until it gave its blocks back, and the session went back to host, over and
+        over (fuzz seed 23061). Until it fits, queries fork the stream."""
         data, stream = session.data, session.stream
         if session.ready_version == data.data_version or not session.layout.prefix or stream is None:
             return
         self.close_ready(session)
+        if self._ready_blocks(session) > self.engine.pool.num_free - pending:
+            return
         peek = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2) if session.spec.ready_exit else None
         try:
             session.ready = self.engine.seq_ops.fork(stream, data.snapshot_len(), session.layout.prefix, peek=peek)
         except InvalidRequestError:  # no block for the copy right now: queries fork the stream instead
             return
         session.ready_version = data.data_version
+
+    def _ready_blocks(self, session: Session) -> int:
+        """Blocks a new ``ready`` fork takes of its own: a copy of the window's partial last
+        block and the query prefix's rows (the full blocks before them are shared)."""
+        kv, snap = self.engine.kv, session.data.snapshot_len()
+        return kv.blocks_for(snap + len(session.layout.prefix)) - snap // kv.block_size
 
     def maintain(self) -> None:
         """Periodic work while the engine idles: KV snapshots of idle sessions (session dir)."""
