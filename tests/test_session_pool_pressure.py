@@ -696,7 +696,7 @@ def test_a_ready_fork_waits_while_the_free_blocks_are_owed_to_a_stream_mid_inges
         owed = engine.kv.growth_cost(stream.seq_id, len(stream.tokens))
         assert 0 < stream.num_computed < stream.computable and owed > 1
         waiting = manager.get(other.id)
-        manager.close_ready(waiting)  # as after a restore from host: no ready fork yet
+        manager.ready_forks.close(waiting)  # as after a restore from host: no ready fork yet
         waiting.ready_version = -1
         taken = engine.pool.allocate(engine.pool.num_free - owed) if steal else []
         start = stream.num_computed
@@ -724,7 +724,7 @@ def test_a_ready_fork_that_finds_no_free_block_is_not_work_to_step_for(tmp_path)
     session.ingest()
     state = manager.get(session.id)
     assert state.ready is not None and not engine.has_unfinished()
-    manager.close_ready(state)  # as when it could not be opened beside other streams' rows
+    manager.ready_forks.close(state)  # as when it could not be opened beside other streams' rows
     state.ready_version = -1
     taken = engine.pool.allocate(engine.pool.num_free)
     assert not engine.has_unfinished()

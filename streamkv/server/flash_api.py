@@ -86,7 +86,7 @@ def instant_answer(engine: AsyncEngine, session_id: str, question: str, t0: floa
     kind, ans = manager.flash.lookup(session, question)
     if kind == "hit":
         return flash_result(ans, session_id, t0)
-    ready = manager.ready_exit(session)
+    ready = manager.ready_forks.exit_answer(session)
     return ready_result(ready, session_id, t0) if ready is not None else None
 
 

@@ -116,7 +116,7 @@ class LocalSession:
                      "computed_prompt_tokens": 0}
             return SessionAnswer(ans.answer, ans.data_version, list(ans.token_ids), ans.finish_reason, usage,
                                  time.perf_counter() - t0, source="flash", confidence=ans.confidence)
-        ready = manager.ready_exit(session)
+        ready = manager.ready_forks.exit_answer(session)
         if ready is None:
             return None
         return SessionAnswer(ready["answer"], ready["data_version"], [ready["token_id"]], "stop",

@@ -25,6 +25,7 @@ from streamkv.sched.fork_gate import gated
 from streamkv.sched.sequence import PriorityClass, SeqStatus
 from streamkv.sessions.flash import FlashEvaluator
 from streamkv.sessions.offload import Offloader
+from streamkv.sessions.ready import ReadyForks
 from streamkv.sessions.session import Session, new_session_id, valid_session_id
 from streamkv.sessions.spec import SessionLayout, SessionSpec
 from streamkv.sessions.state import Record, SessionData
@@ -50,6 +51,7 @@ class SessionManager:
         # session back from the dir while its new owner holds it
         self.released: dict[str, float] = {}
         self.offload = Offloader(self)
+        self.ready_forks = ReadyForks(engine)
         self.flash = FlashEvaluator(self)
         if not self.config.adopt_sessions:  # replicas sharing a dir adopt on first use (get)
             self.offload.recover()
@@ -223,15 +225,6 @@ class SessionManager:
         """The rows a question's fork of ``rows`` parent rows and ``added`` own prompt rows may reach."""
         return min(rows + added + params.max_tokens, self.engine.max_model_len)
 
-    def ready_exit(self, session: Session) -> dict[str, Any] | None:
-        """The ready-position answer for the current version, if the session enables it and
-        the top token qualifies (no forward pass); else None."""
-        probe = session.ready_probe
-        if (probe is None or not probe["qualifies"] or not session.spec.ready_exit
-                or probe["data_version"] != session.data.data_version):
-            return None
-        return probe
-
     # ------------------------------------------------------------- step hooks
     def has_work(self) -> bool:
         """Records to ingest (an offloaded session's too: it comes back for them), a stale
@@ -240,8 +233,7 @@ class SessionManager:
         12910) or a flash batch due, in some resident session."""
         return any((s.stream is None and s.data.queue) or s.stream is not None and (
             s.data.queue or s.stream.num_computed < len(s.stream.tokens)
-            or (s.layout.prefix and s.ready_version != s.data.data_version
-                and self._ready_blocks(s) <= self.engine.pool.num_free)
+            or (self.ready_forks.stale(s) and self.ready_forks.fits(s))
             or (s.ready is not None and s.ready.num_computed < len(s.ready.tokens))
             or (s.flash.questions and s.flash.batch_version is None
                 and s.flash.evaluated_version < s.data.data_version))
@@ -261,7 +253,7 @@ class SessionManager:
             if session.stream is not None:
                 owed = self._owed(session)
                 self._feed(session, pending, held_back)
-                self._refresh_ready(session, pending + self._owed(session) - owed)
+                self.ready_forks.refresh(session, pending + self._owed(session) - owed)
                 pending += self._owed(session) - owed
                 self.flash.schedule(session)
         self.offload.relieve_pressure(held_back)
@@ -279,7 +271,7 @@ class SessionManager:
             stream = session.stream
             if stream is None or stream.status is SeqStatus.FINISHED:
                 continue
-            self._take_ready_answer(session)
+            self.ready_forks.take_probe(session)
             self.flash.schedule(session)  # the ready fork built before this step is computed now
             if session.data.advance(stream.num_computed):
                 session.changed_at = time.monotonic()
@@ -287,21 +279,6 @@ class SessionManager:
                              tokens=session.data.snapshot_len(), records_in_window=len(session.data.spans),
                              queued_records=len(session.data.queue))
         return self.flash.collect(outputs)
-
-    def _take_ready_answer(self, session: Session) -> None:
-        ready = session.ready
-        if ready is None or ready.peeked is None or not session.spec.ready_exit:
-            return
-        lp, ready.peeked = ready.peeked, None
-        top = getattr(lp, "top", ())
-        if len(top) < 2:
-            return
-        token, gap = top[0][0], top[0][1] - top[1][1]
-        text = self.engine.tokenizer.decode([token]).strip()
-        ok = text in session.spec.ready_exit_vocab and gap >= session.spec.ready_exit_min_gap
-        probe = {"answer": text, "token_id": token, "gap": gap, "data_version": session.ready_version,
-                 "qualifies": ok}
-        session.ready_probe = probe  # shown in stats, so the vocabulary and min gap can be tuned
 
     def _feed(self, session: Session, pending: int, held_back: list[tuple[int, PriorityClass]]) -> None:
         """Feed the next batch of queued records to an idle stream. While other streams' fed rows
@@ -327,7 +304,7 @@ class SessionManager:
             # the new version is computed (a window over about half the pool then never found its
             # blocks: helper-35). Closed, the rows move down in their own blocks: 11 against
             # 55-70 ms for a 6,000-token window (embedded model, Zen 4)
-            self.close_ready(session)
+            self.ready_forks.close(session)
             try:
                 memory = self._evict(session, n_tok)
             except OutOfBlocksError:
@@ -386,39 +363,6 @@ class SessionManager:
             data.counters.snapkv_fallbacks += 1
         streams.evict(stream, data.frozen_len, count, picks)
         return keep
-
-    def close_ready(self, session: Session) -> None:
-        """Close the session's ``ready`` fork, if open (queries fork the stream meanwhile)."""
-        if session.ready is not None:
-            self.engine.seq_ops.close(session.ready)
-            session.ready = None
-
-    def _refresh_ready(self, session: Session, pending: int) -> None:
-        """Fork a new ``ready`` fork at the newest complete version, if the free blocks hold its
-        own blocks (a copy of the window's last block, the query prefix's rows) beside the
-        ``pending`` blocks fed rows still take. It is an optimisation, and it ranks above the
-        streams: a session brought back from host forked one with the block another stream, a
-        few rows from idle, needed; that stream got no row, a request it kept out of the pool
-        prefilled until it gave its blocks back, and the session went back to host, over and
-        over (fuzz seed 23061). Until it fits, queries fork the stream."""
-        data, stream = session.data, session.stream
-        if session.ready_version == data.data_version or not session.layout.prefix or stream is None:
-            return
-        self.close_ready(session)
-        if self._ready_blocks(session) > self.engine.pool.num_free - pending:
-            return
-        peek = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2) if session.spec.ready_exit else None
-        try:
-            session.ready = self.engine.seq_ops.fork(stream, data.snapshot_len(), session.layout.prefix, peek=peek)
-        except InvalidRequestError:  # no block for the copy right now: queries fork the stream instead
-            return
-        session.ready_version = data.data_version
-
-    def _ready_blocks(self, session: Session) -> int:
-        """Blocks a new ``ready`` fork takes of its own: a copy of the window's partial last
-        block and the query prefix's rows (the full blocks before them are shared)."""
-        kv, snap = self.engine.kv, session.data.snapshot_len()
-        return kv.blocks_for(snap + len(session.layout.prefix)) - snap // kv.block_size
 
     def maintain(self) -> None:
         """Periodic work while the engine idles: KV snapshots of idle sessions (session dir)."""

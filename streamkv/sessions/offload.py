@@ -207,7 +207,7 @@ class Offloader:
         for session in self.manager.sessions.values():
             if self.engine.pool.num_free >= free:
                 return
-            self.manager.close_ready(session)
+            self.manager.ready_forks.close(session)
 
     # ------------------------------------------------------------- persistence
     def maintain(self) -> None:
