@@ -25,29 +25,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
-    """One sample of a Prometheus metric (no labels) from the server's /metrics."""
+def metric(url: str, name: str, headers: dict[str, str] | None = None, where: str | None = None) -> float:
+    """A Prometheus metric from the server's /metrics: its one unlabelled sample, or with ``where``
+    (a label pair, e.g. ``status="499"``) the sum of its labelled samples that carry it (a route
+    label may hold braces, ``{session_id}``: the labels are matched to the line's last ``}``)."""
     text = httpx.get(url + "/metrics", headers=headers).text
+    if where is not None:
+        return sum(float(v) for v in re.findall(rf"^{name}\{{.*{re.escape(where)}.*\}} (\S+)$", text, re.M))
     m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
     assert m, name
     return float(m.group(1))
 
 
-def assert_left_request_stopped(url: str, headers: dict[str, str] | None = None,
-                                settle_s: float = 1.5, window_s: float = 1.5) -> None:
-    """After a client gave up on a long request: once the disconnect is seen (the routes poll every
-    0.25 s) and the abort has gone through the engine (``settle_s``, which must outlast a step in
-    flight), the engine takes no step for ``window_s`` (the request left running would step on)."""
-    time.sleep(settle_s)
-    before = metric(url, "streamkv_engine_steps_total", headers)
-    time.sleep(window_s)
-    assert metric(url, "streamkv_engine_steps_total", headers) == before, "the abandoned request kept running"
-
-
-def count_499(url: str, headers: dict[str, str] | None = None) -> float:
-    """Requests logged as 499 (client closed the request) on any route."""
+def busy(url: str, headers: dict[str, str] | None = None) -> float:
+    """Requests running or waiting plus span queries in progress, as the engine holds them when
+    /metrics is read (a server without span queries has no such gauge: 0)."""
     text = httpx.get(url + "/metrics", headers=headers).text
-    return sum(float(v) for v in re.findall(r'^streamkv_requests_total\{.*status="499".*\} (\S+)$', text, re.M))
+    names = ("streamkv_requests_running", "streamkv_requests_waiting", "streamkv_span_queries_running")
+    return sum(float(m.group(1)) for n in names if (m := re.search(rf"^{n} (\S+)$", text, re.M)))
+
+
+def assert_left_request_stopped(url: str, headers: dict[str, str] | None = None, settle_s: float = 1.5,
+                                window_s: float = 1.5, max_steps: int = 8, timeout: float = 60.0) -> None:
+    """After a client gave up on a long request (its route saw the disconnect): the abort goes
+    through the engine within ``max_steps`` steps (0-2 measured; a request left running takes
+    hundreds), nothing is left running or waiting, and the engine then takes no step for
+    ``window_s``. Waiting for the gauges, not for ``settle_s`` alone: on a loaded 2-core machine a
+    span query's abort, which reaches the engine after the step in flight and the executor's next
+    turn, came after two slow first steps, 1.5 s after its 499."""
+    steps = lambda: metric(url, "streamkv_engine_steps_total", headers)  # noqa: E731
+    seen = steps()
+    time.sleep(settle_s)
+    deadline = time.monotonic() + timeout
+    while busy(url, headers):
+        assert time.monotonic() < deadline, "the abandoned request is still running"
+        time.sleep(0.1)
+    before = steps()
+    assert before - seen <= max_steps, f"the abandoned request ran {before - seen:.0f} more steps"
+    time.sleep(window_s)
+    assert steps() == before, "the abandoned request kept running"
 
 
 def abandon(url: str, path: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 120.0,
@@ -60,7 +76,11 @@ def abandon(url: str, path: str, body: dict, headers: dict[str, str] | None = No
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    before_499, before = count_499(url, headers), metric(url, "streamkv_engine_steps_total", headers)
+
+    def aborted() -> float:  # requests logged as 499 (client closed the request), any route
+        return metric(url, "streamkv_requests_total", headers, where='status="499"')
+
+    before_499, before = aborted(), metric(url, "streamkv_engine_steps_total", headers)
     sock = socket.create_connection((host, int(port)))
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{head}"
                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
@@ -69,7 +89,7 @@ def abandon(url: str, path: str, body: dict, headers: dict[str, str] | None = No
         assert time.monotonic() < deadline, "the request never ran"
         time.sleep(0.02)
     sock.close()
-    while count_499(url, headers) == before_499:
+    while aborted() == before_499:
         assert time.monotonic() < deadline, "no 499 logged: the request finished before the client left"
         time.sleep(0.1)
     assert_left_request_stopped(url, headers, settle_s, window_s)
