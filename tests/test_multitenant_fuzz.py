@@ -124,6 +124,28 @@ def _drive(engine: Engine, rng: random.Random, cfg: dict[str, Any], sessions: li
     return live
 
 
+def setup(seed: int) -> tuple[dict[str, Any], Engine, list[Any], dict[str, Any], dict[str, int]]:
+    """The mix of ``seed`` up to its drain: (config, engine, sessions, finished outputs by
+    request id, each accepted request's max_tokens). ``tests/multitenant_trace.py`` replays it."""
+    cfg = _config(seed)
+    rng = random.Random(seed * 1000 + 3)
+    engine = _engine(seed, cfg)
+    sessions = []
+    for i in range(cfg["sessions"]):
+        spec = SessionSpec(system=f"sys{i}", chat=False, retention_tokens=rng.choice([24, 40, 60]),
+                           evict_tokens=rng.choice([None, 8]), ingest_batch_tokens=rng.choice([8, 16, 64]),
+                           query_prefix=rng.choice(["q:", ""]), query_suffix=rng.choice(["", "a:"]))
+        try:
+            sessions.append(engine.sessions.create(spec))
+        except USER_ERRORS:
+            pass
+    done: dict[str, Any] = {}
+    live = _drive(engine, rng, cfg, sessions, done)
+    for s in sessions:  # offload.WANTED_S is wall time (1 s), not what this checks
+        s.wanted_at = float("-inf")
+    return cfg, engine, sessions, done, live
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000))
 @example(seed=47)   # a swapped request that could not come back behind busy session streams
@@ -143,22 +165,7 @@ def _drive(engine: Engine, rng: random.Random, cfg: dict[str, Any], sessions: li
 @example(seed=23061)  # a restored session's ready fork took the block a stream one chunk from idle needed
 @example(seed=12910)  # then: idle sessions filled the pool, and their stale ready forks kept the engine stepping
 def test_random_multitenant_mixes_end_with_every_answer_right_and_the_pool_empty(seed):
-    cfg = _config(seed)
-    rng = random.Random(seed * 1000 + 3)
-    engine = _engine(seed, cfg)
-    sessions = []
-    for i in range(cfg["sessions"]):
-        spec = SessionSpec(system=f"sys{i}", chat=False, retention_tokens=rng.choice([24, 40, 60]),
-                           evict_tokens=rng.choice([None, 8]), ingest_batch_tokens=rng.choice([8, 16, 64]),
-                           query_prefix=rng.choice(["q:", ""]), query_suffix=rng.choice(["", "a:"]))
-        try:
-            sessions.append(engine.sessions.create(spec))
-        except USER_ERRORS:
-            pass
-    done: dict[str, Any] = {}
-    live = _drive(engine, rng, cfg, sessions, done)
-    for s in sessions:  # offload.WANTED_S is wall time (1 s), not what this checks
-        s.wanted_at = float("-inf")
+    cfg, engine, sessions, done, live = setup(seed)
     for _ in range(DRAIN_STEPS):
         if not engine.has_unfinished():
             break
