@@ -147,7 +147,7 @@ def setup(seed: int) -> tuple[dict[str, Any], Engine, list[Any], dict[str, Any],
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000))
+@given(seed=st.integers(0, 36_000))  # every seed of the range passes (a scan at stop 70)
 @example(seed=47)   # a swapped request that could not come back behind busy session streams
 @example(seed=226)  # the same, 4 requests left waiting
 @example(seed=29)   # two sessions ingesting into a pool that holds either window but not both
