@@ -2,6 +2,7 @@
 scheduler's state step by step through the drain: what to look at when a seed livelocks.
 
     .venv/bin/python -m tests.multitenant_trace 23061 --skip 3000 --steps 12
+    .venv/bin/python -m tests.multitenant_trace 2475 --heavy --skip 3000 --steps 12
 
 Per step: free blocks, each scheduled chunk ``(seq, start, end)``, the preempted, starved and
 stalled sequences; then every sequence that holds KV or waits with rows computed (status,
@@ -41,8 +42,9 @@ def main() -> None:
     ap.add_argument("seed", type=int)
     ap.add_argument("--skip", type=int, default=0, help="drain steps to run before printing")
     ap.add_argument("--steps", type=int, default=20, help="drain steps to print")
+    ap.add_argument("--heavy", action="store_true", help="the session-heavy small-pool variant")
     args = ap.parse_args()
-    cfg, engine, sessions, _, _ = setup(args.seed)
+    cfg, engine, sessions, _, _ = setup(args.seed, args.heavy)
     print("config", cfg)
     plans: list[StepPlan] = []
     schedule = engine.scheduler.schedule
