@@ -179,7 +179,7 @@ def test_random_multitenant_mixes_end_with_every_answer_right_and_the_pool_empty
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 5_000))
+@given(seed=st.integers(0, 11_000))  # every seed of the range passes (a scan at stop 70)
 @example(seed=2475)  # two questions' forks that could not both fit (no fork gate) never failed: swap churn counted as progress
 def test_session_heavy_mixes_on_small_pools_end_the_same_way(seed):
     _check(*setup(seed, heavy=True))
