@@ -85,6 +85,48 @@ def test_random_span_queries_keep_the_kv_exact_and_finish(seed, blocks, budget):
     assert not engine.spans.has_work() and engine.spans._reserved == 0
 
 
+def _steps_to_first_token(engine, runner, query) -> tuple[int, object]:
+    """Engine steps from ``query``'s submission to the first sampled token (an inner gen's:
+    the root samples only after its inner gens finished), and the query's output."""
+    plans = []
+    execute = runner.execute
+
+    def recorded(plan):
+        plans.append(plan)
+        return execute(plan)
+
+    runner.execute = recorded
+    try:
+        out = _run(engine, [query], [])["q0"]
+    finally:
+        runner.execute = execute
+    return next(i for i, p in enumerate(plans, 1) if any(it.sample for it in p.seqs)), out
+
+
+def test_an_inner_gens_uncached_input_and_generation_prompt_are_one_prefill():
+    """Cold: the prefix computes, then the inner gen's request computes its document, its
+    instruction and the generation prompt in one prefill and samples (step 2; one step per
+    piece before: step 4). The states after each piece are still cached: a second instruction
+    over the same document reuses the prefix and the document, samples in its first step,
+    and answers as it does cold."""
+    def query(instruction: str):
+        inner = gen(seq(fragment("abcdefgh" * 3), user(instruction)), max_tokens=3, temperature=0)
+        return gen(seq(fragment("sys"), plus(inner, fragment("qrstuv")), user("tail")), max_tokens=2, temperature=0)
+
+    engine, runner = slot_engine(num_blocks=96, block_size=4, budget=256)
+    steps, _ = _steps_to_first_token(engine, runner, query("ijkl"))
+    assert steps == 2
+    steps, warm = _steps_to_first_token(engine, runner, query("mnop"))
+    usage = warm.metrics["spans"]["usage"]
+    assert steps == 1 and usage["reused_tokens"] >= len("sys") + len("abcdefgh" * 3)
+    alone, _ = slot_engine(num_blocks=96, block_size=4, budget=256)
+    assert warm.token_ids == _run(alone, [query("mnop")], [])["q0"].token_ids
+    assert warm.metrics["spans"]["inner"] == _run(alone, [query("mnop")], [])["q0"].metrics["spans"]["inner"]
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
 def _notes(n: int):
     return [_query([fragment(f"{WORDS[i % 7]}{i}" * 3), fragment(WORDS[(i + 3) % 7] * 2)], "qq") for i in range(n)]
 

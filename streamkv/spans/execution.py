@@ -6,14 +6,17 @@ How a ``plus`` runs from state S (P tokens), with the span cache (``cache.py``):
       ──fork──▶ B: [S | b b]        (cached under key(S, operand))
     plus state: fork(A) + splice(B, rotated by +3) = [S | a a a | b b]   (cached under key(S, plus))
 
-Only text no cached state covers is computed. An inner ``gen`` generates from its input's
-state (an internal request), then its span (input + generation prompt + output) becomes a
-state its parent reuses. The root ``gen`` is an ordinary request under the query's id.
+Only text no cached state covers is computed, and consecutive such pieces in one sequence
+(a ``Run``; the state after each piece is still cached, as a fork of that sequence). An inner
+``gen`` generates from its input's state (an internal request whose prefill is the input's
+uncached pieces and the generation prompt together: one step, not one per piece), then its
+span (input + generation prompt + output) becomes a state its parent reuses. The root ``gen`` is an ordinary request under the query's id.
 Every sequence a span query creates is pinned: never preempted, so its re-positioned KV is
 never recomputed as a plain causal prompt.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator
 
 from streamkv.errors import KVCacheFullError
@@ -28,6 +31,27 @@ if TYPE_CHECKING:
     from streamkv.ops.core import EngineCore
 
 RETRY_STEPS = 64  # steps a query waits for blocks (the cache trims meanwhile) before it fails
+
+
+@dataclass
+class Run:
+    """Text pieces after ``base`` that no cached state covers, computed by one sequence::
+
+        base ── piece 1 ──┬── piece 2 ──┬──▶ ids = piece 1 + piece 2
+                          ends[0]       ends[1]   (key of the state after each piece, its end in ids)
+    """
+
+    base: State
+    ids: list[int] = field(default_factory=list)
+    ends: list[tuple[bytes, int]] = field(default_factory=list)
+
+    @property
+    def key(self) -> bytes:
+        return self.ends[-1][0] if self.ends else self.base.key
+
+    @property
+    def length(self) -> int:
+        return self.base.length + len(self.ids)
 
 
 class Execution:
@@ -67,24 +91,53 @@ class Execution:
             batch = []
         query.usage.prompt_tokens = state.length + sum(o.max_len() for o in ops)
 
-    def _segments(self, query: Query, plan: SpanPlan, state: State) -> Generator[Any, Any, State]:
+    def _segments(self, query: Query, plan: SpanPlan, state: State,
+                  leave_tail: bool = False) -> Generator[Any, Any, Any]:
+        """The state after ``plan``'s segments. Text pieces no cached state covers are
+        computed together, a run of them by one sequence (a later piece's hit covers the ones
+        before it). With ``leave_tail`` the trailing run is returned uncomputed (a ``Run``) for
+        the gen after it to compute in its own request."""
+        run = Run(state)
         for seg in plan.segments:
             if isinstance(seg, Piece):
-                state = yield from self._extend(query, state, seg)
-            else:
-                state = yield from self._plus(query, state, seg)
+                run = self._add_piece(query, run, seg)
+                continue
+            state = yield from self._compute(query, run)
+            state = yield from self._plus(query, state, seg)
+            run = Run(state)
+        if leave_tail:
+            return run
+        return (yield from self._compute(query, run))
+
+    def _add_piece(self, query: Query, run: Run, piece: Piece) -> Run:
+        key = state_key(run.key, piece.key)
+        hit = self._take(query, key, run.base.volatile)
+        if hit is not None:
+            query.usage.reused_tokens += len(run.ids) + len(piece.ids)
+            return Run(hit)
+        run.ids.extend(piece.ids)
+        run.ends.append((key, len(run.ids)))
+        return run
+
+    def _compute(self, query: Query, run: Run) -> Generator[Any, Any, State]:
+        """Compute ``run`` as a stream; the state after each of its pieces is cached."""
+        if not run.ids:
+            return run.base
+        stream = yield from self._stream(query, run.base, run.ids)
+        query.usage.computed_tokens += len(run.ids)
+        state = yield from self._cached(query, State(run.key, stream, run.length, volatile=run.base.volatile,
+                                                     base=run.base.key))
+        yield from self._keep_ends(query, run, state.stream, run.ends[:-1])  # type: ignore[arg-type]
         return state
 
-    def _extend(self, query: Query, state: State, piece: Piece) -> Generator[Any, Any, State]:
-        key = state_key(state.key, piece.key)
-        hit = self._take(query, key, state.volatile)
-        if hit is not None:
-            query.usage.reused_tokens += len(piece.ids)
-            return hit
-        stream = yield from self._stream(query, state, list(piece.ids))
-        query.usage.computed_tokens += len(piece.ids)
-        return (yield from self._cached(query, State(key, stream, state.length + len(piece.ids),
-                                                     volatile=state.volatile, base=state.key)))
+    def _keep_ends(self, query: Query, run: Run, seq: Sequence, ends: list[tuple[bytes, int]]) -> Generator[Any, Any, None]:
+        """Cache the state after each listed piece of ``run`` as a fork of ``seq``, which
+        computed the run (its KV rows are the same bits whichever step computed them)."""
+        if run.base.volatile:
+            return
+        for key, end in ends:
+            stream = yield from self._stream(query, State(key, seq, run.base.length + end), [])
+            yield from self._cached(query, State(key, stream, run.base.length + end, base=run.base.key))
 
     def _plus(self, query: Query, state: State, plus: PlusPlan) -> Generator[Any, Any, State]:
         key = state_key(state.key, plus.key)
@@ -106,35 +159,40 @@ class Execution:
                                                      base=ops[0].key, inner=tuple(texts[p] for p in paths))))
 
     def _operand(self, query: Query, plan: SpanPlan, base: State) -> Generator[Any, Any, State]:
-        state = yield from self._segments(query, plan, base)
         if plan.gen is None:
-            return state
+            return (yield from self._segments(query, plan, base))
+        run: Run = yield from self._segments(query, plan, base, leave_tail=True)
+        if run.base.stream is None and run.ids:  # nothing to fork a request from: a stream first
+            run = Run((yield from self._compute(query, run)))
         gen = plan.gen
-        key = state_key(state.key, gen_key(gen))
-        volatile = state.volatile or not gen.cacheable
+        key = state_key(run.key, gen_key(gen))
+        volatile = run.base.volatile or not gen.cacheable
         hit = self._take(query, key, volatile)
         if hit is not None:
             query.inner.append({"path": plan.path, "text": hit.text or ""})
-            query.usage.reused_tokens += hit.length - state.length
+            query.usage.reused_tokens += hit.length - run.base.length
             return hit
         self.counter += 1
         rid = f"{query.request_id}/{plan.path}#{self.counter}"
         self.owner[rid] = query
         query.internal.add(rid)
-        req = yield from self._fork_request(query, rid, state, list(gen.prompt), gen.params, keep_kv=True)
+        # the run's pieces and the generation prompt are one prefill of the request
+        req = yield from self._fork_request(query, rid, run.base, run.ids + list(gen.prompt), gen.params,
+                                            keep_kv=True)
         query.kept.append(req)
         out = yield Done(rid)
         if out.error or out.finish_reason in ("error", "abort"):
             raise TaskFailed(f"inner gen {plan.path} failed: {out.error or out.finish_reason}")
         query.inner.append({"path": plan.path, "text": out.text})
+        yield from self._keep_ends(query, run, req, run.ends)
         # the span is the request's own KV, as written (prompt, then decode): a stream forks it
         # and computes only the last sampled token, which has no KV yet
         rest = req.tokens[req.num_computed:]
         stream = yield from self._stream(query, State(key, req, req.num_computed), rest)
         self.engine.seq_ops.release_kv(req)
-        query.usage.computed_tokens += len(gen.prompt) + len(out.token_ids)
+        query.usage.computed_tokens += len(run.ids) + len(gen.prompt) + len(out.token_ids)
         return (yield from self._cached(query, State(key, stream, len(req.tokens), text=out.text,
-                                                     volatile=volatile, base=state.key)))
+                                                     volatile=volatile, base=run.key)))
 
     # ----------------------------------------------------------------- helpers
     def _take(self, query: Query, key: bytes, volatile: bool = False) -> State | None:
