@@ -13,11 +13,26 @@ def test_allocate_release_lru_order():
     pool = BlockPool(4, 2)
     a = pool.allocate(2)
     pool.release(reversed(a))
-    assert pool.allocate(1) == [2]  # never-used blocks come first, then least recently freed
-    assert pool.allocate(1) == [3]
+    assert pool.allocate(1) == [a[0]]  # freed blocks holding no hash come first, last freed first
     assert pool.allocate(1) == [a[1]]
+    assert pool.allocate(1) == [2]  # then never-used blocks
     with pytest.raises(OutOfBlocksError):
         pool.allocate(2)
+
+
+def test_cached_blocks_leave_last_and_least_recently_freed_first():
+    """Blocks holding a hash wait at the tail (LRU) while never-used and hashless blocks are
+    taken: the prefix cache keeps its content as long as anything else is free."""
+    pool = BlockPool(5, 2)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, 11)
+    pool.cache(b, 22)
+    pool.release([a, c, b])  # a and b hashed (tail, a first), c hashless (front)
+    assert pool.allocate(1) == [c]
+    assert pool.allocate(2) == [3, 4]
+    assert pool.lookup(11) == a and pool.lookup(22) == b
+    assert pool.allocate(1) == [a] and pool.lookup(11) is None and pool.lookup(22) == b
+    pool.check_integrity([[a], [c], [3, 4]])
 
 
 def test_double_free_detected():

@@ -3,15 +3,20 @@
 Invariants (checked by :meth:`BlockPool.check_integrity`):
 
 * every block is either referenced (``ref_count > 0``) or on the free list, never both;
-* the free list is ordered least-recently-freed first: :meth:`allocate` pops from the
-  front, so a cached block that was just released survives longest;
+* :meth:`allocate` pops from the front of the free list. A block released holding no hash
+  goes to the front (the last such block freed is reused first: its pages are already
+  touched and likely still in the CPU caches, so a never-used block, whose pages the OS must
+  zero-fill on first touch, is taken only when no reused one is free); a block holding a
+  hash goes to the tail, so cached blocks leave least-recently-freed first and one just
+  released survives longest;
 * ``hash -> block`` and ``block.block_hash`` agree; a cached block may sit on the free
   list (ref 0) until it is reused, at which point its hash is dropped (evicted).
 
 ::
 
-    free list (LRU order)      front ──▶ [b7][b2][b9] ◀── tail (freed last)
-    hash index                 h(b2) ─▶ b2,  h(b9) ─▶ b9    (b7 holds no hash)
+    free list                  front ──▶ [b7][b4][b12 b13 .. never used][b2][b9] ◀── tail
+                                         no hash, last freed first         hashed, LRU
+    hash index                 h(b2) ─▶ b2,  h(b9) ─▶ b9    (b7, b4 hold no hash)
 """
 from __future__ import annotations
 
@@ -91,7 +96,8 @@ class BlockPool:
             block.ref_count += 1
 
     def release(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero go to the free-list tail.
+        """Drop one reference from each block; a block reaching zero goes to the free-list
+        tail when it holds a hash (cached), else to its front (reused first).
 
         Callers pass a sequence's blocks tail-first so its last (least shareable) blocks
         are evicted before its prefix.
@@ -103,6 +109,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
 
     def cache(self, block_id: int, block_hash: int) -> bool:
         """Index a full block under its chained hash; False if the hash is already indexed."""
