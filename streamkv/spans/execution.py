@@ -10,7 +10,8 @@ Only text no cached state covers is computed, and consecutive such pieces in one
 (a ``Run``; the state after each piece is still cached, as a fork of that sequence). An inner
 ``gen`` generates from its input's state (an internal request whose prefill is the input's
 uncached pieces and the generation prompt together: one step, not one per piece), then its
-span (input + generation prompt + output) becomes a state its parent reuses. The root ``gen`` is an ordinary request under the query's id.
+span (input + generation prompt + output) becomes a state its parent reuses. The root ``gen``
+is an ordinary request under the query's id.
 Every sequence a span query creates is pinned: never preempted, so its re-positioned KV is
 never recomputed as a plain causal prompt.
 """
