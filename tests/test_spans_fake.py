@@ -146,7 +146,8 @@ def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies(monkeyp
     monkeypatch.setattr(SpanCache, "_offload", watched)
     for q in _notes(4):
         _run(engine, [q], [])
-        sizes = [(k, 64 * len(s.stream.tokens) if s.stream else s.host_bytes) for k, s in cache._entries.items()]
+        sizes = [(k, 64 * len(s.stream.tokens) if s.stream else s.host_bytes) for k, s in cache._entries.items()
+                 if not s.derived]  # (a plus, and text on it, is dropped: its operands stay)
         cache.trim(engine.pool.num_blocks + 1)  # everything unused leaves the pool, least recent first
         expect, total = [], 0  # the newest copies that fit, once copies larger than the budget are dropped
         for key, size in reversed([(k, n) for k, n in sizes if n <= budget]):
@@ -160,6 +161,34 @@ def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies(monkeyp
     cache.clear()
     engine.check_integrity()
     assert cache.host_used == 0 and len(cache) == 0
+
+
+def test_the_host_tier_keeps_operands_not_the_plus_assembled_from_them():
+    """A ``plus`` state (and the question computed on it) repeats its operands' rows: with a
+    host budget that holds two queries' operands, copies of those would push operands out
+    (before: the third query, a new subset of cached operands, recomputed two of them). Now
+    they are dropped, every operand stays, and the subset is assembled from host copies."""
+    def query(ops):
+        return gen(seq(fragment("sys"), plus(*[fragment(o * 4) for o in ops]), user("qq")), max_tokens=2,
+                   temperature=0)
+
+    first, second, mix = ["abc", "defg", "hij", "klmn"], ["opq", "rstu", "vwx", "yzab"], ["hij", "vwx", "abc", "rstu"]
+    operands = 64 * sum(len("sys") + 4 * len(o) for o in first + second)  # 64 bytes per token
+    engine, _ = slot_engine(num_blocks=64, block_size=4, span_host_bytes=operands + 64 * len("sys"))
+    cache = engine.spans.cache
+    for ops in (first, second):
+        _run(engine, [query(ops)], [])
+        cache.trim(engine.pool.num_blocks + 1)  # everything leaves the pool
+    on_host = [s for s in cache._entries.values() if s.host is not None]
+    assert on_host and not any(s.derived for s in on_host) and cache.host_used <= operands + 64 * len("sys")
+    out = _run(engine, [query(mix)], [])["q0"]
+    usage = out.metrics["spans"]["usage"]
+    assert usage["computed_tokens"] < len("qq") + 8 and cache.stats.restores >= 4  # no operand computed
+    alone, _ = slot_engine(num_blocks=64, block_size=4, span_host_bytes=0)
+    assert out.token_ids == _run(alone, [query(mix)], [])["q0"].token_ids
+    cache.clear()
+    engine.check_integrity()
+    assert cache.host_used == 0 and engine.pool.num_free == engine.pool.num_blocks
 
 
 def test_a_host_copy_that_finds_no_blocks_is_a_miss_and_stays_for_later():

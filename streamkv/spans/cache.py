@@ -23,6 +23,11 @@ as the original did and a query holds no more blocks than when it computed the s
 admission counts on that); else every row is loaded into fresh blocks. A copy whose restore
 finds no blocks stays on the host, and the lookup is a miss (the query computes the span; its
 ``put`` replaces the copy).
+
+*Derived* states (an assembled ``plus``, and text computed on one) are dropped, never copied:
+their rows repeat their operands' rows, re-positioned, so a host copy of a 24-operand ``plus``
+(and of the question after it) would take three times the operands' room and push them out,
+while re-assembling it from the operands costs about what restoring the copy would.
 """
 from __future__ import annotations
 
@@ -52,6 +57,9 @@ class State:
     tokens: list[int] | None = None  # the stream's tokens while on the host
     host_bytes: int = 0
     base: bytes | None = None  # the state whose stream this one's was forked from (shares its blocks)
+    # assembled by a splice of other cached states (a plus), or text computed on one: its rows
+    # repeat theirs, so it never takes host room from them (dropped when it leaves the pool)
+    derived: bool = False
 
 
 @dataclass
@@ -173,7 +181,7 @@ class SpanCache:
         stream = state.stream
         assert stream is not None
         size = len(stream.tokens) * self._per_token
-        if not self.host_bytes or size > room or not self._ops.is_idle(stream):
+        if not self.host_bytes or state.derived or size > room or not self._ops.is_idle(stream):
             return False
         self._fit_host(self.host_bytes - size)  # older copies make room first: never over budget
         state.host = self._ops.export(stream, len(stream.tokens))

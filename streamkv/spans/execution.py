@@ -127,7 +127,7 @@ class Execution:
         stream = yield from self._stream(query, run.base, run.ids)
         query.usage.computed_tokens += len(run.ids)
         state = yield from self._cached(query, State(run.key, stream, run.length, volatile=run.base.volatile,
-                                                     base=run.base.key))
+                                                     base=run.base.key, derived=run.base.derived))
         yield from self._keep_ends(query, run, state.stream, run.ends[:-1])  # type: ignore[arg-type]
         return state
 
@@ -138,7 +138,8 @@ class Execution:
             return
         for key, end in ends:
             stream = yield from self._stream(query, State(key, seq, run.base.length + end), [])
-            yield from self._cached(query, State(key, stream, run.base.length + end, base=run.base.key))
+            yield from self._cached(query, State(key, stream, run.base.length + end, base=run.base.key,
+                                                 derived=run.base.derived))
 
     def _plus(self, query: Query, state: State, plus: PlusPlan) -> Generator[Any, Any, State]:
         key = state_key(state.key, plus.key)
@@ -157,7 +158,8 @@ class Execution:
         query.usage.repositioned_tokens += yield from self._with_blocks(
             lambda: self.engine.seq_ops.splice(stream, parts), sum(p[2] for p in parts))  # type: ignore[arg-type]
         return (yield from self._cached(query, State(key, stream, len(stream.tokens), volatile=volatile,
-                                                     base=ops[0].key, inner=tuple(texts[p] for p in paths))))
+                                                     base=ops[0].key, inner=tuple(texts[p] for p in paths),
+                                                     derived=True)))
 
     def _operand(self, query: Query, plan: SpanPlan, base: State) -> Generator[Any, Any, State]:
         if plan.gen is None:
