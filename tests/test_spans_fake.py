@@ -146,8 +146,8 @@ def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies(monkeyp
     monkeypatch.setattr(SpanCache, "_offload", watched)
     for q in _notes(4):
         _run(engine, [q], [])
-        sizes = [(k, 64 * len(s.stream.tokens) if s.stream else s.host_bytes) for k, s in cache._entries.items()
-                 if not s.derived]  # (a plus, and text on it, is dropped: its operands stay)
+        sizes = [(k, 64 * (len(s.stream.tokens) - s.delta * s.base_length) if s.stream else s.host_bytes)
+                 for k, s in cache._entries.items() if not s.assembled]  # (a plus is dropped: its operands stay)
         cache.trim(engine.pool.num_blocks + 1)  # everything unused leaves the pool, least recent first
         expect, total = [], 0  # the newest copies that fit, once copies larger than the budget are dropped
         for key, size in reversed([(k, n) for k, n in sizes if n <= budget]):
@@ -164,28 +164,38 @@ def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies(monkeyp
 
 
 def test_the_host_tier_keeps_operands_not_the_plus_assembled_from_them():
-    """A ``plus`` state (and the question computed on it) repeats its operands' rows: with a
-    host budget that holds two queries' operands, copies of those would push operands out
-    (before: the third query, a new subset of cached operands, recomputed two of them). Now
-    they are dropped, every operand stays, and the subset is assembled from host copies."""
+    """A ``plus`` state repeats its operands' rows, and so did the question computed on it:
+    with a host budget that holds the operands and three questions, full copies of those
+    pushed operands out (before: the third query, a new subset of cached operands, recomputed
+    two of them). Now a plus is dropped and the question keeps only its own rows (restored
+    onto the re-assembled plus), every operand stays, and the subset is assembled from host
+    copies; the first set again, in another order, computes only its generation prompt."""
     def query(ops):
         return gen(seq(fragment("sys"), plus(*[fragment(o * 4) for o in ops]), user("qq")), max_tokens=2,
                    temperature=0)
 
     first, second, mix = ["abc", "defg", "hij", "klmn"], ["opq", "rstu", "vwx", "yzab"], ["hij", "vwx", "abc", "rstu"]
-    operands = 64 * sum(len("sys") + 4 * len(o) for o in first + second)  # 64 bytes per token
-    engine, _ = slot_engine(num_blocks=64, block_size=4, span_host_bytes=operands + 64 * len("sys"))
+    engine, _ = slot_engine(num_blocks=64, block_size=4)
+    r = engine.spans.renderer
+    question, prompt = len(r.text(user("qq"))), len(r.generation_prompt())
+    budget = 64 * (sum(len("sys") + 4 * len(o) for o in first + second) + len("sys") + 3 * question)
+    engine.spans.cache.host_bytes = budget  # (64 bytes per token)
     cache = engine.spans.cache
     for ops in (first, second):
         _run(engine, [query(ops)], [])
         cache.trim(engine.pool.num_blocks + 1)  # everything leaves the pool
     on_host = [s for s in cache._entries.values() if s.host is not None]
-    assert on_host and not any(s.derived for s in on_host) and cache.host_used <= operands + 64 * len("sys")
+    assert not any(s.assembled for s in cache._entries.values()) and cache.host_used <= budget
+    assert sorted(s.host_bytes for s in on_host if s.delta) == [64 * question] * 2  # the questions' own rows
     out = _run(engine, [query(mix)], [])["q0"]
     usage = out.metrics["spans"]["usage"]
-    assert usage["computed_tokens"] < len("qq") + 8 and cache.stats.restores >= 4  # no operand computed
+    assert usage["computed_tokens"] == question + max(prompt, 1) and cache.stats.restores >= 5  # no operand
     alone, _ = slot_engine(num_blocks=64, block_size=4, span_host_bytes=0)
     assert out.token_ids == _run(alone, [query(mix)], [])["q0"].token_ids
+    cache.trim(engine.pool.num_blocks + 1)
+    again = _run(engine, [query(first[::-1])], [])["q0"]  # re-assembled, the question restored onto it
+    assert again.metrics["spans"]["usage"]["computed_tokens"] == max(prompt, 1)
+    assert again.token_ids == _run(alone, [query(first[::-1])], [])["q0"].token_ids
     cache.clear()
     engine.check_integrity()
     assert cache.host_used == 0 and engine.pool.num_free == engine.pool.num_blocks

@@ -245,12 +245,13 @@ class SeqOps:
         return int(sum(c for (_, s, c), sh in zip(parts, shifts) if c and int(sh[0]) != 0))
 
     # ----------------------------------------------------------- offload / restore
-    def export(self, seq: Sequence, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V [layers, num_tokens, kv_heads, head_dim] of a stream's first tokens, on the host."""
-        if not self._kv.has(seq.seq_id) or seq.num_computed < num_tokens:
-            raise RuntimeError(f"export of {num_tokens} tokens needs them computed ({seq.num_computed} are)")
+    def export(self, seq: Sequence, num_tokens: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [layers, num_tokens - start, kv_heads, head_dim] of a stream's rows ``start`` to
+        ``num_tokens``, on the host."""
+        if not self._kv.has(seq.seq_id) or seq.num_computed < num_tokens or not 0 <= start <= num_tokens:
+            raise RuntimeError(f"export of rows {start}:{num_tokens} needs them computed ({seq.num_computed} are)")
         table = self._kv.block_table(seq.seq_id)
-        return self.ops.export(slots_of(table, 0, num_tokens, self._kv.block_size))
+        return self.ops.export(slots_of(table, start, num_tokens - start, self._kv.block_size))
 
     def queries(self, seq: Sequence) -> torch.Tensor | None:
         """A copy of the stream's query window [layers, n, heads, head_dim] if it ends at the
@@ -259,18 +260,21 @@ class SeqOps:
 
     def restore(self, tokens: Seq[int], k: torch.Tensor, v: torch.Tensor,
                 klass: PriorityClass = PriorityClass.STREAM, observe: int = 0,
-                queries: torch.Tensor | None = None, base: Sequence | None = None) -> Sequence:
-        """A stream over ``tokens`` whose KV is ``k``/``v`` (from :meth:`export`), observing its
-        newest ``observe`` rows, its window ``queries`` (from :meth:`queries`) when given.
-        With ``base`` (a computed stream whose tokens start ``tokens``), the stream forks the
-        base's rows (sharing its full blocks, as the stream it was exported from did) and
-        loads only the rows after them.
+                queries: torch.Tensor | None = None, base: Sequence | None = None, rows_from: int = 0) -> Sequence:
+        """A stream over ``tokens`` whose KV is ``k``/``v`` (from :meth:`export`: rows
+        ``rows_from`` on), observing its newest ``observe`` rows, its window ``queries`` (from
+        :meth:`queries`) when given. With ``base`` (a computed stream whose tokens start
+        ``tokens``), the stream forks the base's rows (sharing its full blocks, as the stream it
+        was exported from did) and loads only the rows after them; rows before ``rows_from``
+        must come from the base.
 
         Raises OutOfBlocksError (nothing changed) when the pool is short.
         """
+        start = 0 if base is None else len(base.tokens)
+        if start < rows_from:
+            raise ValueError(f"KV rows from {rows_from} need a base of at least {rows_from} tokens, got {start}")
         seq = self._new(list(tokens), klass)
         seq.observe = observe
-        start = 0 if base is None else len(base.tokens)
         try:
             if base is None:
                 blocks = self._kv.adopt(seq.seq_id, len(tokens))
@@ -279,7 +283,8 @@ class SeqOps:
                 if not self._kv.grow(seq.seq_id, len(tokens)):
                     raise OutOfBlocksError(f"no blocks for {len(tokens) - start} restored rows")
                 blocks = self._kv.block_table(seq.seq_id)
-            self.ops.load(slots_of(blocks, start, len(tokens) - start, self._kv.block_size), k, v, start)
+            self.ops.load(slots_of(blocks, start, len(tokens) - start, self._kv.block_size), k, v,
+                          start - rows_from)
         except KVCacheFullError:
             raise OutOfBlocksError("no block for the fork's partial copy") from None
         except BaseException:

@@ -24,10 +24,12 @@ admission counts on that); else every row is loaded into fresh blocks. A copy wh
 finds no blocks stays on the host, and the lookup is a miss (the query computes the span; its
 ``put`` replaces the copy).
 
-*Derived* states (an assembled ``plus``, and text computed on one) are dropped, never copied:
-their rows repeat their operands' rows, re-positioned, so a host copy of a 24-operand ``plus``
-(and of the question after it) would take three times the operands' room and push them out,
-while re-assembling it from the operands costs about what restoring the copy would.
+An assembled ``plus`` is dropped, never copied: its rows repeat its operands' rows,
+re-positioned, so a host copy of a 24-operand ``plus`` (and of the question after it, a fork of
+it) took three times the operands' room and pushed them out, while re-assembling it from the
+operands costs about what restoring the copy would. Text computed on one is a *delta* copy:
+only the rows after its base, restored onto the base (which a query always holds when it
+looks the text up: the key goes through it), else a miss.
 """
 from __future__ import annotations
 
@@ -57,9 +59,14 @@ class State:
     tokens: list[int] | None = None  # the stream's tokens while on the host
     host_bytes: int = 0
     base: bytes | None = None  # the state whose stream this one's was forked from (shares its blocks)
-    # assembled by a splice of other cached states (a plus), or text computed on one: its rows
-    # repeat theirs, so it never takes host room from them (dropped when it leaves the pool)
-    derived: bool = False
+    # a plus: its rows are its operands' rows, spliced, so it never takes host room from them
+    # (dropped when it leaves the pool; a hit re-assembles it from the operands)
+    assembled: bool = False
+    # text computed on an assembled state (directly or through other such text): its host copy
+    # holds only its own rows, after the base's ``base_length``, and restores onto the base
+    delta: bool = False
+    base_length: int = 0
+    host_from: int = 0  # the first row of the host copy (``base_length`` for a delta copy, else 0)
 
 
 @dataclass
@@ -173,19 +180,20 @@ class SpanCache:
 
     def _drop_host(self, state: State) -> None:
         self.host_used -= state.host_bytes
-        state.host, state.tokens, state.host_bytes = None, None, 0
+        state.host, state.tokens, state.host_bytes, state.host_from = None, None, 0, 0
 
     def _offload(self, state: State, room: int) -> bool:
         """Copy an idle state's K/V to the host and close its stream (False: it needs more than
         ``room`` bytes, or the tier is off)."""
         stream = state.stream
         assert stream is not None
-        size = len(stream.tokens) * self._per_token
-        if not self.host_bytes or state.derived or size > room or not self._ops.is_idle(stream):
+        start = state.base_length if state.delta else 0
+        size = (len(stream.tokens) - start) * self._per_token
+        if not self.host_bytes or state.assembled or size > room or not self._ops.is_idle(stream):
             return False
         self._fit_host(self.host_bytes - size)  # older copies make room first: never over budget
-        state.host = self._ops.export(stream, len(stream.tokens))
-        state.tokens, state.host_bytes = list(stream.tokens), size
+        state.host = self._ops.export(stream, len(stream.tokens), start=start)
+        state.tokens, state.host_bytes, state.host_from = list(stream.tokens), size, start
         self.host_used += size
         self._ops.close(stream)
         state.stream = None
@@ -211,9 +219,12 @@ class SpanCache:
         state.uses += 1  # not dropped by the trim below
         try:
             for attempt in range(2):
-                try:  # (the base again after a trim, which may have moved it out)
-                    state.stream = self._ops.restore(tokens, k, v, klass=PriorityClass.POOL,
-                                                     base=self._base_stream(state))
+                base = self._base_stream(state)  # (again after a trim, which may have moved it out)
+                if state.host_from and (base is None or len(base.tokens) < state.host_from):
+                    return False  # a delta copy without its base: a miss, the copy kept
+                try:
+                    state.stream = self._ops.restore(tokens, k, v, klass=PriorityClass.POOL, base=base,
+                                                     rows_from=state.host_from)
                     break
                 except OutOfBlocksError:
                     if attempt:

@@ -55,6 +55,12 @@ class Run:
         return self.base.length + len(self.ids)
 
 
+def _on(base: State) -> dict[str, Any]:
+    """The fields of a text state computed on ``base``: a delta copy on the host when the base
+    is an assembled plus (or text on one), whose rows the text's copy need not repeat."""
+    return {"base": base.key, "base_length": base.length, "delta": base.assembled or base.delta}
+
+
 class Execution:
     """The computation of span queries on one engine; ``owner`` maps internal request ids
     (inner gens) to their query, ``steps()`` counts engine steps (for ``Step`` waits)."""
@@ -127,7 +133,7 @@ class Execution:
         stream = yield from self._stream(query, run.base, run.ids)
         query.usage.computed_tokens += len(run.ids)
         state = yield from self._cached(query, State(run.key, stream, run.length, volatile=run.base.volatile,
-                                                     base=run.base.key, derived=run.base.derived))
+                                                     **_on(run.base)))
         yield from self._keep_ends(query, run, state.stream, run.ends[:-1])  # type: ignore[arg-type]
         return state
 
@@ -138,8 +144,7 @@ class Execution:
             return
         for key, end in ends:
             stream = yield from self._stream(query, State(key, seq, run.base.length + end), [])
-            yield from self._cached(query, State(key, stream, run.base.length + end, base=run.base.key,
-                                                 derived=run.base.derived))
+            yield from self._cached(query, State(key, stream, run.base.length + end, **_on(run.base)))
 
     def _plus(self, query: Query, state: State, plus: PlusPlan) -> Generator[Any, Any, State]:
         key = state_key(state.key, plus.key)
@@ -159,7 +164,7 @@ class Execution:
             lambda: self.engine.seq_ops.splice(stream, parts), sum(p[2] for p in parts))  # type: ignore[arg-type]
         return (yield from self._cached(query, State(key, stream, len(stream.tokens), volatile=volatile,
                                                      base=ops[0].key, inner=tuple(texts[p] for p in paths),
-                                                     derived=True)))
+                                                     assembled=True)))
 
     def _operand(self, query: Query, plan: SpanPlan, base: State) -> Generator[Any, Any, State]:
         if plan.gen is None:
