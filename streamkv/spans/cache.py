@@ -46,7 +46,7 @@ from streamkv.sched.sequence import PriorityClass, Sequence
 @dataclass
 class State:
     """``stream`` holds the KV of ``length`` tokens (None: the empty root state, or a state
-    moved to the host, whose K/V [layers, len(tokens), kv_heads, head_dim] are ``host``)."""
+    moved to the host, whose K/V [layers, len(tokens) - host_from, kv_heads, head_dim] are ``host``)."""
 
     key: bytes
     stream: Sequence | None
