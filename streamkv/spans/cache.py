@@ -139,7 +139,8 @@ class SpanCache:
         would stay there (its size plus the newer host copies fit ``host_bytes``; older ones
         are dropped to make room), else dropped. Returns how many left the pool."""
         moved, newer = 0, self.host_used  # host bytes of the copies newer than the current key
-        for key in list(self._entries):
+        keys = list(self._entries)
+        for i, key in enumerate(keys):
             over = len(self._entries) > self.max_entries
             if self._kv.pool.num_free >= free_blocks and not over:
                 break
@@ -153,7 +154,35 @@ class SpanCache:
             if not over and self._offload(state, room=self.host_bytes - newer):
                 continue
             self._drop(key)
+            if state.assembled:
+                moved += self._move_dependents(key, over)
+                newer = sum(s.host_bytes for k in keys[i + 1:] if (s := self._entries.get(k)) is not None)
         return moved
+
+    def _move_dependents(self, key: bytes, drop: bool) -> int:
+        """Move the idle states computed on ``key`` (an assembled plus that just left the pool)
+        out of it too, and theirs, as host copies (text on a plus: delta copies) or dropped:
+        left behind, each would hold the plus's rows alone, and a query re-assembling the plus
+        would hold them twice, more blocks than its admission counted (found by the span fuzz,
+        seed 20614). Restored, they fork the re-assembled plus and share its blocks again."""
+        moved = 0
+        for dep_key, dep in list(self._entries.items()):
+            if dep.base != key or dep.stream is None or dep.uses:
+                continue
+            moved += 1
+            if drop or not self._offload(dep, room=self.host_bytes - self._newer_than(dep_key)):
+                self._drop(dep_key)
+            moved += self._move_dependents(dep_key, drop)
+        return moved
+
+    def _newer_than(self, key: bytes) -> int:
+        """Host bytes of the copies more recent than ``key``."""
+        total = 0
+        for k in reversed(self._entries):
+            if k == key:
+                return total
+            total += self._entries[k].host_bytes
+        return total
 
     def clear(self) -> int:
         """Drop every unused state, in the pool or on the host (``DELETE /v1/spans/cache``)."""
