@@ -29,7 +29,8 @@ re-positioned, so a host copy of a 24-operand ``plus`` (and of the question afte
 it) took three times the operands' room and pushed them out, while re-assembling it from the
 operands costs about what restoring the copy would. Text computed on one is a *delta* copy:
 only the rows after its base, restored onto the base (which a query always holds when it
-looks the text up: the key goes through it), else a miss.
+looks the text up: the key goes through it), else a miss. The states computed on a ``plus``
+leave the pool with it, so none holds the plus's rows alone.
 """
 from __future__ import annotations
 
