@@ -67,7 +67,11 @@ class State:
     # holds only its own rows, after the base's ``base_length``, and restores onto the base
     delta: bool = False
     base_length: int = 0
-    host_from: int = 0  # the first row of the host copy (``base_length`` for a delta copy, else 0)
+
+    @property
+    def host_from(self) -> int:
+        """The first row a host copy holds: the base's length for a delta copy, else 0."""
+        return self.base_length if self.delta else 0
 
 
 @dataclass
@@ -210,20 +214,20 @@ class SpanCache:
 
     def _drop_host(self, state: State) -> None:
         self.host_used -= state.host_bytes
-        state.host, state.tokens, state.host_bytes, state.host_from = None, None, 0, 0
+        state.host, state.tokens, state.host_bytes = None, None, 0
 
     def _offload(self, state: State, room: int) -> bool:
         """Copy an idle state's K/V to the host and close its stream (False: it needs more than
         ``room`` bytes, or the tier is off)."""
         stream = state.stream
         assert stream is not None
-        start = state.base_length if state.delta else 0
+        start = state.host_from
         size = (len(stream.tokens) - start) * self._per_token
         if not self.host_bytes or state.assembled or size > room or not self._ops.is_idle(stream):
             return False
         self._fit_host(self.host_bytes - size)  # older copies make room first: never over budget
         state.host = self._ops.export(stream, len(stream.tokens), start=start)
-        state.tokens, state.host_bytes, state.host_from = list(stream.tokens), size, start
+        state.tokens, state.host_bytes = list(stream.tokens), size
         self.host_used += size
         self._ops.close(stream)
         state.stream = None
