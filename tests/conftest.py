@@ -20,6 +20,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def embedded_checkpoint_read_once():
+    """Engines built in this process read the embedded model's GGUF once per dtype.
+
+    About 70 tests build an engine of the embedded model, each of which read, parsed and
+    dequantized the same file (~1 s of a ~2 s build on a 2-vCPU AMD EPYC Zen 3). Loading
+    returns fresh, never-mutated tensors and an immutable tokenizer, so engines may share one
+    :class:`LoadedCheckpoint`: the model, kernels, KV cache and runner are still built per
+    engine. Only ``streamkv.loading.load_checkpoint`` as ``build_bundle`` finds it is wrapped,
+    and only for the default model without a progress bar; ``tests/test_loading.py`` imported
+    the real function before this runs and checks loading itself."""
+    import streamkv.loading as loading
+
+    real = loading.load_checkpoint
+    default = loading.default_model_path()
+    kept: dict = {}
+
+    def load_checkpoint(path=None, dtype=torch.float32, *, show_progress=False):
+        if show_progress or (path is not None and os.path.realpath(os.fspath(path)) != os.path.realpath(default)):
+            return real(path, dtype, show_progress=show_progress)
+        if dtype not in kept:
+            kept[dtype] = real(None, dtype)
+        return kept[dtype]
+
+    loading.load_checkpoint = load_checkpoint
+    yield kept
+    loading.load_checkpoint = real
+
+
 @pytest.fixture(scope="session")
 def smol_fp32():
     """The embedded SmolLM2-135M-Instruct in float32 (the exactness reference)."""
