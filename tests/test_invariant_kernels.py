@@ -31,7 +31,7 @@ def test_the_built_library_is_named_for_its_cpu(monkeypatch):
     """The library is built with -march=native but was named by the sources and flags only, so a
     cache directory shared with another CPU handed it a library built for this one (illegal
     instructions there, or other bits)."""
-    import streamkv.native as native
+    import streamkv.native.loader as native
 
     try:
         native.build_tag.cache_clear()
@@ -51,7 +51,7 @@ def test_the_built_library_is_named_for_its_cpu(monkeypatch):
 def test_a_cache_directory_that_cannot_hold_the_build_costs_the_cache_not_the_start(tmp_path, monkeypatch):
     """A cache root under a plain file: the build raised NotADirectoryError, the start then failed
     with "numerics=invariant needs the native kernels (a C compiler ...)"."""
-    import streamkv.native as native
+    import streamkv.native.loader as native
 
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path / "file" / "sub"))

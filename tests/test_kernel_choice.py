@@ -342,9 +342,9 @@ def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
 def test_invariant_numerics_without_native_kernels_are_a_clear_error(tiny_gguf, capsys, monkeypatch):
     # serve / generate died with a RuntimeError traceback while building the model, and `info`
     # printed a choice (exit 0) for a configuration that cannot run
-    import streamkv.native as native
+    import streamkv.native.loader as loader
 
-    monkeypatch.setattr(native, "_library", lambda: None)
+    monkeypatch.setattr(loader, "_library", lambda: None)
     for argv in (["info", "--model", tiny_gguf], ["generate", "--model", tiny_gguf, "--max-tokens", "2", "hi"]):
         assert cli_main(argv) == 2, argv
         assert "numerics=invariant needs the native kernels" in capsys.readouterr().err
@@ -407,7 +407,7 @@ def test_a_damaged_cached_native_library_is_built_again(tmp_path, monkeypatch):
     kernels on every start (invariant numerics then refused to run) until removed by hand."""
     import shutil
 
-    import streamkv.native as native
+    import streamkv.native.loader as native
 
     built = native._build()  # this machine's library (already built for the suite)
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
@@ -434,7 +434,7 @@ def test_info_says_why_nothing_was_measured():
 def test_the_library_is_named_for_what_march_native_means_here(monkeypatch):
     # two CPUs alike in model name and VECTOR_FLAGS shared one library although -march=native
     # enables other extensions on each (instructions the other may not have)
-    import streamkv.native as native
+    import streamkv.native.loader as native
 
     here = native._native_target.__wrapped__(native._compiler())
     if native._compiler() is not None and os.uname().machine == "x86_64":

@@ -84,7 +84,8 @@ def test_an_in_place_move_whose_ranges_overlap_equals_a_move_into_fresh_slots(dt
     6,000-token window's staging was ~45 ms of the eviction's 125); a move up (a slot written
     before the row that reads it) still stages them. Either way the result is bit-identical to
     the same move into untouched slots."""
-    from streamkv.native import _kv_move, _library
+    from streamkv.native.exact_ops import _kv_move
+    from streamkv.native.loader import _library
 
     lib = _library()
     between, ordered = _Calls(lib.streamkv_kv_move_between), _Calls(lib.streamkv_kv_move_ordered)

@@ -112,7 +112,7 @@ def _page_scorers(tmp_path, builds: dict[str, list[str]]) -> dict:
     import functools
     import subprocess
 
-    from streamkv import native
+    from streamkv.native import fast_ops, loader as native
 
     src, built = native._HERE / "page_select.c", native._library().streamkv_page_select
     procs = {name: subprocess.Popen([native._compiler(), *native._FLAGS, *flags, "-shared", str(src), "-o",
@@ -122,7 +122,7 @@ def _page_scorers(tmp_path, builds: dict[str, list[str]]) -> dict:
         assert proc.wait(timeout=120) == 0, name
         fn = ctypes.CDLL(str(tmp_path / f"{name}.so")).streamkv_page_select
         fn.restype, fn.argtypes = built.restype, built.argtypes
-        out[name] = functools.partial(native._select, fn)
+        out[name] = functools.partial(fast_ops._select, fn)
     return out
 
 
