@@ -147,7 +147,7 @@ def test_the_host_tier_keeps_its_budget_dropping_the_least_recent_copies(monkeyp
     monkeypatch.setattr(SpanCache, "_offload", watched)
     for q in _notes(4):
         _run(engine, [q], [])
-        sizes = [(k, 64 * (len(s.stream.tokens) - s.delta * s.base_length) if s.stream else s.host_bytes)
+        sizes = [(k, 64 * (len(s.stream.tokens) - s.host_from) if s.stream else s.host_bytes)
                  for k, s in cache._entries.items() if not s.assembled]  # (a plus is dropped: its operands stay)
         cache.trim(engine.pool.num_blocks + 1)  # everything unused leaves the pool, least recent first
         expect, total = [], 0  # the newest copies that fit, once copies larger than the budget are dropped
@@ -187,7 +187,7 @@ def test_the_host_tier_keeps_operands_not_the_plus_assembled_from_them():
         cache.trim(engine.pool.num_blocks + 1)  # everything leaves the pool
     on_host = [s for s in cache._entries.values() if s.host is not None]
     assert not any(s.assembled for s in cache._entries.values()) and cache.host_used <= budget
-    assert sorted(s.host_bytes for s in on_host if s.delta) == [64 * question] * 2  # the questions' own rows
+    assert sorted(s.host_bytes for s in on_host if s.root is not None) == [64 * question] * 2  # the questions' own rows
     out = _run(engine, [query(mix)], [])["q0"]
     usage = out.metrics["spans"]["usage"]
     assert usage["computed_tokens"] == question + max(prompt, 1) and cache.stats.restores >= 5  # no operand
@@ -200,6 +200,86 @@ def test_the_host_tier_keeps_operands_not_the_plus_assembled_from_them():
     cache.clear()
     engine.check_integrity()
     assert cache.host_used == 0 and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_text_on_text_on_a_plus_leaves_the_pool_with_the_plus_and_restores_onto_it():
+    """Text on text on a plus (``user(x)``, then ``user(y)`` after it) shares the plus's blocks
+    through ``x``'s state. Before: only states whose *base* was the plus left the pool with it,
+    so once ``x``'s state had gone (no host room), ``y``'s stayed when the plus left, holding
+    the plus's old rows; a query re-assembling the plus then held them twice (review of the
+    stop-72 cascade). Now every state whose *root* is the plus leaves with it, and its delta
+    copy restores onto the re-assembled plus although its base (``x``) is gone."""
+    def query(*tails, ops=("abcdefg", "hijklmn")):
+        return gen(seq(fragment("sys"), plus(*[fragment(o) for o in ops]), *[user(t) for t in tails]),
+                   max_tokens=2, temperature=0)
+
+    engine, _ = slot_engine(num_blocks=96, block_size=4)
+    cache, pool = engine.spans.cache, engine.pool
+    for tails in (("xxxxx",), ("xxxxx", "yyyyy"), ("zzzzz",)):  # the last takes the plus again: it is newest
+        _run(engine, [query(*tails)], [])
+    plus_key = next(k for k, s in cache._entries.items() if s.assembled)
+    x_key = next(k for k, s in cache._entries.items() if s.base == plus_key and s.length == 22)
+    host, cache.host_bytes = cache.host_bytes, 1  # x's state leaves and finds no host room: dropped
+    while x_key in cache:
+        cache.trim(pool.num_free + 1)
+    cache.host_bytes = host
+    _run(engine, [query("xxxxx", "yyyyy")], [])  # the plus hits, x misses, y's state hits (covering x)
+    y = next(s for s in cache._entries.values() if s.length == 27)
+    assert y.base != plus_key and y.base not in cache  # on the plus only through x's (gone) state
+    while plus_key in cache:
+        cache.trim(pool.num_free + 1)
+    assert cache.held_blocks() == 0 and pool.num_free == pool.num_blocks  # y left with the plus
+    assert y.stream is None and y.host is not None and y.host_from == 17  # on the host: its own rows
+    permuted = query("xxxxx", "yyyyy", ops=("hijklmn", "abcdefg"))
+    out = _run(engine, [permuted], [])["q0"]  # the plus re-assembled from its operands, y restored onto it
+    assert out.metrics["spans"]["usage"]["reused_tokens"] == 3 + 10
+    assert y.stream is not None and y.stream.tokens[:17] == cache._entries[plus_key].stream.tokens
+    shared = set(engine.kv.block_table(cache._entries[plus_key].stream.seq_id)[:17 // 4])
+    assert shared <= set(engine.kv.block_table(y.stream.seq_id))  # the plus's full blocks, not a second copy
+    alone, _ = slot_engine(num_blocks=96, block_size=4, span_host_bytes=0)
+    assert out.token_ids == _run(alone, [permuted], [])["q0"].token_ids
+    cache.clear()
+    engine.check_integrity()
+
+
+def test_a_state_in_use_when_its_plus_leaves_follows_it_once_released():
+    engine, _ = slot_engine(num_blocks=96, block_size=4)
+    cache, pool = engine.spans.cache, engine.pool
+    _run(engine, [gen(seq(fragment("sys"), plus(fragment("abcdefg"), fragment("hijklmn")), user("xxxxx")),
+                      max_tokens=2, temperature=0)], [])
+    plus_key = next(k for k, s in cache._entries.items() if s.assembled)
+    x = cache.take(next(k for k, s in cache._entries.items() if s.root == plus_key))  # held, as by a query
+    while plus_key in cache:
+        cache.trim(pool.num_free + 1)
+    assert x.stream is not None and x.orphaned and cache.held_blocks() > 0
+    cache.release(x)  # idle now: it leaves the pool as the plus did, a copy of its own rows
+    assert x.stream is None and x.host is not None and x.host_from == 17 and not x.orphaned
+    assert cache.held_blocks() == 0 and pool.num_free == pool.num_blocks
+    cache.clear()
+    engine.check_integrity()
+
+
+def test_an_inner_gen_on_a_plus_keeps_only_its_own_rows_on_the_host():
+    """A gen whose input holds a plus shares the plus's blocks like text on it: its host copy
+    holds the rows after the plus, and it restores onto the re-assembled plus."""
+    def query(a, b):
+        inner = gen(seq(fragment("abc"), plus(fragment(a), fragment(b)), user("qq")), max_tokens=3, temperature=0)
+        return gen(seq(fragment("sys"), plus(inner, fragment("ijklmn")), user("zz")), max_tokens=2, temperature=0)
+
+    engine, _ = slot_engine(num_blocks=96, block_size=4)
+    cache, pool = engine.spans.cache, engine.pool
+    first = _run(engine, [query("defgh", "uvwxyz")], [])["q0"]
+    cache.trim(pool.num_blocks + 1)  # everything leaves the pool
+    inner = next(s for s in cache._entries.values() if s.text is not None)
+    assert inner.root is not None and 0 < inner.host_from < inner.length  # after the inner plus's rows
+    assert inner.host_bytes == 64 * (inner.length - inner.host_from)  # (64 bytes per token)
+    assert cache.held_blocks() == 0 and pool.num_free == pool.num_blocks
+    again = _run(engine, [query("uvwxyz", "defgh")], [])["q0"]  # inner plus re-assembled, the gen restored on it
+    assert again.metrics["spans"]["inner"] == first.metrics["spans"]["inner"] and inner.stream is not None
+    alone, _ = slot_engine(num_blocks=96, block_size=4, span_host_bytes=0)
+    assert again.token_ids == _run(alone, [query("uvwxyz", "defgh")], [])["q0"].token_ids
+    cache.clear()
+    engine.check_integrity()
 
 
 def test_a_host_copy_that_finds_no_blocks_is_a_miss_and_stays_for_later():

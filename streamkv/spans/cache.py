@@ -63,15 +63,18 @@ class State:
     # a plus: its rows are its operands' rows, spliced, so it never takes host room from them
     # (dropped when it leaves the pool; a hit re-assembles it from the operands)
     assembled: bool = False
-    # text computed on an assembled state (directly or through other such text): its host copy
-    # holds only its own rows, after the base's ``base_length``, and restores onto the base
-    delta: bool = False
-    base_length: int = 0
+    # the assembled plus whose blocks this state's stream shares, through any chain of states
+    # computed on it (None: none), and its length. When that plus leaves the pool, so does this
+    # state; its host copy holds only the rows after the plus (a delta copy) and restores onto
+    # its base, or onto the (re-assembled) plus itself when the base is not in the pool
+    root: bytes | None = None
+    root_length: int = 0
+    orphaned: bool = False  # its root left the pool while this state was in use: leaves it when released
 
     @property
     def host_from(self) -> int:
-        """The first row a host copy holds: the base's length for a delta copy, else 0."""
-        return self.base_length if self.delta else 0
+        """The first row a host copy holds: the root plus's length, else 0."""
+        return self.root_length if self.root is not None else 0
 
 
 @dataclass
@@ -137,6 +140,10 @@ class SpanCache:
 
     def release(self, state: State) -> None:
         state.uses = max(0, state.uses - 1)
+        if not state.uses and state.orphaned and self._entries.get(state.key) is state:
+            state.orphaned = False
+            if state.stream is not None:
+                self._move_out(state.key, state, drop=False)
 
     def trim(self, free_blocks: int) -> int:
         """Move unused states out of the pool, least recent first, until it has ``free_blocks``
@@ -165,20 +172,30 @@ class SpanCache:
         return moved
 
     def _move_dependents(self, key: bytes, drop: bool) -> int:
-        """Move the idle states computed on ``key`` (an assembled plus that just left the pool)
-        out of it too, and theirs, as host copies (text on a plus: delta copies) or dropped:
-        left behind, each would hold the plus's rows alone, and a query re-assembling the plus
-        would hold them twice, more blocks than its admission counted (found by the span fuzz,
-        seed 20614). Restored, they fork the re-assembled plus and share its blocks again."""
+        """Move the states whose streams share the blocks of ``key`` (an assembled plus that
+        just left the pool: ``State.root``, at any depth) out of the pool too, as host copies
+        (delta copies for text on it) or dropped; one in use leaves when it is released. Left
+        behind, each would hold the plus's rows alone, and a query re-assembling the plus
+        would hold them twice, more blocks than its admission counted (found by the span
+        fuzz, seed 20614; through text on text on the plus, by review). Restored, they fork
+        the re-assembled plus and share its blocks again."""
         moved = 0
         for dep_key, dep in list(self._entries.items()):
-            if dep.base != key or dep.stream is None or dep.uses:
+            if dep.root != key or dep.stream is None:
                 continue
-            moved += 1
-            if drop or not self._offload(dep, room=self.host_bytes - self._newer_than(dep_key)):
-                self._drop(dep_key)
-            moved += self._move_dependents(dep_key, drop)
+            if dep.uses:
+                dep.orphaned = True
+                continue
+            moved += 1 + self._move_out(dep_key, dep, drop)
         return moved
+
+    def _move_out(self, key: bytes, state: State, drop: bool) -> int:
+        """Offload an idle state (unless ``drop``), else drop it and, for a plus, the states on
+        it; how many of those left the pool."""
+        if not drop and self._offload(state, room=self.host_bytes - self._newer_than(key)):
+            return 0
+        self._drop(key)
+        return self._move_dependents(key, drop) if state.assembled else 0
 
     def _newer_than(self, key: bytes) -> int:
         """Host bytes of the copies more recent than ``key``."""
@@ -271,8 +288,13 @@ class SpanCache:
         return True
 
     def _base_stream(self, state: State) -> Sequence | None:
-        base = self._entries.get(state.base) if state.base is not None else None
-        if base is None or base.stream is None or not self._ops.is_idle(base.stream):
-            return None
-        n = len(base.stream.tokens)
-        return base.stream if n <= len(state.tokens or ()) and base.stream.tokens == state.tokens[:n] else None
+        """An idle stream in the pool whose tokens start the state's: its base's, else (a delta
+        copy whose base is gone) its root plus's; None without either."""
+        for key in (state.base, state.root):
+            base = self._entries.get(key) if key is not None else None
+            if base is None or base.stream is None or not self._ops.is_idle(base.stream):
+                continue
+            n = len(base.stream.tokens)
+            if n <= len(state.tokens or ()) and base.stream.tokens == state.tokens[:n]:
+                return base.stream
+        return None

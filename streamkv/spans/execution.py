@@ -55,10 +55,18 @@ class Run:
         return self.base.length + len(self.ids)
 
 
-def _on(base: State) -> dict[str, Any]:
-    """The fields of a text state computed on ``base``: a delta copy on the host when the base
-    is an assembled plus (or text on one), whose rows the text's copy need not repeat."""
-    return {"base": base.key, "base_length": base.length, "delta": base.assembled or base.delta}
+def _root(state: State) -> dict[str, Any]:
+    """The root fields of a state forked from ``state``: the assembled plus whose blocks it
+    shares (``state`` itself, or ``state``'s root) and that plus's length."""
+    if state.assembled:
+        return {"root": state.key, "root_length": state.length}
+    return {"root": state.root, "root_length": state.root_length}
+
+
+def _on(base: State, key: bytes | None = None) -> dict[str, Any]:
+    """The fields of a state computed on ``base`` (or on ``key``, text computed on ``base``):
+    its base, and the plus it shares blocks with, after whose rows its host copy starts."""
+    return {"base": key or base.key, **_root(base)}
 
 
 class Execution:
@@ -164,7 +172,7 @@ class Execution:
             lambda: self.engine.seq_ops.splice(stream, parts), sum(p[2] for p in parts))  # type: ignore[arg-type]
         return (yield from self._cached(query, State(key, stream, len(stream.tokens), volatile=volatile,
                                                      base=ops[0].key, inner=tuple(texts[p] for p in paths),
-                                                     assembled=True)))
+                                                     assembled=True, **_root(ops[0]))))
 
     def _operand(self, query: Query, plan: SpanPlan, base: State) -> Generator[Any, Any, State]:
         if plan.gen is None:
@@ -200,7 +208,7 @@ class Execution:
         self.engine.seq_ops.release_kv(req)
         query.usage.computed_tokens += len(run.ids) + len(gen.prompt) + len(out.token_ids)
         return (yield from self._cached(query, State(key, stream, len(req.tokens), text=out.text,
-                                                     volatile=volatile, base=run.key)))
+                                                     volatile=volatile, **_on(run.base, run.key))))
 
     # ----------------------------------------------------------------- helpers
     def _take(self, query: Query, key: bytes, volatile: bool = False) -> State | None:
