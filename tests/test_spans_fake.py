@@ -86,6 +86,58 @@ def test_random_span_queries_keep_the_kv_exact_and_finish(seed, blocks, budget):
     assert not engine.spans.has_work() and engine.spans._reserved == 0
 
 
+TAILS = [("qq",), ("qq", "abc"), ("qq", "abc", "rst"), ("rst",), ("rst", "qq")]
+
+
+def _chained_tree(rng: random.Random) -> list:
+    """Operands as in ``_tree``, and inner gens whose input holds a plus of its own."""
+    ops = _tree(rng)
+    if rng.random() < 0.4:
+        inner = plus(*[fragment(rng.choice(WORDS)) for _ in range(rng.randint(1, 3))])
+        ops.append(gen(seq(fragment(rng.choice(WORDS)), inner, user(rng.choice(WORDS))),
+                       max_tokens=rng.randint(1, 3), temperature=0))
+    return ops
+
+
+def _chained_query(ops: list, tails: tuple[str, ...]):
+    return gen(seq(fragment("sys"), plus(*ops), *[user(t) for t in tails]), max_tokens=2, temperature=0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), blocks=st.sampled_from([48, 96, 200]), host=st.sampled_from([0, 2_000, 1 << 20]))
+def test_chained_questions_and_trims_keep_every_state_on_its_plus(seed, blocks, host):
+    """Rounds of queries whose questions extend each other (text on text on a plus), some with
+    inner gens over a plus of their own, permuted, with small trims between rounds (states
+    leave the pool one at a time, to a host tier of 0 / ~30 tokens / 1 MiB). After each round
+    every state in the pool that shares a plus's blocks shares them with that plus, in the
+    pool (never rows of a plus that left it), and a query answers as it did before."""
+    rng = random.Random(seed)
+    engine, _ = slot_engine(num_blocks=blocks, block_size=4, budget=16, span_host_bytes=host)
+    cache, pool = engine.spans.cache, engine.pool
+    trees = [_chained_tree(rng) for _ in range(3)]
+    answers: dict = {}
+    for _ in range(4):
+        picks = [(i, rng.choice(TAILS)) for i in rng.sample(range(3), rng.randint(1, 2))]
+        queries = [_chained_query(rng.sample(trees[i], len(trees[i])), tails) for i, tails in picks]
+        done = _run(engine, queries, [])
+        for (i, tails), rid in zip(picks, [f"q{n}" for n in range(len(queries))]):
+            if rid in done and done[rid].finish_reason in ("stop", "length"):
+                assert answers.setdefault((i, tails), done[rid].token_ids) == done[rid].token_ids
+        for key, state in cache._entries.items():
+            if state.stream is None or state.root is None:
+                continue
+            root = cache._entries.get(state.root)
+            assert root is not None and root.stream is not None, "a state holds rows of a plus that left the pool"
+            full = engine.kv.block_table(root.stream.seq_id)[:root.length // 4]
+            assert set(full) <= set(engine.kv.block_table(state.stream.seq_id))
+        for _ in range(rng.randint(0, 6)):
+            cache.trim(pool.num_free + rng.randint(1, 8))
+        engine.check_integrity()
+    cache.clear()
+    engine.check_integrity()
+    assert pool.num_free == pool.num_blocks and not engine.spans.has_work() and engine.spans._reserved == 0
+
+
 def _steps_to_first_token(engine, runner, query) -> tuple[int, object]:
     """Engine steps from ``query``'s submission to the first sampled token (an inner gen's:
     the root samples only after its inner gens finished), and the query's output."""
