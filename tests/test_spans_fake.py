@@ -311,6 +311,29 @@ def test_a_state_in_use_when_its_plus_leaves_follows_it_once_released():
     engine.check_integrity()
 
 
+def test_clearing_the_cache_under_a_query_leaves_no_state_on_a_dropped_plus():
+    """``DELETE /v1/spans/cache`` while a query holds a plus P2 built on another plus P1 (an
+    inner gen over P1 is P2's first operand; a hit on P2 does not hold P1): P1 is dropped, and
+    P2 used to stay in the pool holding P1's old rows after the query; a query re-assembling
+    P1 then held them twice (review). Now P2 leaves once released. (With the operand "a",
+    the inner gen is the plus's first operand in canonical order.)"""
+    inner = gen(seq(fragment("abc"), plus(fragment("defgh"), fragment("uvwxyz")), user("qq")), max_tokens=3,
+                temperature=0)
+    engine, _ = slot_engine(num_blocks=96, block_size=4)
+    cache, pool = engine.spans.cache, engine.pool
+    _run(engine, [gen(seq(fragment("sys"), plus(inner, fragment("a")), user("zz")), max_tokens=2,
+                      temperature=0)], [])
+    p2 = next(s for s in cache._entries.values() if s.assembled and s.root is not None)
+    p1_key = p2.root
+    assert cache._entries[p1_key].assembled
+    cache.take(p2.key)  # held, as by a query that hit P2
+    cache.clear()
+    assert p1_key not in cache and p2.orphaned
+    cache.release(p2)  # the query ends
+    assert p2.key not in cache and cache.held_blocks() == 0 and pool.num_free == pool.num_blocks
+    engine.check_integrity()
+
+
 def test_an_inner_gen_on_a_plus_keeps_only_its_own_rows_on_the_host():
     """A gen whose input holds a plus shares the plus's blocks like text on it: its host copy
     holds the rows after the plus, and it restores onto the re-assembled plus."""

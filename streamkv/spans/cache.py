@@ -210,7 +210,12 @@ class SpanCache:
         """Drop every unused state, in the pool or on the host (``DELETE /v1/spans/cache``)."""
         unused = [key for key, state in self._entries.items() if not state.uses]
         for key in unused:
+            state = self._entries.get(key)
+            if state is None:  # (dropped with its plus just before)
+                continue
             self._drop(key)
+            if state.assembled:  # states on it in use (a plus on this one, hit alone) leave once released
+                self._move_dependents(key, drop=True)
         return len(unused)
 
     def held_blocks(self) -> int:
