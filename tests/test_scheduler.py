@@ -114,6 +114,35 @@ def test_a_request_outgrowing_the_whole_pool_finishes_and_is_reported():
     assert engine.pool.num_used == 0
 
 
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_a_request_preempted_when_it_holds_the_whole_pool_finishes_instead_of_waiting_forever(preemption):
+    """A request holding every block, whose next row needs one more, was preempted (by a more
+    urgent request, or by itself for want of a block while others ran) and could never come
+    back: waiting, it also held up everything ranked after it, and the engine spun (review).
+    It now finishes "length" as it would alone, and the others run."""
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=10, block_size=2, preemption=preemption, swap_blocks=30)  # 20 rows
+    engine.add_request("a", "abcdefghijklmno", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                       priority=5)
+    seq = engine._requests["a"].seq
+    while len(seq.tokens) < 21:  # 20 rows computed: all 10 blocks; the next row needs an 11th
+        engine.step()
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("c", "pqrst", short, priority=0)
+    engine.add_request("d", "uvw", short, priority=9)
+    done = {}
+    for _ in range(300):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        if not engine.has_unfinished():
+            break
+    assert sorted(done) == ["a", "c", "d"] and not engine.has_unfinished()
+    assert done["a"].finish_reason == "length" and len(done["a"].token_ids) == 6  # 15 + 6 = 21 tokens
+    assert [len(done[r].token_ids) for r in "cd"] == [3, 3]
+    assert engine.pool.num_used == 0 and engine.kv.host.num_used == 0
+    engine.check_integrity()
+
+
 def test_abort_frees_blocks():
     engine, _ = fake_engine()
     engine.add_request("a", [1] * 30, GREEDY)

@@ -267,17 +267,23 @@ class Scheduler(Proposing, StepUpdates, Drafting):
             if at_fork_point(seq):  # a fork at its fork point: nothing of its own to give back, it waits
                 self._starved.append(seq.seq_id)
                 return
-            self._preempt(seq)
             preempted.append(seq.seq_id)
-            self._starved.append(seq.seq_id)  # if nothing computes new rows, it is as stuck
-            self._gave_way = True
+            if self._preempt(seq):
+                self._starved.append(seq.seq_id)  # if nothing computes new rows, it is as stuck
+                self._gave_way = True
         else:
             log.warning("sequence %d needs more KV than the whole pool; finishing it", seq.seq_id)
             self.finish(seq.seq_id, "length")
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> bool:
         """Requeue ``seq``: swap its KV to host blocks, or drop it (recompute), as the
-        preemption policy decides; the tokens are kept either way."""
+        preemption policy decides; the tokens are kept either way. One whose next row needs
+        more blocks than the whole pool could never come back (waiting, it also held up every
+        request ranked after it): it finishes "length", as it would running alone (False)."""
+        if self.kv.blocks_for(seq.kv_rows(seq.computable)) > self.kv.pool.num_blocks:
+            log.warning("sequence %d needs more KV than the whole pool; finishing it", seq.seq_id)
+            self.finish(seq.seq_id, "length")
+            return False
         n = seq.kv_rows(seq.num_computed)
         kind, seq.status = "recompute", SeqStatus.WAITING
         forked = seq.kv_rows(seq.forked_rows)
@@ -299,6 +305,7 @@ class Scheduler(Proposing, StepUpdates, Drafting):
         self.num_preemptions += 1
         self.preemptions_by_kind[kind] += 1
         seq.event(f"preempted_{kind}")
+        return True
 
     def _to_plan(self, prop: Proposal) -> ScheduledSeq:
         seq = prop.seq
