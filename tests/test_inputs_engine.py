@@ -123,6 +123,24 @@ def test_ttl_expiry_aborts_and_frees():
         engine.inputs.append("s", "x")
 
 
+def test_an_aborted_input_not_yet_reaped_hides_no_other_requests_work():
+    """An aborted input stays among the open ones until the next reap, and was counted as
+    idle: with its request gone, ``has_unfinished`` said False while a finished input still
+    had to generate, and a ``while has_unfinished(): step()`` loop never answered it (review)."""
+    engine, _ = slot_engine()
+    engine.inputs.open("a", prompt="abcdefgh", params=GREEDY)
+    engine.inputs.open("b", prompt="bcdefghi", params=GREEDY)
+    _drain(engine)
+    engine.abort("a")
+    engine.inputs.finish("b")
+    assert engine.has_unfinished()
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert sorted((o.request_id, o.finish_reason) for o in outs if o.finished) == [("a", "abort"), ("b", "length")]
+    assert engine.pool.num_used == 0
+
+
 def test_complete_inputs_rank_above_partial_ones():
     engine, runner = slot_engine(budget=4, chunk=4)
     engine.inputs.open("partial", prompt="abcdefghijklmnop", params=GREEDY)

@@ -165,8 +165,10 @@ class InputStreams:
         return [s.request_id for s in expired]
 
     def num_idle(self) -> int:
-        """Open inputs with nothing to compute until more input arrives (the loop may sleep)."""
-        return sum(1 for s in self._open.values() if not s.seq.has_work)
+        """Open inputs with nothing to compute until more input arrives (the loop may sleep).
+        An aborted one not reaped yet is not counted: its request is gone, so counting it
+        hid another request's work from ``Engine.has_unfinished`` (review)."""
+        return sum(1 for s in self._open.values() if not s.seq.finished and not s.seq.has_work)
 
     @property
     def num_open(self) -> int:
