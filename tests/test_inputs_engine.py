@@ -141,6 +141,27 @@ def test_an_aborted_input_not_yet_reaped_hides_no_other_requests_work():
     assert engine.pool.num_used == 0
 
 
+def test_a_finish_with_a_last_piece_it_cannot_take_keeps_neither():
+    """``finish`` with a last piece appended the piece, then finished: refused (here the write
+    policy cannot hold the longer prompt), the piece stayed, and a client retrying the same
+    call got it twice (review). Both happen together now, or neither."""
+    engine, _ = slot_engine(num_blocks=16, block_size=4)
+    kv_write = {"policy": "streaming_llm", "sink_tokens": 4, "window_tokens": 8}
+    engine.inputs.open("s", prompt="a" * 40, params=GREEDY, kv_write=kv_write)
+    _drain(engine)
+    before = list(engine.inputs.get("s").seq.tokens)
+    with pytest.raises(InvalidRequestError, match="kv_write"):
+        engine.inputs.finish("s", "b" * 15)
+    stream = engine.inputs.get("s")  # still open, as it was
+    assert stream.text == "a" * 40 and stream.appends == 0 and stream.seq.tokens == before
+    engine.inputs.finish("s", "b" * 3)
+    out = engine.run_to_completion(["s"])["s"]
+    ref, _ = slot_engine(num_blocks=16, block_size=4)
+    ref.add_request("ref", "a" * 40 + "b" * 3, GREEDY, kv_write=kv_write)
+    assert out.token_ids == ref.run_to_completion(["ref"])["ref"].token_ids and stream.appends == 1
+    engine.check_integrity()
+
+
 def test_complete_inputs_rank_above_partial_ones():
     engine, runner = slot_engine(budget=4, chunk=4)
     engine.inputs.open("partial", prompt="abcdefghijklmnop", params=GREEDY)

@@ -41,8 +41,9 @@ class AsyncInputStream:
         rid = self.request_id
         return await self._engine.call(lambda e: e.inputs.get(rid).info())
 
-    async def finish(self) -> dict[str, Any]:
-        """Complete the input (generation starts); outputs then come from :meth:`outputs`.
+    async def finish(self, text: str | None = None) -> dict[str, Any]:
+        """Complete the input (generation starts), after ``text`` if given (appended only if
+        the input can finish with it); outputs then come from :meth:`outputs`.
 
         Returns the stream's counts, ``computed`` being the prompt tokens that already had
         KV when the input finished, and ``chat`` (the input is a chat's last message).
@@ -50,7 +51,7 @@ class AsyncInputStream:
         rid, loop, sink = self.request_id, asyncio.get_running_loop(), asyncio.Queue()
 
         def run(e: Any) -> dict[str, Any]:
-            stream = e.inputs.finish(rid)
+            stream = e.inputs.finish(rid, text)
             self._engine.attach_sink(rid, loop, sink)  # outputs go to the finishing caller's loop
             return {**stream.info(), "computed": stream.computed_at_finish, "chat": stream.is_chat}
 

@@ -120,11 +120,18 @@ class InputStreams:
         self.stats.updates += 1
         return stream, lcp, dropped
 
-    def finish(self, request_id: str) -> InputStream:
-        """Complete the input: the template's closing tokens are added and generation starts."""
+    def finish(self, request_id: str, text: str | None = None) -> InputStream:
+        """Complete the input: the template's closing tokens are added and generation starts.
+        ``text``: a last piece, appended only together with the finish (refused, neither
+        happens: a client retrying the same call must not get the piece twice)."""
         stream = self.get(request_id)
-        stream.computed_at_finish = stream.seq.num_computed
-        self._set_text(stream, stream.text, final=True, event="input_finished")
+        computed = stream.seq.num_computed
+        self._set_text(stream, stream.text + _text(text) if text else stream.text, final=True,
+                       event="input_finished")
+        stream.computed_at_finish = computed
+        if text:
+            stream.appends += 1
+            self.stats.appends += 1
         seq = stream.seq
         seq.write, seq.read, seq.read_from = stream.write, stream.read, len(seq.tokens)  # the answer's rows
         if self.engine.config.cache.seed_from_prompt and seq.params.seed is None and not seq.params.greedy:

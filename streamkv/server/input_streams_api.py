@@ -59,7 +59,7 @@ class InputText(_Body):
 
 
 class FinishInput(_Body):
-    text: StrictStr | None = None  # the last piece of input: appended, then the input finishes
+    text: StrictStr | None = None  # the last piece of input: appended with the finish (both, or neither)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
@@ -169,9 +169,9 @@ async def update_input(stream_id: str, body: InputText, request: Request) -> dic
 async def finish_input(stream_id: str, request: Request, body: FinishInput | None = None) -> Any:
     state, body = _state(request), body or FinishInput()
     handle = await _handle(request, stream_id)
-    if body.text:  # an append that fails (past the context) is a 400: the input stays open
-        await handle.append(body.text)
-    info = await handle.finish()
+    # the last piece and the finish in one change: refused (a 400: past the context, or a
+    # write policy that cannot hold it), the input stays open as it was
+    info = await handle.finish(body.text or None)
     chat = info["chat"]
     head = {"id": stream_id, "created": int(time.time()), "model": state.model_name,
             "object": "chat.completion" if chat else "text_completion"}
@@ -286,9 +286,8 @@ async def _ws_frame(websocket: WebSocket, handle: AsyncInputStream) -> dict[str,
             late = _late_fields(frame)
             if late:
                 raise APIError(400, late)
-            if frame.get("text") is not None:  # the last piece, appended first (as over HTTP)
-                await handle.append(InputText.model_validate({"text": frame["text"]}).text)
-            await handle.finish()
+            last = frame.get("text")  # the last piece, with the finish in one change (as over HTTP)
+            await handle.finish(InputText.model_validate({"text": last}).text if last is not None else None)
             await _ws_answer(websocket, handle)
             return None
         text = InputText.model_validate({"text": frame.get("text")}).text
