@@ -160,6 +160,34 @@ def test_answers_under_a_read_policy_are_recomputed_row_by_row(llm, kv):
     tight.engine.check_integrity()
 
 
+SMALL_SNAP = {"policy": "snapstream", "budget_tokens": 32, "sink_tokens": 16, "window_tokens": 32,
+              "observation_tokens": 16}  # capacity 80 rows: the ring starts during the answer
+
+
+@pytest.mark.parametrize("kv_write", [None, SMALL_SNAP], ids=["read", "write+read"])
+def test_picks_taken_late_in_the_answer_are_not_reused_by_its_recomputed_early_rows(kv_write):
+    """A short prompt: the first answer rows read every page and remember nothing; the picks are
+    taken at a later row (or when the ring starts). Preempted by recompute, the replayed early
+    answer rows reused those picks, whose regions reach past their context: the step failed
+    every request in it, or read other pages (review). Picks now name the row that took them."""
+    quest = {"policy": "quest", "budget_tokens": 64, "sink_tokens": 16, "recent_tokens": 16, "rescore": False}
+    params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = "Record 1. item3 weighs 4 kg; item9 weighs 2 kg; which?"
+    small = LLM(max_num_batched_tokens=256, num_blocks=64, block_size=16, preemption="recompute",
+                enable_prefix_caching=False)
+    solo = small.generate([prompt], params, kv_write=kv_write, kv_read=quest)[0]
+    engine = small.engine
+    engine.add_request("x", prompt, params, kv_write=kv_write, kv_read=quest)
+    seq = engine._requests["x"].seq
+    while seq.num_output < 60:
+        engine.step()
+    assert engine.bundle.runner.backend.picks  # remembered, taken after the first answer row
+    engine.scheduler._preempt(seq)  # what pool pressure does to it
+    out = engine.run_to_completion(["x"])["x"]
+    assert out.finish_reason == "length" and _result(out) == _result(solo)
+    engine.check_integrity()
+
+
 def test_a_read_policy_answer_never_enters_the_prefix_cache(llm):
     """The answer rows attended to some pages only: a later exact request whose prompt is that
     prompt + answer hits the prompt's blocks, never the answer's, and is exact."""

@@ -46,6 +46,7 @@ class Picks:
 
     plan: PagePlan
     table: tuple[int, ...]
+    row: int = 0  # the context length of the row that took them: no earlier row reuses them
     layers: dict[int, torch.Tensor] = field(default_factory=dict)
     heads: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -95,6 +96,9 @@ class LayerSelector:
             if span.read is None:
                 continue
             picks = memory.get(span.seq_id) if span.is_decode and not span.read.rescore else None
+            if picks is not None and span.ctx_len < picks.row:  # recomputed (preempted, cut back): the
+                del memory[span.seq_id]                          # replay takes the same picks again
+                picks = None
             plan = span.read.plan(span.read_from, span.ctx_len, bs) if picks is None or span.rows >= 0 else picks.plan
             if picks is not None and picks.plan != plan:  # the sequence entered its ring layout: pick again
                 del memory[span.seq_id]
@@ -108,7 +112,7 @@ class LayerSelector:
             if picks is None and plan.keep > 0:
                 cache.page_bounds().refresh(candidates)
                 if not span.read.rescore:
-                    picks = memory[span.seq_id] = Picks(plan, tuple(span.block_table[:plan.tail]))
+                    picks = memory[span.seq_id] = Picks(plan, tuple(span.block_table[:plan.tail]), span.ctx_len)
             choices.append(_Choice(i, plan, candidates, SpanSlots(slots[i], plan.sink * bs, plan.tail * bs, bs), picks))
         return cls(spans, slots, choices, cache, scale) if choices else None
 
