@@ -359,6 +359,42 @@ def test_high_water_holds_prompt_chunks_back_and_outputs_stay():
     assert all(plan.num_tokens > 0 for plan in runner.plans if plan.seqs or not plan.released)
 
 
+def test_above_high_water_the_one_chunk_goes_to_a_prompt_that_can_move():
+    """Above the high-water mark one prompt chunk moves per step. It was marked taken when first
+    asked for, so it went to a fork the fork gate then held: the started fork's chunks were
+    held too, nothing moved, and the held fork failed (retryable) 64 steps later (review).
+    Now the chunk is taken by the prompt that gets rows; both forks answer in full."""
+    from streamkv.config import CacheConfig, EngineConfig, SchedulerConfig
+    from streamkv.engine.engine import Engine
+    from streamkv.engine.factory import ModelBundle
+    from streamkv.sched.sequence import PriorityClass
+    from tests.fakes import VOCAB, FakeTokenizer, SlotFakeRunner
+
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40), scheduler=SchedulerConfig(
+        max_num_batched_tokens=32, max_chunk_tokens=4, fork_gate=True, speculation="none",
+        admission="cell-budget", admission_ceiling=1.0, admission_high_water=0.3))
+    engine = Engine(config, ModelBundle(SlotFakeRunner(4, 40), FakeTokenizer(), 512, VOCAB, 40))
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(58)])  # pinned: 15 of 40 blocks, above 30%
+    while not engine.seq_ops.is_idle(stream):
+        engine.step()
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    s = engine.add_fork_request("S", stream, 58, list(range(1, 13)), params(60), klass=PriorityClass.POOL)
+    engine.step()
+    assert s.num_computed > s.forked_rows  # S started
+    engine.add_fork_request("P", stream, 58, list(range(20, 28)), params(30), priority=-1, klass=PriorityClass.POOL)
+    done, stuck = {}, 0
+    for _ in range(400):
+        before = s.num_computed
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        stuck += "S" not in done and s.num_computed == before
+        if len(done) == 2:
+            break
+    assert {k: (o.finish_reason, len(o.token_ids)) for k, o in done.items()} == {"S": ("length", 60),
+                                                                              "P": ("length", 30)}
+    assert stuck == 0
+    engine.check_integrity()
+
+
 def test_above_high_water_prompts_go_one_at_a_time_and_outputs_stay():
     # a pinned stream holds 40 of 64 blocks, above the 60% high water from the first step. New
     # requests then start only when no admitted prompt is still prefilling: admitting them beside

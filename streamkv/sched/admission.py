@@ -117,11 +117,21 @@ class CellBudget:
 
     def holds_chunk(self, seq: Sequence) -> bool:
         """A running sequence's next prompt chunk waits: the pool is above the high-water mark.
-        The highest-ranked prompt still moves (one chunk per step), so a step never stalls."""
-        if seq.pinned or seq.status is not SeqStatus.RUNNING or not seq.prefilling:
-            return False
-        if not self.above_high_water() or not self._chunk_passed:
-            self._chunk_passed = True
+        The highest-ranked prompt that can move still moves (one chunk per step,
+        :meth:`took_chunk`), so a step never stalls."""
+        if not _chunked(seq) or not self.above_high_water() or not self._chunk_passed:
             return False
         self.stats.deferred_chunks += 1
         return True
+
+    def took_chunk(self, seq: Sequence) -> None:
+        """``seq`` got prompt rows this step, past the fork gate, its blocks and the cadence:
+        the step's one chunk is taken. (Marked when it was first asked for, it went to a fork
+        the gate then held, and no prompt moved until the held fork failed: review.)"""
+        if _chunked(seq):
+            self._chunk_passed = True
+
+
+def _chunked(seq: Sequence) -> bool:
+    """A running request's prompt chunk: what the high-water mark holds back."""
+    return not seq.pinned and seq.status is SeqStatus.RUNNING and seq.prefilling

@@ -135,6 +135,8 @@ class Proposing:
         n = self._fit(seq, st, computed, n)
         if n is None:
             return None
+        if self.admission is not None and n > 0:
+            self.admission.took_chunk(seq)
         if self.fork_gate is not None:
             self.fork_gate.starts(seq)
         draft = self._draft(seq, min(st.spec_cap, st.budget - n), st.crowded) if st.spec_cap and n == 1 else ()
