@@ -345,6 +345,37 @@ def test_a_deferred_request_ranked_above_a_running_one_lets_it_finish(first, sec
     engine.check_integrity()
 
 
+def test_a_request_over_the_ceiling_runs_while_session_questions_keep_coming():
+    """A request projecting more than the ceiling runs only alone; questions (forks of a
+    session's window, which enter running without admission) were charged too, so while they
+    overlapped it never started, and the request behind it waited as long (review: both still
+    waiting after 500 steps of one question every 4 steps). Forks no longer count against
+    "alone"."""
+    from streamkv.config import CacheConfig, EngineConfig, SchedulerConfig
+    from streamkv.engine.engine import Engine
+    from streamkv.engine.factory import ModelBundle
+    from tests.fakes import VOCAB, FakeTokenizer, SlotFakeRunner
+
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64), scheduler=SchedulerConfig(
+        max_num_batched_tokens=64, admission="cell-budget", admission_ceiling=0.5, speculation="none"))
+    engine = Engine(config, ModelBundle(SlotFakeRunner(4, 64), FakeTokenizer(), 512, VOCAB, 64))
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(40)])  # a session's window (pinned: exempt)
+    while not engine.seq_ops.is_idle(stream):
+        engine.step()
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    engine.add_request("big", [7] * 20, params(120))  # 140 projected tokens > 0.5 x 256
+    engine.add_request("small", [9] * 10, params(10))
+    done, asked = {}, 0
+    for step in range(400):
+        if step % 4 == 0:  # one short question every 4 steps, each living ~9
+            engine.add_fork_request(f"q{asked}", stream, 40, [5, 6, 7], params(8))
+            asked += 1
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [len(done[r].token_ids) for r in ("big", "small")] == [120, 10]
+    assert sum(r.startswith("q") for r in done) >= asked - 3
+    engine.check_integrity()
+
+
 def test_high_water_holds_prompt_chunks_back_and_outputs_stay():
     prompts = _prompts(5, seed=12, lo=30, hi=40)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

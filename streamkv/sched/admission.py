@@ -75,6 +75,7 @@ class CellBudget:
         self.high_water = high_water
         self.stats = AdmissionStats()
         self._charged = 0
+        self._requests = 0  # the part of ``_charged`` that admitted requests (not forks) hold
         self._chunk_passed = False  # a prompt chunk went ahead this step
         self._prefilling = False    # an admitted (charged) sequence still has prompt rows to compute
 
@@ -85,6 +86,10 @@ class CellBudget:
     def begin(self, seqs: Iterable[Sequence]) -> None:
         seqs = list(seqs)
         self._charged = sum(projected_tokens(s) for s in seqs if _charged(s))
+        # what admitted requests hold, less forks (session and span questions, which enter
+        # running without admission and come and go): while they overlapped, a request over
+        # the ceiling, which runs only "alone", and every request behind it waited (review)
+        self._requests = sum(projected_tokens(s) for s in seqs if _charged(s) and not s.forked_rows)
         self.stats.charged_tokens = self._charged
         self._chunk_passed = False
         self._prefilling = any(_charged(s) and s.status is SeqStatus.RUNNING and s.prefilling for s in seqs)
@@ -101,17 +106,18 @@ class CellBudget:
 
     def admits(self, seq: Sequence) -> bool:
         """A waiting request may start now (charged if so). The first one always may, so a
-        request larger than the ceiling still runs, alone. Above the high-water mark it waits
+        request larger than the ceiling still runs, alone (beside forks: questions). Above the high-water mark it waits
         while an admitted prompt is still prefilling (or another was admitted this step)."""
         if seq.pinned:
             return True
         cost = projected_tokens(seq)
         over_ceiling = self._charged + cost > self.ceiling * self.pool_tokens
-        if self._charged and (over_ceiling or (self._prefilling and self.above_high_water())):
+        if (over_ceiling and self._requests) or (self._charged and self._prefilling and self.above_high_water()):
             self.stats.deferred_requests += 1
             return False
         self._prefilling = self._prefilling or seq.prefilling
         self._charged += cost
+        self._requests += 0 if seq.forked_rows else cost
         self.stats.charged_tokens = self._charged
         return True
 
