@@ -376,6 +376,27 @@ def test_a_request_over_the_ceiling_runs_while_session_questions_keep_coming():
     engine.check_integrity()
 
 
+def test_adaptive_chunks_count_only_the_prompts_admission_lets_in():
+    """Nine queued 120-token prompts, one admitted at a time by the cell budget: the admitted
+    one got 64 / 9 = 7 rows a step, with the rest of the step's budget unused, because the
+    adaptive chunk counted the deferred prompts too (review). It now gets whole chunks; the
+    outputs are those without admission."""
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)  # 320 projected: one at a time
+    prompts = [[1 + (i + j) % 60 for j in range(120)] for i in range(9)]
+    outs = {}
+    for admission in ("none", "cell-budget"):
+        engine, runner = fake_engine(num_blocks=256, budget=64, chunk_min_tokens=4, chunk_max_tokens=64,
+                                     admission=admission, admission_ceiling=0.3)
+        outs[admission], _ = _run(engine, prompts, params)
+        first = runner.plans[0].seqs
+        if admission == "none":
+            assert [it.num_tokens for it in first] == [7] * 9
+        else:
+            assert [it.num_tokens for it in first] == [64]  # the one admitted prompt: a whole chunk
+            assert engine.scheduler.admission.stats.deferred_requests > 0
+    assert outs["cell-budget"] == outs["none"]
+
+
 def test_high_water_holds_prompt_chunks_back_and_outputs_stay():
     prompts = _prompts(5, seed=12, lo=30, hi=40)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

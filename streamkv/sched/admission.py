@@ -111,8 +111,8 @@ class CellBudget:
         if seq.pinned:
             return True
         cost = projected_tokens(seq)
-        over_ceiling = self._charged + cost > self.ceiling * self.pool_tokens
-        if (over_ceiling and self._requests) or (self._charged and self._prefilling and self.above_high_water()):
+        if self._over(self._charged + cost, self._requests) or (self._charged and self._prefilling
+                                                                and self.above_high_water()):
             self.stats.deferred_requests += 1
             return False
         self._prefilling = self._prefilling or seq.prefilling
@@ -120,6 +120,33 @@ class CellBudget:
         self._requests += 0 if seq.forked_rows else cost
         self.stats.charged_tokens = self._charged
         return True
+
+    def _over(self, charged: int, requests: int) -> bool:
+        """``charged`` tokens are over the ceiling while other requests hold some (one over it
+        alone, beside forks only, still runs)."""
+        return charged > self.ceiling * self.pool_tokens and requests > 0
+
+    def prefilling(self, ranked: list[Sequence]) -> int:
+        """How many of ``ranked`` (after :meth:`begin`) may get prompt rows this step, for the
+        adaptive chunk: running, swapped or pinned ones with prompt rows, and the waiting ones
+        :meth:`admits` would let in, in rank order (the first it defers holds the later new
+        ones back). Counting every waiting prompt, the one admitted request got budget / N
+        rows of a step whose budget was otherwise unused (review: 7 of 64 with 9 queued).
+        Above the high-water mark: at most one (its chunk is whole)."""
+        if self.above_high_water():
+            return min(1, sum(1 for s in ranked if s.prefilling))
+        charged, requests, n, deferred = self._charged, self._requests, 0, False
+        for seq in ranked:
+            if not seq.prefilling:
+                continue
+            if seq.pinned or seq.swapped or seq.status is not SeqStatus.WAITING:
+                n += 1
+                continue
+            cost = projected_tokens(seq)
+            deferred = deferred or self._over(charged + cost, requests)
+            if not deferred:
+                charged, requests, n = charged + cost, requests + (0 if seq.forked_rows else cost), n + 1
+        return n
 
     def holds_chunk(self, seq: Sequence) -> bool:
         """A running sequence's next prompt chunk waits: the pool is above the high-water mark.

@@ -94,12 +94,12 @@ class Proposing:
                            else (set(), {}))
         ranked = [s for s in ranked if s.seq_id not in followers]  # they wait for a leader's blocks
         spec_cap = self._spec_cap(ranked)
-        prefilling = sum(1 for s in ranked if s.prefilling)
-        if self.admission is not None and self.admission.above_high_water():
-            prefilling = min(prefilling, 1)  # prompt chunks go one per step: the one that moves gets a whole chunk
-        self.chunk = self.config.chunk_for(prefilling)
         if self.admission is not None:
             self.admission.begin(self.seqs.values())
+            prefilling = self.admission.prefilling(ranked)  # not the requests it will defer
+        else:
+            prefilling = sum(1 for s in ranked if s.prefilling)
+        self.chunk = self.config.chunk_for(prefilling)
         if self.fork_gate is not None:
             self.fork_gate.begin(self.seqs.values())
         st = _Pass(budget, self.chunk, self._allowance(ranked, budget), hits, spec_cap,
