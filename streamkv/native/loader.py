@@ -2,8 +2,8 @@
 
 Only a C compiler is needed (no torch headers; the sources compile in parallel, a few seconds). The
 library links the process' ``libgomp.so.1`` (the one torch already loaded), so its threads
-are torch's threads. Anything missing or failing -> :func:`decode_attention` is None and
-callers use the pure-PyTorch path. ``STREAMKV_NATIVE=0`` disables the kernels.
+are torch's threads. Anything missing or failing -> :func:`_library` is None, every wrapper
+(``exact_ops.py``, ``fast_ops.py``) returns None and callers use the pure-PyTorch path. ``STREAMKV_NATIVE=0`` disables the kernels.
 """
 from __future__ import annotations
 
