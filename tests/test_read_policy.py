@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from streamkv.attention.backend import KVCache, SeqSpan, make_backend
+from streamkv.attention.torch_ref import span_slots
 from streamkv.native import page_select
 from streamkv.policies import QuestPolicy, RecentPolicy, SpanSlots, make_read_policy
 from streamkv.runner.kv_ops import KVOps
@@ -175,9 +176,10 @@ def _reference(q: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,
                                     QuestPolicy(budget_tokens=256, sink_tokens=16, recent_tokens=48, rescore=True),
                                     RecentPolicy(sink_tokens=32, recent_tokens=40)])
 def test_attention_reads_exactly_the_picked_pages(backend, policy):
-    """A question chunk then decode rows: each layer's output equals float64 attention over the
-    slots the selector compacted to (sinks + picked pages + tail), and decode rows reuse the
-    question's picks unless the policy re-scores."""
+    """A question chunk then answer rows: each row's output equals float64 attention over the
+    slots the selector compacted it to (sinks + picked pages + tail): the question's rows each
+    pick their own pages (as they would alone), and the answer's rows reuse the pages its rows
+    chose together (each page's best share over them) unless the policy re-scores."""
     torch.manual_seed(0)
     layers, kvh, heads, dim = 2, 2, 4, 32
     cache = KVCache(layers, 128, BS, kvh, dim, torch.bfloat16)
@@ -189,26 +191,38 @@ def test_attention_reads_exactly_the_picked_pages(backend, policy):
         pytest.skip("native kernels unavailable")
     table = tuple(int(b) for b in torch.randperm(128)[:70])   # a scattered block table
     ctx = 1000
-    picks_seen = {}
+    picks_seen, question_q = {}, {}
     for step, (start, n) in enumerate([(ctx - 12, 12), (ctx, 1), (ctx + 1, 1)]):
-        span = SeqSpan(0, n, start, table, policy, seq_id=5)
+        span = SeqSpan(0, n, start, table, policy, seq_id=5, num_prompt=ctx, policy_from=ctx - 12)
         meta = be.prepare([span], n)
         assert meta.selector is not None
         for layer in range(layers):
             q = torch.randn(n, heads, dim).bfloat16()
             kv = torch.randn(n, kvh, dim).bfloat16()
+            question_q.setdefault(layer, q)
             spans, slots = meta.selector.for_layer(layer, q) if step == 0 or policy.rescore else (None, None)
             out = be.forward(layer, q, kv, kv, meta)
             if slots is None:                                  # a reused choice: ask the selector again
                 spans, slots = meta.selector.for_layer(layer, q)
-            assert spans[0].start + n == slots[0].numel() and slots[0].numel() <= 256 + n
-            picks_seen.setdefault(layer, []).append(slots[0][:16 + 11 * BS].tolist())  # sinks + 11 pages
-            torch.testing.assert_close(out.double(), _reference(q, cache, layer, slots[0], dim ** -0.5),
-                                       atol=2e-2, rtol=2e-2)
+            assert len(spans) == n                             # one span per row
+            for row, (sp, sl) in enumerate(zip(spans, slots)):
+                assert sp.q_len == 1 and sp.start + 1 == sl.numel() <= 256 + 1
+                torch.testing.assert_close(out[row:row + 1].double(), _reference(q[row:row + 1], cache, layer, sl,
+                                                                                 dim ** -0.5), atol=2e-2, rtol=2e-2)
+            picks_seen.setdefault(layer, []).append(slots[-1][:16 + 11 * BS].tolist())  # sinks + 11 pages
     reuse = isinstance(policy, QuestPolicy) and not policy.rescore
     assert (5 in be.picks) == reuse
-    if reuse:  # the answer's rows read the pages the question picked, layer by layer
-        assert all(seen[0] == seen[1] == seen[2] for seen in picks_seen.values())
+    if reuse:  # the answer's rows read the pages the question's rows chose together, layer by layer
+        plan = policy.plan(ctx - 12, ctx, BS)
+        full = SpanSlots(span_slots(table, ctx + 1, BS, "cpu"), plan.sink * BS, plan.tail * BS, BS)
+        pages = torch.tensor(table[plan.sink:plan.tail])
+        for layer, seen in picks_seen.items():
+            assert seen[1] == seen[2]
+            bounds = cache.bounds.data[layer].index_select(0, pages)
+            share = torch.stack([policy.score_pages(row.view(1, kvh, -1, dim), bounds, dim ** -0.5)
+                                 for row in question_q[layer]]).amax(0)
+            chosen = share.topk(plan.keep).indices.sort().values
+            assert seen[1] == full.gather(chosen)[:16 + 11 * BS].tolist()
     be.release([5])
     assert 5 not in be.picks
 
@@ -288,19 +302,19 @@ def test_reused_picks_follow_blocks_that_moved():
     be = make_backend("torch", cache, 32 ** -0.5)
     policy = QuestPolicy(budget_tokens=256, sink_tokens=16, recent_tokens=48)
     table, ctx = tuple(range(70)), 1000
-    meta = be.prepare([SeqSpan(0, 12, ctx - 12, table, policy, seq_id=9)], 12)
+    meta = be.prepare([SeqSpan(0, 12, ctx - 12, table, policy, seq_id=9, num_prompt=ctx)], 12)
     be.forward(0, torch.randn(12, 4, 32).bfloat16(), *(2 * [torch.randn(12, 2, 32).bfloat16()]), meta)
     picked = be.picks[9].layers[0]
     moved = tuple(range(80, 150))                       # the swap-in put the blocks elsewhere
     old, new = span_slots(table, ctx, BS, "cpu"), span_slots(moved, ctx, BS, "cpu")
     KVOps(cache, None).copy(old, new)
     cache.k[:, old] = 0                                 # the old blocks now belong to someone else
-    span = SeqSpan(0, 1, ctx, moved, policy, seq_id=9)
+    span = SeqSpan(0, 1, ctx, moved, policy, seq_id=9, num_prompt=ctx)
     meta = be.prepare([span], 1)
     q = torch.randn(1, 4, 32).bfloat16()
     out = be.forward(0, q, *(2 * [torch.randn(1, 2, 32).bfloat16()]), meta)
     full = span_slots(moved, ctx + 1, BS, "cpu")
-    expect = SpanSlots(full, BS, policy.plan(ctx - 12, ctx, BS).tail * BS, BS).gather(picked)
+    expect = SpanSlots(full, BS, policy.plan(ctx - 1, ctx, BS).tail * BS, BS).gather(picked)  # the last row's
     _, slots = meta.selector.for_layer(0, q)
     assert torch.equal(slots[0], expect)
     assert be.picks[9].table == moved[:len(be.picks[9].table)]  # resolved once, then reused
@@ -362,23 +376,23 @@ def test_a_server_default_quest_acts_like_the_same_object_in_a_request():
     assert pinned.read is not None and not pinned.read.rescore
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (stop 73): with rescore false a session question's rows go in "
-                   "chunks, and a chunk's rows pick one page set together, so the bits depend on the chunking")
-def test_a_session_question_under_quest_without_rescore_is_the_same_chunked():
-    """Determinism under chunking for session questions under ``quest`` with ``rescore: false``
-    (the sessions' default). With ``rescore: true`` each question row goes alone and picks its
-    own pages, and the answers are equal; without it they differ in the logprobs (same tokens
-    here). Strict: a fix turns this into a failure to remove the mark."""
+@pytest.mark.parametrize("rescore", [False, True])
+def test_a_session_question_under_quest_is_the_same_chunked(rescore):
+    """Determinism under chunking for session questions under ``quest``: each question row
+    picks its own pages (as it would alone) and, without ``rescore`` (the sessions' default),
+    the answer reuses the last question row's; so the bits are the same whether the question
+    goes in one chunk or in chunks of 5. (Before, a chunk's rows picked one page set
+    together and the logprobs depended on the chunking.)"""
     from streamkv import LLM, SamplingParams
     from streamkv.sessions.spec import SessionSpec
 
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
     records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)]
-    policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64, "rescore": False}
+    policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64, "rescore": rescore}
     question = ("Across every sensor listed above, what was the reading of sensor 3 at t=38, and which sensor "
                 "reported the largest reading near the end of the data?")
     answers = []
-    for chunk in (None, 8):
+    for chunk in (None, 5):
         engine = LLM(dtype="float32", max_chunk_tokens=chunk).engine
         session = engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000,
                                                      kv_read=policy))

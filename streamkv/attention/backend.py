@@ -31,6 +31,11 @@ class SeqSpan:
     every row; its rows from ``ring_from`` on are that ring (the newest tokens, which a read
     policy always reads, as the tail it always reads of other spans). Otherwise (``rows`` = -1)
     row i holds position i.
+
+    ``num_prompt``: rows at positions from it on are the answer's (a read policy without
+    ``rescore`` has them reuse the pages the question's last rows chose); -1: every row is.
+    ``policy_from``: the first row under ``read`` (the question's), which every question row
+    reads whole, however the question was chunked (-1: the span's own first row).
     """
 
     q_start: int
@@ -42,6 +47,8 @@ class SeqSpan:
     rows: int = -1
     write_row: int = -1
     ring_from: int = -1
+    num_prompt: int = -1
+    policy_from: int = -1
 
     @property
     def ctx_len(self) -> int:

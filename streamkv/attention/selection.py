@@ -12,10 +12,12 @@ The step's new rows stay in the (uncompacted) tail, so their slots and the causa
 among them are unchanged; skipped blocks only shift the compacted positions, which the
 attention kernels never turn into RoPE angles (keys are cached after RoPE).
 
-Picks are remembered per sequence as page *positions*, plus per layer the slots they
-resolve to, valid while the block table up to the tail is unchanged (a swap moves slots): a
-decode row whose policy does not re-score reuses, per layer, the pages its sequence's last
-prompt chunk under the policy picked (a session question), or its first decode row (a request,
+A question's rows (a session question's, under the policy before ``num_prompt``) each rank
+the pages with their own query, in any chunking alike (:mod:`streamkv.attention.picks`), and
+come back to the backend as one span per row. Picks are remembered per sequence as page
+*positions*, plus per layer the slots they resolve to, valid while the block table up to the
+tail is unchanged (a swap moves slots): an answer row whose policy does not re-score reuses,
+per layer, the pages the question's last rows chose together, or its first row's (a request,
 whose prompt is exact), with the tail grown by the tokens decoded since.
 
 A sequence in a write policy's layout (``span.rows`` >= 0, see ``streamkv.policies.write``)
@@ -33,22 +35,12 @@ from dataclasses import dataclass, field
 import torch
 
 from streamkv.attention.backend import KVCache, SeqSpan
+from streamkv.attention.picks import (WINDOW, Picks, fills, is_question, question_plan, question_rows, remembered,
+                                      window_picks)
 from streamkv.policies.read import PagePlan, ReadCount, SpanSlots
 
 
 RECALL_EVERY = 16  # decode rows at positions divisible by this measure, in one layer (rotating), the exact attention mass they read
-
-
-@dataclass
-class Picks:
-    """One sequence's remembered choice: its regions, the block table they were taken under
-    (up to the tail) and, per layer, the picked positions and their sinks + pages slots."""
-
-    plan: PagePlan
-    table: tuple[int, ...]
-    row: int = 0  # the context length of the row that took them: no earlier row reuses them
-    layers: dict[int, torch.Tensor] = field(default_factory=dict)
-    heads: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,7 +49,8 @@ class _Choice:
     plan: PagePlan
     candidates: torch.Tensor  # [tail - sink] block ids, int64
     slots: SpanSlots          # the span's context slots and their regions
-    picks: Picks | None       # reused (decode rows), or being filled (prompt chunks), or None
+    picks: Picks | None       # reused (answer rows), or being filled (a request's first answer row), or None
+    window: Picks | None = None  # a question span's: the answer's picks its window rows score for
 
 
 @dataclass(frozen=True)
@@ -90,38 +83,56 @@ class LayerSelector:
               memory: dict[int, Picks]) -> LayerSelector | None:
         """None when no span's policy leaves any page out this step; ``memory`` holds the
         remembered picks by sequence id (updated as layers pick)."""
-        bs = cache.block_size
         choices = []
         for i, span in enumerate(spans):
-            if span.read is None:
-                continue
-            picks = memory.get(span.seq_id) if span.is_decode and not span.read.rescore else None
-            if picks is not None and span.ctx_len < picks.row:  # recomputed (preempted, cut back): the
-                del memory[span.seq_id]                          # replay takes the same picks again
-                picks = None
-            plan = span.read.plan(span.read_from, span.ctx_len, bs) if picks is None or span.rows >= 0 else picks.plan
-            if picks is not None and picks.plan != plan:  # the sequence entered its ring layout: pick again
-                del memory[span.seq_id]
-                picks = None
-            if plan is None:
-                continue
-            if picks is not None and picks.table != span.block_table[:plan.tail]:
-                picks.heads.clear()  # the blocks moved (swap): resolve the positions again
-                picks.table = tuple(span.block_table[:plan.tail])
-            candidates = torch.tensor(span.block_table[plan.sink:plan.tail], dtype=torch.int64)
-            if picks is None and plan.keep > 0:
-                cache.page_bounds().refresh(candidates)
-                if not span.read.rescore:
-                    picks = memory[span.seq_id] = Picks(plan, tuple(span.block_table[:plan.tail]), span.ctx_len)
-            choices.append(_Choice(i, plan, candidates, SpanSlots(slots[i], plan.sink * bs, plan.tail * bs, bs), picks))
+            if span.read is not None:
+                c = (cls._question if is_question(span) else cls._choose)(i, span, slots[i], cache, memory)
+                if c is not None:
+                    choices.append(c)
         return cls(spans, slots, choices, cache, scale) if choices else None
+
+    @staticmethod
+    def _question(i: int, span: SeqSpan, slots: torch.Tensor, cache: KVCache, memory: dict[int, Picks]) -> _Choice | None:
+        """A question span's plan and candidates (see :mod:`streamkv.attention.picks`)."""
+        bs = cache.block_size
+        plan = question_plan(span, bs)
+        if plan is None:
+            return None
+        candidates = torch.tensor(span.block_table[plan.sink:plan.tail], dtype=torch.int64)
+        if plan.keep > 0:
+            cache.page_bounds().refresh(candidates)
+        return _Choice(i, plan, candidates, SpanSlots(slots, plan.sink * bs, plan.tail * bs, bs), None,
+                       window_picks(span, plan, memory))
+
+    @staticmethod
+    def _choose(i: int, span: SeqSpan, slots: torch.Tensor, cache: KVCache, memory: dict[int, Picks]) -> _Choice | None:
+        """An answer span's regions and candidate pages (None: it reads every page); with its
+        remembered picks when it reuses them, or new ones it fills when the answer will."""
+        bs = cache.block_size
+        picks = remembered(span, memory)
+        plan = span.read.plan(span.read_from, span.ctx_len, bs) if picks is None or span.rows >= 0 else picks.plan
+        if picks is not None and picks.plan != plan:  # the sequence entered its ring layout: pick again
+            del memory[span.seq_id]
+            picks = None
+        if plan is None:
+            return None
+        if picks is not None and picks.table != span.block_table[:plan.tail]:
+            picks.heads.clear()  # the blocks moved (swap): resolve the positions again
+            picks.table = tuple(span.block_table[:plan.tail])
+        candidates = torch.tensor(span.block_table[plan.sink:plan.tail], dtype=torch.int64)
+        if picks is None and plan.keep > 0:
+            cache.page_bounds().refresh(candidates)
+            if fills(span):
+                picks = memory[span.seq_id] = Picks(plan, tuple(span.block_table[:plan.tail]), span.ctx_len)
+        return _Choice(i, plan, candidates, SpanSlots(slots, plan.sink * bs, plan.tail * bs, bs), picks)
 
     def fused(self) -> FusedSelection | None:
         """The whole step for the C layer loop, or None when a span needs this Python path (it
         reuses remembered picks, picks no page or is a prompt chunk; or two rows sample their
         recall in different layers). A row sampling its recall stays fused: the C loop hands
         back that layer's queries, and :meth:`fused_recall` measures it after the step."""
-        if any(c.picks is not None or c.plan.keep <= 0 or not self.spans[c.index].is_decode for c in self.choices):
+        if any(c.picks is not None or c.plan.keep <= 0 or not self.spans[c.index].is_decode
+               or is_question(self.spans[c.index]) for c in self.choices):
             return None
         recall = {c.index: self._recall_layer(self.spans[c.index]) for c in self.choices}
         sampled = [c for c in self.choices if recall[c.index] is not None]
@@ -167,12 +178,17 @@ class LayerSelector:
 
     def for_layer(self, layer: int, q: torch.Tensor) -> tuple[list[SeqSpan], list[torch.Tensor]]:
         """The step's spans and context slots with every selecting span compacted for
-        ``layer``; q [T, H, D] are this layer's queries (after RoPE)."""
+        ``layer``; q [T, H, D] are this layer's queries (after RoPE). A question span comes
+        back as one span per row, each with its own pages."""
         spans, slots = list(self.spans), list(self.slots)
+        rows: dict[int, tuple[list[SeqSpan], list[torch.Tensor]]] = {}
         for c in self.choices:
             span, tail = spans[c.index], c.slots.full[c.slots.tail_from:]
-            picked = c.picks.layers.get(layer) if c.picks is not None and span.is_decode else None
-            reused = picked is not None  # the first answer row's pages (rescore false): nothing scored
+            if is_question(span):
+                rows[c.index] = self._question_rows(layer, q, span, c)
+                continue
+            picked = c.picks.layers.get(layer) if c.picks is not None else None
+            reused = picked is not None  # the pages the question's window chose (rescore false): nothing scored
             if reused:
                 head = c.picks.heads.get(layer)
                 if head is None:
@@ -186,7 +202,32 @@ class LayerSelector:
             slots[c.index] = compact
             spans[c.index] = SeqSpan(span.q_start, span.q_len, compact.numel() - span.q_len, span.block_table)
             self._count(layer, q, span, c, compact, scored=not reused and c.plan.keep > 0)
+        for i in sorted(rows, reverse=True):
+            spans[i:i + 1], slots[i:i + 1] = rows[i]
         return spans, slots
+
+    def _question_rows(self, layer: int, q: torch.Tensor, span: SeqSpan,
+                       c: _Choice) -> tuple[list[SeqSpan], list[torch.Tensor]]:
+        """A question span's rows (q [T, H, D]), each ranking the candidates with its own
+        query; rows of the answer's window add their shares to its picks."""
+        picked = None
+        if c.plan.keep > 0:
+            n = span.q_len
+            rows = q[span.q_start:span.q_start + n].view(n, self.cache.k.shape[2], -1, q.shape[2])
+            share = span.read.row_scores(rows, self.cache.bounds.data[layer].index_select(0, c.candidates),
+                                         self.scale)                                   # [rows, pages]
+            picked = share.topk(c.plan.keep, dim=-1).indices.sort(dim=-1).values     # [rows, keep]
+            if c.window is not None:
+                skip = max(0, span.num_prompt - WINDOW - span.start)                   # rows before the window
+                c.window.add_window(layer, self.layers, share[skip:], span.start + n == span.num_prompt)
+        out = question_rows(span, c.slots, picked)
+        count = self.counts.get(span.seq_id)
+        if count is not None:
+            count.layer_rows += sum(s.numel() for s in out[1]) // span.q_len
+            count.layers += 1
+            count.pages_scored += c.candidates.numel() * span.q_len if c.plan.keep > 0 else 0
+            count.pages_picked += c.plan.keep * span.q_len
+        return out
 
     def _count(self, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice, compact: torch.Tensor,
                scored: bool) -> None:

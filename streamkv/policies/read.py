@@ -153,6 +153,11 @@ class ReadPolicy(ABC):
     def score_pages(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
         """Importance [pages] of each candidate page for these queries (higher reads first)."""
 
+    def row_scores(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+        """Each row's own :meth:`score_pages` [rows, pages]: a row's scores are the same bits
+        whatever rows come with it (so page choices summed over rows do not depend on chunks)."""
+        return torch.stack([self.score_pages(row[None], bounds, scale) for row in q])
+
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.name, **asdict(self)}
 
@@ -213,6 +218,16 @@ class QuestPolicy(ReadPolicy):
         qq = torch.cat([qk.clamp(min=0), qk.clamp(max=0)], dim=-1).bfloat16().float()  # [kvh, rows*group, 2D]
         upper = torch.bmm(qq, bounds.float().permute(1, 2, 0))                          # [kvh, rows*group, pages]
         return torch.softmax(upper, dim=-1).amax(dim=(0, 1))
+
+    def row_scores(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+        """:meth:`score_pages` row by row in one pass: per kv head, one GEMM of the same shape per
+        row ([group, 2D] x [2D, pages], the bounds broadcast), so the bits do not depend on the rows."""
+        rows, kvh, group, dim = q.shape
+        qk = q.float() * scale
+        qq = torch.cat([qk.clamp(min=0), qk.clamp(max=0)], dim=-1).bfloat16().float()  # [rows, kvh, group, 2D]
+        b = bounds.float().permute(1, 2, 0)                                             # [kvh, 2D, pages]
+        upper = torch.stack([torch.bmm(qq[:, h], b[h].expand(rows, *b[h].shape)) for h in range(kvh)], dim=1)
+        return torch.softmax(upper, dim=-1).view(rows, kvh * group, -1).amax(dim=1)
 
 
 def _native(q: torch.Tensor, bounds: torch.Tensor | None, keep: int) -> Callable[..., Any] | None:

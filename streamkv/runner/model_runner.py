@@ -59,7 +59,8 @@ class ModelRunner:
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + item.num_tokens))
             span = SeqSpan(q0, item.num_tokens, item.start, item.block_table, item.read, item.seq_id,
-                           item.rows, item.write_row, item.ring_from)
+                           item.rows, item.write_row, item.ring_from, item.num_prompt,
+                           item.read_from)
             for seen in (self.compressor.observe(item, q0), self.recent.observe(item, q0)):
                 if seen is not None:
                     observe.append(seen)

@@ -18,7 +18,8 @@ class ScheduledSeq:
     ``sample``, the last position's logits produce the next token with ``params``;
     ``history`` is the sequence's full token list (prompt first ``num_prompt`` ids), read
     only, for penalties; ``banned_ids`` may not be sampled (stop ids before ``min_tokens``);
-    ``read`` limits which cached pages attention reads (None: all of them).
+    ``read`` limits which cached pages attention reads (None: all of them) for rows from
+    ``read_from`` on (the question's first row under it).
 
     ``write``: the sequence compresses its ``num_prompt``-token prompt: the runner keeps the
     queries of its last ``write.observation`` rows as they are computed and, in the step whose
@@ -43,6 +44,7 @@ class ScheduledSeq:
     num_prompt: int = 0
     banned_ids: tuple[int, ...] = ()
     read: ReadPolicy | None = None
+    read_from: int = -1
     write: WritePolicy | None = None
     rows: int = -1
     write_row: int = -1

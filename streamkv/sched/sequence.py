@@ -146,18 +146,21 @@ class Sequence:
     def chunk_limit(self, computed: int) -> int | None:
         """Most rows one step may compute from ``computed`` (None: no limit of its own).
 
-        After a preemption by recompute, rows must be computed as they were the first time:
-        exact rows stop where the read policy starts (``read_from``), and the answer's rows
-        under a read policy go one per step, so each row reads the pages it read before (its
-        own picks, or the remembered ones); a write policy's chunks stop at its point and its
-        ring takes one row per step."""
+        Rows must be computed alike in any chunking (and after a preemption by recompute, as
+        they were the first time): exact rows stop where the read policy starts (``read_from``);
+        the question's rows under it stop where the answer starts and need no other limit, as
+        each reads what it would read alone (``streamkv.attention.picks``); the answer's rows go
+        one per step, as they did, so each recomputed row's reads and recall sample are reported
+        as they were; a write policy's chunks stop at its point and its ring takes one row per step."""
         limits = []
         if self.write is not None:
             limits.append(1 if self.layout is not None else self.write_point - computed)
         if self.read is not None and self.read_from > 0:
             if computed < self.read_from:
                 limits.append(self.read_from - computed)
-            elif self.read.rescore or computed >= self.num_prompt_tokens:
+            elif computed < self.num_prompt_tokens:
+                limits.append(self.num_prompt_tokens - computed)
+            else:
                 limits.append(1)
         return min(limits) if limits else None
 
