@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from streamkv.attention.backend import KVCache, SeqSpan, make_backend
-from streamkv.attention.picks import WINDOW
-from streamkv.policies import QuestPolicy
+from streamkv.attention.picks import WINDOW, question_rows
+from streamkv.native import page_shares
+from streamkv.policies import QuestPolicy, SpanSlots
 
 BS, LAYERS, KVH, HEADS, DIM = 16, 2, 2, 4, 32
 START, QUESTION, ANSWER = 600, 40, 3  # question rows [600, 640) (longer than the recent window, and
@@ -82,6 +83,35 @@ def test_the_answer_reads_the_pages_the_window_chose_not_the_last_rows():
     pages = torch.tensor(X["table"][plan.sink:plan.tail])
     for layer in range(LAYERS):
         q = X["q"][layer, QUESTION - WINDOW:QUESTION].view(WINDOW, KVH, -1, DIM)
-        share = policy.row_scores(q, be.cache.bounds.data[layer].index_select(0, pages), DIM ** -0.5)
+        share = policy.row_scores(q, be.cache.bounds.data[layer], pages, DIM ** -0.5)
         assert picks[layer] == share.amax(0).topk(plan.keep).indices.sort().values.tolist()
         assert picks[layer] != share[-1].topk(plan.keep).indices.sort().values.tolist()
+
+
+@pytest.mark.skipif(page_shares() is None, reason="no C compiler: native page scoring not built")
+@pytest.mark.parametrize("rows, kv_heads, group, dim", [(1, 3, 3, 64), (31, 3, 3, 64), (6, 3, 1, 32), (9, 2, 4, 48),
+                                                       (2, 6, 3, 128)])
+def test_native_row_shares_are_each_rows_own_and_pick_what_torch_picks(rows, kv_heads, group, dim):
+    """``page_shares`` (C): a row's shares are the same bits alone, in a batch or split, and
+    each row's best pages are those the torch definition (``score_pages`` of that row) ranks best."""
+    g = torch.Generator().manual_seed(rows * 1000 + kv_heads * 100 + dim)
+    mid, rad = torch.randn(300, kv_heads, dim, generator=g), torch.rand(300, kv_heads, dim, generator=g)
+    bounds = torch.cat([mid + rad, mid - rad], dim=-1).bfloat16()
+    candidates = torch.randperm(300, generator=g)[:180]
+    q = torch.randn(rows, kv_heads, group, dim, generator=g).bfloat16()
+    shares = page_shares()
+    full = shares(q, bounds, candidates, 0.125)[0]
+    assert torch.equal(full, torch.cat([shares(q[i:i + 1], bounds, candidates, 0.125)[0] for i in range(rows)]))
+    cut = rows // 2
+    assert torch.equal(full, torch.cat([shares(q[:cut], bounds, candidates, 0.125)[0],
+                                        shares(q[cut:], bounds, candidates, 0.125)[0]]))
+    policy = QuestPolicy()
+    ref = torch.stack([policy.score_pages(q[i:i + 1], bounds.index_select(0, candidates), 0.125) for i in range(rows)])
+    want = ref.topk(40, dim=-1).indices.sort(dim=-1).values
+    # with keep: the kernel's picks, and each row's compacted slots (sinks, its pages, the tail up to its row)
+    slots = SpanSlots(torch.arange(2 * BS + 180 * BS + 30 + rows) * 3, 2 * BS, 2 * BS + 180 * BS, BS)
+    span = SeqSpan(0, rows, slots.full.numel() - rows, ())
+    share, picked, flat = policy.rows_compact(q, bounds, candidates, 40, 0.125, slots, 31)
+    assert torch.equal(share, full) and torch.equal(picked, want)
+    assert [s.tolist() for s in question_rows(span, slots, picked, flat)[1]] == \
+        [s.tolist() for s in question_rows(span, slots, want)[1]]

@@ -97,15 +97,21 @@ def fills(span: SeqSpan) -> bool:
     return not span.read.rescore and span.start >= span.num_prompt
 
 
-def question_rows(span: SeqSpan, slots: SpanSlots, picked: torch.Tensor | None) -> tuple[list[SeqSpan], list[torch.Tensor]]:
+def question_rows(span: SeqSpan, slots: SpanSlots, picked: torch.Tensor | None,
+                  flat: torch.Tensor | None = None) -> tuple[list[SeqSpan], list[torch.Tensor]]:
     """One span per row of a question span, each with its own context slots: the sinks, its
-    pages (``picked`` [rows, keep] positions, ascending; None: no page) and the tail up to its row."""
+    pages (``picked`` [rows, keep] positions, ascending; None: no page) and the tail up to its
+    row; ``flat``: those slots already written back to back (a kernel's)."""
     bs, n = slots.block_size, span.q_len
-    heads = slots.full[:slots.sink_len].expand(n, -1)
-    if picked is not None and picked.numel():
-        pages = slots.full[slots.sink_len:slots.tail_from].view(-1, bs)[picked].view(n, -1)  # [rows, keep * bs]
-        heads = torch.cat([heads, pages], dim=1)
-    tail = slots.full[slots.tail_from:]
     first = span.start - slots.tail_from + 1  # tail slots the span's first row reads
-    out = [torch.cat([heads[r], tail[:first + r]]) for r in range(n)]
+    if flat is not None:
+        width = slots.sink_len + picked.shape[1] * bs
+        out = list(flat.split([width + first + r for r in range(n)]))
+    else:
+        heads = slots.full[:slots.sink_len].expand(n, -1)
+        if picked is not None and picked.numel():
+            pages = slots.full[slots.sink_len:slots.tail_from].view(-1, bs)[picked].view(n, -1)  # [rows, keep * bs]
+            heads = torch.cat([heads, pages], dim=1)
+        tail = slots.full[slots.tail_from:]
+        out = [torch.cat([heads[r], tail[:first + r]]) for r in range(n)]
     return [SeqSpan(span.q_start + r, 1, s.numel() - 1, span.block_table) for r, s in enumerate(out)], out

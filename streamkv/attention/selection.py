@@ -210,17 +210,17 @@ class LayerSelector:
                        c: _Choice) -> tuple[list[SeqSpan], list[torch.Tensor]]:
         """A question span's rows (q [T, H, D]), each ranking the candidates with its own
         query; rows of the answer's window add their shares to its picks."""
-        picked = None
+        picked = flat = None
         if c.plan.keep > 0:
             n = span.q_len
             rows = q[span.q_start:span.q_start + n].view(n, self.cache.k.shape[2], -1, q.shape[2])
-            share = span.read.row_scores(rows, self.cache.bounds.data[layer].index_select(0, c.candidates),
-                                         self.scale)                                   # [rows, pages]
-            picked = share.topk(c.plan.keep, dim=-1).indices.sort(dim=-1).values     # [rows, keep]
+            first = span.start - c.slots.tail_from + 1                                 # tail slots row 0 reads
+            share, picked, flat = span.read.rows_compact(rows, self.cache.bounds.data[layer], c.candidates,
+                                                         c.plan.keep, self.scale, c.slots, first)
             if c.window is not None:
                 skip = max(0, span.num_prompt - WINDOW - span.start)                   # rows before the window
                 c.window.add_window(layer, self.layers, share[skip:], span.start + n == span.num_prompt)
-        out = question_rows(span, c.slots, picked)
+        out = question_rows(span, c.slots, picked, flat)
         count = self.counts.get(span.seq_id)
         if count is not None:
             count.layer_rows += sum(s.numel() for s in out[1]) // span.q_len

@@ -110,6 +110,41 @@ def _select(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candida
     return pos, out
 
 
+def page_shares() -> Callable[..., torch.Tensor] | None:
+    """Each query row's own Quest page shares in C (see ``page_select.c``), or None when unavailable."""
+    lib = loader._library()
+    return None if lib is None else functools.partial(_shares, lib.streamkv_page_shares)
+
+
+def _shares(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candidates: torch.Tensor, scale: float,
+            keep: int = 0, slots: torch.Tensor | None = None, sink_len: int = 0, tail_from: int = 0, first: int = 0,
+            block_size: int = 1) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """q [R, kvh, g, D] float32 or bfloat16; bounds [blocks, kvh, 2D] bfloat16 (one layer);
+    candidates [P] int64 block ids -> (shares [R, P] float32: each row's largest softmax share
+    of each page over its heads, the same bits whatever the other rows; with ``keep`` > 0 each
+    row's best pages [R, keep] ascending; with ``slots`` [ctx_len] the rows' compacted slots
+    back to back: row r = ``slots[:sink_len]``, its pages, ``slots[tail_from:][:first + r]``)."""
+    r, kvh, g, d = q.shape
+    if q.dtype not in (torch.float32, torch.bfloat16) or bounds.dtype != torch.bfloat16 \
+            or tuple(bounds.shape[1:]) != (kvh, 2 * d) or not candidates.numel():
+        raise ValueError(f"page shares got q {tuple(q.shape)} {q.dtype}, bounds {tuple(bounds.shape)} {bounds.dtype}, "
+                         f"{candidates.numel()} candidates")
+    q, bounds, candidates = q.contiguous(), bounds.contiguous(), candidates.contiguous()
+    out = torch.empty(r, candidates.numel(), dtype=torch.float32)
+    pos = torch.empty(r, keep, dtype=torch.int64) if keep > 0 else None
+    flat = None
+    if slots is not None and pos is not None:
+        slots = slots.contiguous()
+        flat = torch.empty(r * (sink_len + keep * block_size) + r * first + r * (r - 1) // 2, dtype=torch.int64)
+    rc = fn(q.data_ptr(), int(q.dtype == torch.bfloat16), r, kvh, g, d, bounds.data_ptr(), candidates.data_ptr(),
+            candidates.numel(), float(scale), out.data_ptr(), keep, pos.data_ptr() if pos is not None else None,
+            slots.data_ptr() if flat is not None else None, sink_len, tail_from, first, block_size,
+            flat.data_ptr() if flat is not None else None)
+    if rc != 0:
+        raise ValueError(f"page shares rejected keep={keep} of {candidates.numel()} pages, head_dim {d}")
+    return out, pos, flat
+
+
 def page_bounds() -> Callable[..., None] | None:
     """Per-block key max/min of a bfloat16 cache in C (see ``page_select.c``), or None."""
     lib = loader._library()

@@ -299,37 +299,31 @@ static uint16_t *split_queries(const void *q, int q_bf16, int R, int kvh, int g,
     return qt;
 }
 
-/* With full != NULL, also writes the compacted context slots: full[0, sink_len) + the
- * picked pages' slots (page p = full[sink_len + p * bs, + bs)) + full[tail_from, ctx_len). */
-int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D, const uint16_t *bounds,
-                         const int64_t *cand, int P, int keep, float scale, int64_t *pos,
-                         const int64_t *full, int64_t sink_len, int64_t tail_from, int64_t ctx_len, int bs,
-                         int64_t *slots) {
-    if (keep <= 0 || keep > P || D % 2) return 1;
-    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16;
-    int64_t *cp = malloc(sizeof(int64_t) * (size_t)Pp);  /* candidates padded with the first one */
-    for (int p = 0; p < Pp; p++) cp[p] = cand[p < P ? p : 0];
-    uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
-    /* ub [h][block][page][lane], lane = row; with pages in lanes and kvh n <= 16, one block of
-     * every head's rows (lane h n + row): one softmax pass below instead of kvh mostly idle ones */
-    int passes = kvh * nb, valid_all = 0;
+/* ub [passes][Pp][LANES]: every (kv head, query row) lane's bound for every candidate page.
+ * Lane l of pass hb is row i = (hb % nb) LANES + l of head hb / nb, or with ``packed`` (one
+ * pass) row l % n of head l / n. ``rows_in_lanes`` always takes tile() (rows in lanes): a
+ * lane's bits then never depend on the other rows (page_shares()). Caller frees. */
+static float *upper_bounds(const uint16_t *qt, const uint16_t *bounds, const int64_t *cp, int n, int kvh, int D2,
+                           int nb, int Pp, int rows_in_lanes, int *passes, int *packed) {
+    *passes = kvh * nb;
+    *packed = 0;
     float *ub = malloc(sizeof(float) * (size_t)kvh * nb * Pp * LANES);
 #if defined(PS_BF16) || defined(PS_AVX2)
-    if (n <= FEW && D2 % 32 == 0 && D2 <= 128) {
-        const int packed = kvh * n <= LANES;
-        if (packed) { passes = 1; valid_all = kvh * n; }
-        memset(ub, 0, sizeof(float) * (size_t)passes * Pp * LANES);   /* the lanes no row fills */
-        const int groups = Pp / 16, calls = (groups + GROUPS - 1) / GROUPS;
+    if (!rows_in_lanes && n <= FEW && D2 % 32 == 0 && D2 <= 128) {
+        *packed = kvh * n <= LANES;
+        if (*packed) *passes = 1;
+        memset(ub, 0, sizeof(float) * (size_t)*passes * Pp * LANES);   /* the lanes no row fills */
+        const int groups = Pp / 16, calls = (groups + GROUPS - 1) / GROUPS, pk = *packed;
         #pragma omp parallel for schedule(static) if (kvh * calls >= 4)
         for (int w = 0; w < kvh * calls; w++) {
             /* heads innermost: a thread reads its pages' bounds (every head) as one stream */
             const int h = w % kvh, g0 = GROUPS * (w / kvh), ng = groups - g0 < GROUPS ? groups - g0 : GROUPS;
-            page_tile(qt + (size_t)h * D2 * LANES, bounds, cp + (size_t)g0 * 16, ng, kvh, h, D2, n, packed ? h * n : 0,
-                      ub + ((size_t)(packed ? 0 : h) * Pp + (size_t)g0 * 16) * LANES);
+            page_tile(qt + (size_t)h * D2 * LANES, bounds, cp + (size_t)g0 * 16, ng, kvh, h, D2, n, pk ? h * n : 0,
+                      ub + ((size_t)(pk ? 0 : h) * Pp + (size_t)g0 * 16) * LANES);
         }
-    } else
+        return ub;
+    }
 #endif
-    {
     int tiles = Pp / PT, work = kvh * nb * tiles;
     #pragma omp parallel for schedule(static) if (work >= 64)
     for (int w = 0; w < work; w++) {
@@ -337,22 +331,48 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
         tile(qt + (size_t)hb * D2 * LANES, bounds, cp + (size_t)t * PT, kvh, hb / nb, D2,
              ub + ((size_t)hb * Pp + (size_t)t * PT) * LANES);
     }
-    }
-    float *score = calloc((size_t)P, sizeof(float));
+    return ub;
+}
+
+/* Each lane's softmax over the P pages, in place in u [Pp][LANES]; inv[l] = 1 / its sum
+ * (0 for the lanes from ``valid`` on, which hold no row). */
+static void lane_softmax(float *u, int P, int valid, float *inv) {
+    float m[LANES], sum[LANES];
+    for (int l = 0; l < LANES; l++) { m[l] = -INFINITY; sum[l] = 0.f; }
+    for (int p = 0; p < P; p++)
+        for (int l = 0; l < LANES; l++) m[l] = u[p * LANES + l] > m[l] ? u[p * LANES + l] : m[l];
+    for (int p = 0; p < P; p++)
+        for (int l = 0; l < LANES; l++) { u[p * LANES + l] = exp_le0(u[p * LANES + l] - m[l]); sum[l] += u[p * LANES + l]; }
+    for (int l = 0; l < LANES; l++) inv[l] = l < valid ? 1.f / sum[l] : 0.f;
+}
+
+static int64_t *padded(const int64_t *cand, int P, int Pp) {  /* candidates padded with the first one */
+    int64_t *cp = malloc(sizeof(int64_t) * (size_t)Pp);
+    for (int p = 0; p < Pp; p++) cp[p] = cand[p < P ? p : 0];
+    return cp;
+}
+
+/* With full != NULL, also writes the compacted context slots: full[0, sink_len) + the
+ * picked pages' slots (page p = full[sink_len + p * bs, + bs)) + full[tail_from, ctx_len). */
+int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D, const uint16_t *bounds,
+                         const int64_t *cand, int P, int keep, float scale, int64_t *pos,
+                         const int64_t *full, int64_t sink_len, int64_t tail_from, int64_t ctx_len, int bs,
+                         int64_t *slots) {
+    if (keep <= 0 || keep > P || D % 2) return 1;
+    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16, passes, packed;
+    int64_t *cp = padded(cand, P, Pp);
+    uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
+    /* ub [h][block][page][lane], lane = row; with pages in lanes and kvh n <= 16, one block of
+     * every head's rows (lane h n + row): one softmax pass below instead of kvh mostly idle ones */
+    float *ub = upper_bounds(qt, bounds, cp, n, kvh, D2, nb, Pp, 0, &passes, &packed);
+    float *score = calloc((size_t)P, sizeof(float)), inv[LANES];
     for (int hb = 0; hb < passes; hb++) {
         float *u = ub + (size_t)hb * Pp * LANES;
-        int valid = valid_all ? valid_all : n - (hb % nb) * LANES;
-        valid = valid < LANES ? valid : LANES;
-        float m[LANES], sum[LANES];
-        for (int l = 0; l < LANES; l++) { m[l] = -INFINITY; sum[l] = 0.f; }
-        for (int p = 0; p < P; p++)
-            for (int l = 0; l < LANES; l++) m[l] = u[p * LANES + l] > m[l] ? u[p * LANES + l] : m[l];
-        for (int p = 0; p < P; p++)
-            for (int l = 0; l < LANES; l++) { u[p * LANES + l] = exp_le0(u[p * LANES + l] - m[l]); sum[l] += u[p * LANES + l]; }
-        for (int l = 0; l < LANES; l++) sum[l] = l < valid ? 1.f / sum[l] : 0.f;  /* padding rows weigh 0 */
+        int valid = packed ? kvh * n : n - (hb % nb) * LANES;
+        lane_softmax(u, P, valid < LANES ? valid : LANES, inv);  /* padding rows weigh 0 */
         for (int p = 0; p < P; p++) {
             float best = score[p];
-            for (int l = 0; l < LANES; l++) best = fmaxf(best, u[p * LANES + l] * sum[l]);
+            for (int l = 0; l < LANES; l++) best = fmaxf(best, u[p * LANES + l] * inv[l]);
             score[p] = best;
         }
     }
@@ -364,6 +384,51 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
         memcpy(slots + o, full + tail_from, sizeof(int64_t) * (size_t)(ctx_len - tail_from));
     }
     free(score);
+    free(ub);
+    free(qt);
+    free(cp);
+    return 0;
+}
+
+/* Each query row's own share of every page: out [R][P] = max over the row's (kv head, group
+ * member) softmaxes over the pages (streamkv.policies.read.QuestPolicy.row_scores). Rows
+ * always sit in lanes (tile()), so a row's bits are the same whatever rows come with it.
+ * With keep > 0, also each row's keep best pages pos [R][keep] (ascending) and, with full !=
+ * NULL, the rows' compacted context slots back to back in ``slots``: row r reads full[0,
+ * sink_len), its pages (page p = full[sink_len + p bs, + bs)) and full[tail_from, tail_from +
+ * first + r) (the tail up to its own row). */
+int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D, const uint16_t *bounds,
+                         const int64_t *cand, int P, float scale, float *out, int keep, int64_t *pos,
+                         const int64_t *full, int64_t sink_len, int64_t tail_from, int64_t first, int bs,
+                         int64_t *slots) {
+    if (P <= 0 || D % 2 || keep > P) return 1;
+    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16, passes, packed;
+    int64_t *cp = padded(cand, P, Pp);
+    uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
+    float *ub = upper_bounds(qt, bounds, cp, n, kvh, D2, nb, Pp, 1, &passes, &packed), inv[LANES];
+    memset(out, 0, sizeof(float) * (size_t)R * P);
+    for (int hb = 0; hb < passes; hb++) {
+        float *u = ub + (size_t)hb * Pp * LANES;
+        int at = (hb % nb) * LANES, valid = n - at < LANES ? n - at : LANES;
+        lane_softmax(u, P, valid, inv);
+        for (int l = 0; l < valid; l++) {
+            float *row = out + (size_t)((at + l) / g) * P;
+            for (int p = 0; p < P; p++) row[p] = fmaxf(row[p], u[p * LANES + l] * inv[l]);
+        }
+    }
+    if (keep > 0 && pos) {
+        int64_t o = 0;
+        for (int r = 0; r < R; r++) {
+            int64_t *mine = pos + (size_t)r * keep;
+            top_keep(out + (size_t)r * P, P, keep, mine);
+            if (!full) continue;
+            memcpy(slots + o, full, sizeof(int64_t) * (size_t)sink_len);
+            o += sink_len;
+            for (int k = 0; k < keep; k++, o += bs) memcpy(slots + o, full + sink_len + mine[k] * bs, sizeof(int64_t) * bs);
+            memcpy(slots + o, full + tail_from, sizeof(int64_t) * (size_t)(first + r));
+            o += first + r;
+        }
+    }
     free(ub);
     free(qt);
     free(cp);

@@ -30,6 +30,13 @@ def declare(lib: ctypes.CDLL) -> None:
                                                             ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
                                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                                             ctypes.c_void_p]
+    fn = lib.streamkv_page_shares
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                                            ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                                            ctypes.c_void_p]
     fn = lib.streamkv_inv_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from streamkv.native import page_select
+from streamkv.native import page_select, page_shares
 from streamkv.policies.registry import build_policy, check_count
 
 
@@ -153,10 +153,21 @@ class ReadPolicy(ABC):
     def score_pages(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
         """Importance [pages] of each candidate page for these queries (higher reads first)."""
 
-    def row_scores(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
-        """Each row's own :meth:`score_pages` [rows, pages]: a row's scores are the same bits
-        whatever rows come with it (so page choices summed over rows do not depend on chunks)."""
-        return torch.stack([self.score_pages(row[None], bounds, scale) for row in q])
+    def row_scores(self, q: torch.Tensor, bounds: torch.Tensor, candidates: torch.Tensor, scale: float) -> torch.Tensor:
+        """Each row's own :meth:`score_pages` [rows, pages] of the ``candidates`` (``bounds``:
+        one layer's, every block): a row's scores are the same bits whatever rows come with it
+        (so choices made over rows do not depend on how they were chunked)."""
+        picked = bounds.index_select(0, candidates)
+        return torch.stack([self.score_pages(row[None], picked, scale) for row in q])
+
+    def rows_compact(self, q: torch.Tensor, bounds: torch.Tensor, candidates: torch.Tensor, keep: int, scale: float,
+                     slots: SpanSlots, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each row's :meth:`row_scores` [rows, pages], its ``keep`` best pages [rows, keep]
+        (ascending) and, where a kernel writes them, the rows' compacted slots back to back
+        (row r: the sinks, its pages, the first ``first + r`` tail slots; None: the caller
+        builds them)."""
+        shares = self.row_scores(q, bounds, candidates, scale)
+        return shares, shares.topk(keep, dim=-1).indices.sort(dim=-1).values, None
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.name, **asdict(self)}
@@ -219,15 +230,30 @@ class QuestPolicy(ReadPolicy):
         upper = torch.bmm(qq, bounds.float().permute(1, 2, 0))                          # [kvh, rows*group, pages]
         return torch.softmax(upper, dim=-1).amax(dim=(0, 1))
 
-    def row_scores(self, q: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
-        """:meth:`score_pages` row by row in one pass: per kv head, one GEMM of the same shape per
-        row ([group, 2D] x [2D, pages], the bounds broadcast), so the bits do not depend on the rows."""
+    def row_scores(self, q: torch.Tensor, bounds: torch.Tensor, candidates: torch.Tensor, scale: float) -> torch.Tensor:
+        """:meth:`score_pages` row by row in one pass: in C (``page_shares``, rows always in
+        lanes) or per kv head one GEMM of the same shape per row ([group, 2D] x [2D, pages], the
+        bounds broadcast), so the bits do not depend on the rows."""
+        shares = page_shares() if q.device.type == "cpu" else None
+        if shares is not None:
+            return shares(q, bounds, candidates, scale)[0]
+        bounds = bounds.index_select(0, candidates)
         rows, kvh, group, dim = q.shape
         qk = q.float() * scale
         qq = torch.cat([qk.clamp(min=0), qk.clamp(max=0)], dim=-1).bfloat16().float()  # [rows, kvh, group, 2D]
         b = bounds.float().permute(1, 2, 0)                                             # [kvh, 2D, pages]
         upper = torch.stack([torch.bmm(qq[:, h], b[h].expand(rows, *b[h].shape)) for h in range(kvh)], dim=1)
         return torch.softmax(upper, dim=-1).view(rows, kvh * group, -1).amax(dim=1)
+
+
+    def rows_compact(self, q: torch.Tensor, bounds: torch.Tensor, candidates: torch.Tensor, keep: int, scale: float,
+                     slots: SpanSlots, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        shares = page_shares() if q.device.type == "cpu" and keep > 0 else None
+        if shares is None:
+            return super().rows_compact(q, bounds, candidates, keep, scale, slots, first)
+        share, picked, flat = shares(q, bounds, candidates, scale, keep, slots.full, slots.sink_len, slots.tail_from,
+                                     first, slots.block_size)
+        return share, picked, flat
 
 
 def _native(q: torch.Tensor, bounds: torch.Tensor | None, keep: int) -> Callable[..., Any] | None:
