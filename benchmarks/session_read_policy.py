@@ -1,0 +1,117 @@
+"""Live-session questions under a read policy (``kv_read``): latency, chunk invariance and
+agreement with the exact session, on the embedded model.
+
+    .venv/bin/python benchmarks/session_read_policy.py [--questions 8] [--budgets 256,512,1024]
+
+Two parts, each printing the CPU (model, vector flags):
+
+* latency: a session of ~5.9k tokens of sensor records; the median seconds of a question
+  (8 answer tokens) exact, under ``quest(1024)`` reusing the question's picks (``rescore:
+  false``, the sessions' default) and re-scoring every row (``rescore: true``); each quest
+  answer is also asked with ``max_chunk_tokens=5`` and must be bit-identical (the question's
+  rows pick their own pages: ``streamkv.attention.picks``);
+* agreement: 24 retrieval questions ("What is the code for item X?") over ~2.8k tokens of
+  records, greedy 24 tokens; per budget, the mean length of the answer's prefix equal to the
+  exact session's and how many answers are identical (the 135M model retrieves few codes
+  exactly, so agreement with the exact session is the measure, not correctness).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine_info, md_table  # noqa: E402
+from streamkv import LLM, SamplingParams  # noqa: E402
+from streamkv.sessions.spec import SessionSpec  # noqa: E402
+
+QUEST = {"policy": "quest", "budget_tokens": 1024, "sink_tokens": 64, "recent_tokens": 256}
+
+
+def _session(engine, records: list[str], policy: dict | None, system: str):
+    s = engine.sessions.create(SessionSpec(system=system, retention_tokens=8000, kv_read=policy))
+    engine.sessions.push(s.id, records)
+    while engine.has_unfinished():
+        engine.step()
+    return s
+
+
+def _ask(engine, sid: str, rid: str, question: str, params: SamplingParams):
+    engine.sessions.query(sid, rid, question, params)
+    return engine.run_to_completion([rid])[rid]
+
+
+def latency(n: int) -> list[list]:
+    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(400)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    questions = [f"Across every sensor listed above, what was the reading of sensor {j % 7} at t={j * 40 + 3}, "
+                 "and which was largest?" for j in range(n + 2)]
+    engines = {chunk: LLM(dtype="float32", max_chunk_tokens=chunk).engine for chunk in (None, 5)}
+    rows = []
+    for label, policy in [("exact", None), ("quest(1024), rescore false", {**QUEST, "rescore": False}),
+                          ("quest(1024), rescore true", {**QUEST, "rescore": True})]:
+        answers, times, ctx = {}, [], 0
+        for chunk, engine in engines.items():
+            s = _session(engine, records, policy, "Answer from the data.")
+            ctx = s.data.snapshot_len()
+            for j, q in enumerate(questions):
+                t = time.perf_counter()
+                out = _ask(engine, s.id, f"q{j}", q, params)
+                if chunk is None and j >= 2:  # two warm-up questions
+                    times.append(time.perf_counter() - t)
+                answers.setdefault(j, []).append((out.token_ids, [lp.logprob for lp in out.logprobs]))
+            engine.sessions.delete(s.id)
+        same = sum(a[0] == a[1] for a in answers.values())
+        rows.append([label, ctx, f"{statistics.median(times):.3f}", f"{same}/{len(answers)}"])
+    return rows
+
+
+def agreement(budgets: list[int]) -> list[list]:
+    rng = random.Random(7)
+    names = [f"{rng.choice(['red', 'blue', 'green', 'amber', 'violet', 'grey'])}-"
+             f"{rng.choice(['fox', 'owl', 'cat', 'elk', 'yak', 'eel'])}-{i}" for i in range(150)]
+    codes = [rng.randint(1000, 9999) for _ in names]
+    records = [f"The code for item {n} is {c}." for n, c in zip(names, codes)]
+    asks = rng.sample(range(len(names)), 24)
+    engine = LLM(dtype="float32").engine
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    answers, rows = {}, []
+    for budget in [0, *budgets]:
+        policy = {**QUEST, "budget_tokens": budget, "sink_tokens": 32, "recent_tokens": 64} if budget else None
+        s = _session(engine, records, policy, "Answer with the code only.")
+        outs = [_ask(engine, s.id, f"a{budget}-{j}", f"What is the code for item {names[a]}?", params).token_ids
+                for j, a in enumerate(asks)]
+        engine.sessions.delete(s.id)
+        answers[budget] = outs
+        if budget:
+            prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                      for a, b in zip(outs, answers[0])]
+            rows.append([f"quest({budget})", s.data.snapshot_len(), f"{sum(prefix) / len(prefix):.2f}",
+                         f"{sum(a == b for a, b in zip(outs, answers[0]))}/{len(outs)}"])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--questions", type=int, default=8, help="timed questions per policy (after 2 warm-ups)")
+    ap.add_argument("--budgets", default="256,512,1024", help="quest budgets of the agreement part")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    info = machine_info(args.threads)
+    print(f"CPU: {info['cpu']['model']}, {info['affinity']} cores, flags: {', '.join(info['cpu']['flags'])}; "
+          f"torch {info['torch']} with {info['torch_threads']} threads")
+    print("\n## Question latency (median s, 8 answer tokens) and chunk invariance\n")
+    print(md_table(["policy", "context tokens", "median s", "bit-identical with max_chunk_tokens=5"],
+                   latency(args.questions)))
+    print("\n## Agreement with the exact session (24 retrieval questions, greedy 24 tokens)\n")
+    print(md_table(["policy", "context tokens", "mean agreeing prefix (tokens)", "identical answers"],
+                   agreement([int(b) for b in args.budgets.split(",")])))
+
+
+if __name__ == "__main__":
+    main()
