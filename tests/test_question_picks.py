@@ -115,3 +115,47 @@ def test_native_row_shares_are_each_rows_own_and_pick_what_torch_picks(rows, kv_
     assert torch.equal(share, full) and torch.equal(picked, want)
     assert [s.tolist() for s in question_rows(span, slots, picked, flat)[1]] == \
         [s.tolist() for s in question_rows(span, slots, want)[1]]
+
+
+@pytest.mark.parametrize("rescore", [False, True])
+def test_a_question_preempted_mid_way_answers_and_reports_as_alone(smol_fp32, rescore):
+    """On the embedded model, a session question under quest asked in chunks of 5, preempted by
+    recompute 15 rows in and replayed in chunks of 16 (as adaptive chunks may): the same bits
+    and the same read report as alone (the replayed rows' reads are not counted again)."""
+    from dataclasses import replace
+
+    from streamkv import SamplingParams
+    from streamkv.sessions.spec import SessionSpec
+
+    engine = smol_fp32.engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64, "rescore": rescore}
+    session = engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000, kv_read=policy))
+    engine.sessions.push(session.id, [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)])
+    while engine.has_unfinished():
+        engine.step()
+    question = ("Across every sensor listed above, what was the reading of sensor 3 at t=38, and which sensor "
+                "reported the largest reading near the end of the data?")
+    config = engine.scheduler.config
+
+    def ask(rid: str, preempt_at: int | None):
+        engine.scheduler.config = replace(config, max_chunk_tokens=5)
+        engine.sessions.query(session.id, rid, question, params)
+        seq = engine._requests[rid].seq
+        if preempt_at is not None:
+            while seq.num_computed - seq.read_from < preempt_at:
+                engine.step()
+            assert seq.num_computed < seq.num_prompt_tokens  # mid-question
+            engine.scheduler._preempt(seq)
+            engine.scheduler.config = replace(config, max_chunk_tokens=16)
+        out = engine.run_to_completion([rid])[rid]
+        return out.token_ids, [lp.logprob for lp in out.logprobs], out.kv, out.metrics["num_preemptions"]
+
+    try:
+        alone, again = ask("alone", None), ask("again", 15)
+    finally:
+        engine.scheduler.config = config
+        engine.sessions.delete(session.id)
+    assert again[3] == 1 and alone[3] == 0
+    assert again[:3] == alone[:3]
+    engine.check_integrity()

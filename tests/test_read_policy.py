@@ -380,7 +380,8 @@ def test_a_server_default_quest_acts_like_the_same_object_in_a_request():
 def test_a_session_question_under_quest_is_the_same_chunked(rescore):
     """Determinism under chunking for session questions under ``quest``: each question row
     picks its own pages (as it would alone) and, without ``rescore`` (the sessions' default),
-    the answer reuses the last question row's; so the bits are the same whether the question
+    the answer reuses what the question's last 32 rows chose together; so the bits (and the
+    read report) are the same whether the question
     goes in one chunk or in chunks of 5. (Before, a chunk's rows picked one page set
     together and the logprobs depended on the chunking.)"""
     from streamkv import LLM, SamplingParams
@@ -400,5 +401,6 @@ def test_a_session_question_under_quest_is_the_same_chunked(rescore):
         _drain(engine)
         engine.sessions.query(session.id, "q", question, params)
         out = engine.run_to_completion(["q"])["q"]
-        answers.append((out.token_ids, [lp.logprob for lp in out.logprobs]))
+        answers.append((out.token_ids, [lp.logprob for lp in out.logprobs], out.kv))
     assert answers[0] == answers[1]
+    assert answers[0][2]["pages_picked"] > 0 and answers[0][2]["attention_recall"] is not None

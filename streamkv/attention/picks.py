@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamkv.attention.backend import SeqSpan
-from streamkv.policies.read import PagePlan, SpanSlots
+from streamkv.policies.read import PagePlan, ReadCount, SpanSlots
 
 
 WINDOW = 32  # the question's last rows whose queries choose the answer's pages (rescore false)
@@ -58,6 +58,15 @@ class Picks:
 def is_question(span: SeqSpan) -> bool:
     """Rows of a question under a read policy (not yet the answer's, not a ring layout's)."""
     return span.read is not None and span.rows < 0 and span.start < span.num_prompt
+
+
+def step_count(span: SeqSpan) -> ReadCount:
+    """A span's read report for one step, before its layers count what they read: a question's
+    rows count one step each (so the report does not depend on the chunking), other spans one."""
+    if is_question(span):
+        full = span.q_len * span.start + span.q_len * (span.q_len + 1) // 2  # row r reads start + r + 1
+        return ReadCount(span.q_len, full, full)
+    return ReadCount(1, span.ctx_len, span.ctx_len)
 
 
 def question_plan(span: SeqSpan, block_size: int) -> PagePlan | None:

@@ -222,11 +222,16 @@ class LayerSelector:
                 c.window.add_window(layer, self.layers, share[skip:], span.start + n == span.num_prompt)
         out = question_rows(span, c.slots, picked, flat)
         count = self.counts.get(span.seq_id)
-        if count is not None:
-            count.layer_rows += sum(s.numel() for s in out[1]) // span.q_len
+        if count is not None:  # each row counts as its own step (``picks.step_count``)
+            count.layer_rows += sum(s.numel() for s in out[1])
             count.layers += 1
             count.pages_scored += c.candidates.numel() * span.q_len if c.plan.keep > 0 else 0
             count.pages_picked += c.plan.keep * span.q_len
+            for r, compact in enumerate(out[1]):  # rows sample their recall as answer rows do
+                if layer == self._recall_layer_at(span.start + r):
+                    count.recall_sum += self._recall(layer, q[span.q_start + r], c.slots.full[:span.start + r + 1],
+                                                     compact)
+                    count.recall_n += 1
         return out
 
     def _count(self, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice, compact: torch.Tensor,
@@ -256,8 +261,12 @@ class LayerSelector:
     def _recall_layer(self, span: SeqSpan) -> int | None:
         """The layer in which this span's row measures its recall this step, if it samples:
         decode rows at positions divisible by RECALL_EVERY, in a layer that rotates with them."""
-        if span.is_decode and span.start % RECALL_EVERY == 0:
-            return (span.start // RECALL_EVERY) % self.layers
+        return self._recall_layer_at(span.start) if span.is_decode else None
+
+    def _recall_layer_at(self, position: int) -> int | None:
+        """The layer in which a row at ``position`` measures its recall (one in RECALL_EVERY)."""
+        if position > 0 and position % RECALL_EVERY == 0:
+            return (position // RECALL_EVERY) % self.layers
         return None
 
     def _recall(self, layer: int, q: torch.Tensor, full: torch.Tensor, compact: torch.Tensor) -> float:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from streamkv.attention.backend import AttentionBackend, KVCache, Observation, SeqSpan, register_backend
+from streamkv.attention.picks import step_count
 from streamkv.attention.selection import LayerSelector, Picks
 from streamkv.policies.read import ReadCount
 
@@ -74,7 +75,7 @@ class TorchReferenceBackend(AttentionBackend):
         self.cache.written(mapping)
         if any(span.read is not None for span in spans):
             meta.selector = LayerSelector.build(spans, slots, self.cache, self.scale, self.picks)
-            meta.reads = {span.seq_id: ReadCount(1, span.ctx_len, span.ctx_len) for span in spans if span.read}
+            meta.reads = {span.seq_id: step_count(span) for span in spans if span.read}
             if meta.selector is not None:
                 meta.selector.counts = meta.reads
         return meta

@@ -92,8 +92,9 @@ class ReadPolicy(ABC):
     """Hyper-parameters of one read policy; validated on construction (ValueError).
 
     ``rescore``: decode rows pick their own pages every step (Quest); by default they reuse,
-    per layer, the pages the sequence's last prompt chunk (its question) picked, as SnapKV
-    uses the prompt's last window to choose for the whole answer.
+    per layer, the pages the question's last rows chose together (``streamkv.attention.picks``;
+    a request's: its first answer row's), as SnapKV uses the prompt's last window to choose for
+    the whole answer.
 
     Template: :meth:`plan` decides the page regions from lengths alone (no tensors), then
     :meth:`compact` keeps the pages :meth:`select` ranks best with the subclass's
@@ -231,20 +232,13 @@ class QuestPolicy(ReadPolicy):
         return torch.softmax(upper, dim=-1).amax(dim=(0, 1))
 
     def row_scores(self, q: torch.Tensor, bounds: torch.Tensor, candidates: torch.Tensor, scale: float) -> torch.Tensor:
-        """:meth:`score_pages` row by row in one pass: in C (``page_shares``, rows always in
-        lanes) or per kv head one GEMM of the same shape per row ([group, 2D] x [2D, pages], the
-        bounds broadcast), so the bits do not depend on the rows."""
+        """:meth:`score_pages` row by row: in one C pass (``page_shares``, rows always in vector
+        lanes), or one row at a time (a batched GEMM's rows can differ in the last bits with
+        the batch: seen with 2 threads and 7-query groups), so the bits do not depend on the rows."""
         shares = page_shares() if q.device.type == "cpu" else None
         if shares is not None:
             return shares(q, bounds, candidates, scale)[0]
-        bounds = bounds.index_select(0, candidates)
-        rows, kvh, group, dim = q.shape
-        qk = q.float() * scale
-        qq = torch.cat([qk.clamp(min=0), qk.clamp(max=0)], dim=-1).bfloat16().float()  # [rows, kvh, group, 2D]
-        b = bounds.float().permute(1, 2, 0)                                             # [kvh, 2D, pages]
-        upper = torch.stack([torch.bmm(qq[:, h], b[h].expand(rows, *b[h].shape)) for h in range(kvh)], dim=1)
-        return torch.softmax(upper, dim=-1).view(rows, kvh * group, -1).amax(dim=1)
-
+        return super().row_scores(q, bounds, candidates, scale)
 
     def rows_compact(self, q: torch.Tensor, bounds: torch.Tensor, candidates: torch.Tensor, keep: int, scale: float,
                      slots: SpanSlots, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -148,8 +148,9 @@ class Sequence:
 
         Rows must be computed alike in any chunking (and after a preemption by recompute, as
         they were the first time): exact rows stop where the read policy starts (``read_from``);
-        the question's rows under it stop where the answer starts and need no other limit, as
-        each reads what it would read alone (``streamkv.attention.picks``); the answer's rows go
+        the question's rows under it stop where the answer starts (and, replayed, where the rows
+        whose reads were counted end: ``reads_to``) and need no other limit, as each reads what it
+        would read alone (``streamkv.attention.picks``); the answer's rows go
         one per step, as they did, so each recomputed row's reads and recall sample are reported
         as they were; a write policy's chunks stop at its point and its ring takes one row per step."""
         limits = []
@@ -158,8 +159,9 @@ class Sequence:
         if self.read is not None and self.read_from > 0:
             if computed < self.read_from:
                 limits.append(self.read_from - computed)
-            elif computed < self.num_prompt_tokens:
-                limits.append(self.num_prompt_tokens - computed)
+            elif computed < self.num_prompt_tokens:  # (a replay stops where rows counted before end)
+                stop = self.reads_to if computed < self.reads_to else self.num_prompt_tokens
+                limits.append(min(stop, self.num_prompt_tokens) - computed)
             else:
                 limits.append(1)
         return min(limits) if limits else None
