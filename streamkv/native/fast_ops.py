@@ -92,10 +92,7 @@ def _select(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candida
     slots (page p = ``slots[sink_len + p * block_size:][:block_size]``) + ``slots[tail_from:]``).
     """
     r, kvh, g, d = q.shape
-    if q.dtype not in (torch.float32, torch.bfloat16) or bounds.dtype != torch.bfloat16 \
-            or tuple(bounds.shape[1:]) != (kvh, 2 * d):
-        raise ValueError(f"page selection got q {tuple(q.shape)} {q.dtype}, bounds {tuple(bounds.shape)} {bounds.dtype}")
-    q, bounds, candidates = q.contiguous(), bounds.contiguous(), candidates.contiguous()
+    q, bounds, candidates = _scoring_inputs("page selection", q, bounds, candidates)
     pos = torch.empty(keep, dtype=torch.int64)
     out = None
     if slots is not None:
@@ -108,6 +105,17 @@ def _select(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candida
     if rc != 0:
         raise ValueError(f"page selection rejected keep={keep} of {candidates.numel()} pages, head_dim {d}")
     return pos, out
+
+
+def _scoring_inputs(what: str, q: torch.Tensor, bounds: torch.Tensor,
+                    candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The page scorers' inputs, checked (ValueError) and contiguous: q [R, kvh, g, D] float32
+    or bfloat16, bounds [blocks, kvh, 2D] bfloat16, candidates [P] int64."""
+    _, kvh, _, d = q.shape
+    if q.dtype not in (torch.float32, torch.bfloat16) or bounds.dtype != torch.bfloat16 \
+            or tuple(bounds.shape[1:]) != (kvh, 2 * d):
+        raise ValueError(f"{what} got q {tuple(q.shape)} {q.dtype}, bounds {tuple(bounds.shape)} {bounds.dtype}")
+    return q.contiguous(), bounds.contiguous(), candidates.contiguous()
 
 
 def page_shares() -> Callable[..., torch.Tensor] | None:
@@ -125,11 +133,9 @@ def _shares(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candida
     row's best pages [R, keep] ascending; with ``slots`` [ctx_len] the rows' compacted slots
     back to back: row r = ``slots[:sink_len]``, its pages, ``slots[tail_from:][:first + r]``)."""
     r, kvh, g, d = q.shape
-    if q.dtype not in (torch.float32, torch.bfloat16) or bounds.dtype != torch.bfloat16 \
-            or tuple(bounds.shape[1:]) != (kvh, 2 * d) or not candidates.numel():
-        raise ValueError(f"page shares got q {tuple(q.shape)} {q.dtype}, bounds {tuple(bounds.shape)} {bounds.dtype}, "
-                         f"{candidates.numel()} candidates")
-    q, bounds, candidates = q.contiguous(), bounds.contiguous(), candidates.contiguous()
+    if not candidates.numel():
+        raise ValueError("page shares got 0 candidates")
+    q, bounds, candidates = _scoring_inputs("page shares", q, bounds, candidates)
     out = torch.empty(r, candidates.numel(), dtype=torch.float32)
     pos = torch.empty(r, keep, dtype=torch.int64) if keep > 0 else None
     flat = None

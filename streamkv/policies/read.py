@@ -245,9 +245,8 @@ class QuestPolicy(ReadPolicy):
         shares = page_shares() if q.device.type == "cpu" and keep > 0 else None
         if shares is None:
             return super().rows_compact(q, bounds, candidates, keep, scale, slots, first)
-        share, picked, flat = shares(q, bounds, candidates, scale, keep, slots.full, slots.sink_len, slots.tail_from,
-                                     first, slots.block_size)
-        return share, picked, flat
+        return shares(q, bounds, candidates, scale, keep, slots.full, slots.sink_len, slots.tail_from, first,
+                      slots.block_size)
 
 
 def _native(q: torch.Tensor, bounds: torch.Tensor | None, keep: int) -> Callable[..., Any] | None:

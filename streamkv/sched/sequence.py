@@ -160,8 +160,8 @@ class Sequence:
             if computed < self.read_from:
                 limits.append(self.read_from - computed)
             elif computed < self.num_prompt_tokens:  # (a replay stops where rows counted before end)
-                stop = self.reads_to if computed < self.reads_to else self.num_prompt_tokens
-                limits.append(min(stop, self.num_prompt_tokens) - computed)
+                end = self.num_prompt_tokens
+                limits.append((self.reads_to if computed < self.reads_to < end else end) - computed)
             else:
                 limits.append(1)
         return min(limits) if limits else None
