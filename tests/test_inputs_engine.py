@@ -403,3 +403,38 @@ def test_advance_gives_up_on_an_input_that_can_get_no_block():
 
     with pytest.raises(InvalidRequestError, match="kv must be"):  # a TypeError before
         asyncio.run(AsyncEngine(engine).open_input("z", prompt="x", kv={"kv_wrte": {}}))
+
+
+def test_an_idle_streaming_input_does_not_hold_a_request_over_the_ceiling_back():
+    """A request projecting more than the cell-budget ceiling runs only alone; an admitted
+    streaming input whose client had gone quiet counted as "not alone", so the request waited
+    as long as the client did (300 steps, 300 deferrals). An idle input no longer counts; once
+    it gets text again it computes beside the request, and both outputs are unchanged."""
+    from tests.fakes import fake_engine
+
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    engine, _ = fake_engine(num_blocks=64, budget=64, admission="cell-budget")  # ceiling: 128 tokens
+    stream = engine.inputs.open("partial", prompt=LETTERS[:20], params=params(10))
+    _drain(engine, 5)
+    assert not stream.seq.has_work and stream.seq.num_computed == 19  # idle: waits for its client
+    engine.add_request("big", [7] * 20, params(120))  # 140 projected tokens, over the ceiling
+    done = {}
+    for _ in range(40):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.scheduler.admission.stats.deferred_requests == 0
+    engine.inputs.append("partial", LETTERS[20:])  # text again while "big" decodes
+    engine.inputs.finish("partial")
+    done.update(engine.run_to_completion(["big", "partial"]))
+    engine.check_integrity()
+    solo, _ = fake_engine(num_blocks=64, budget=64)
+    solo.add_request("big", [7] * 20, params(120))
+    solo.add_request("partial", LETTERS, params(10))
+    want = solo.run_to_completion(["big", "partial"])
+    assert {r: o.token_ids for r, o in done.items()} == {r: o.token_ids for r, o in want.items()}
+    # a streaming input still computing arrived rows is prompt work: the request waits for it
+    engine, _ = fake_engine(num_blocks=64, budget=8, admission="cell-budget")
+    engine.inputs.open("partial", prompt=LETTERS, params=params(10))
+    engine.step()
+    engine.add_request("big", [7] * 20, params(120))
+    engine.step()
+    assert engine.scheduler.admission.stats.deferred_requests == 1

@@ -75,7 +75,7 @@ class CellBudget:
         self.high_water = high_water
         self.stats = AdmissionStats()
         self._charged = 0
-        self._requests = 0  # the part of ``_charged`` that admitted requests (not forks) hold
+        self._requests = 0  # the part of ``_charged`` that admitted requests (not forks or idle inputs) hold
         self._chunk_passed = False  # a prompt chunk went ahead this step
         self._prefilling = False    # an admitted (charged) sequence still has prompt rows to compute
 
@@ -89,7 +89,11 @@ class CellBudget:
         # what admitted requests hold, less forks (session and span questions, which enter
         # running without admission and come and go): while they overlapped, a request over
         # the ceiling, which runs only "alone", and every request behind it waited (review)
-        self._requests = sum(projected_tokens(s) for s in seqs if _charged(s) and not s.forked_rows)
+        # Idle streaming inputs (every arrived row computed, the client not done) are left out
+        # too: the client may stay quiet for minutes, and the request over the ceiling waited
+        # as long (it resumes once they get text: they then hold prompt work like any request)
+        self._requests = sum(projected_tokens(s) for s in seqs
+                             if _charged(s) and not s.forked_rows and not _awaiting_input(s))
         self.stats.charged_tokens = self._charged
         self._chunk_passed = False
         self._prefilling = any(_charged(s) and s.status is SeqStatus.RUNNING and s.prefilling for s in seqs)
@@ -163,6 +167,11 @@ class CellBudget:
         the gate then held, and no prompt moved until the held fork failed: review.)"""
         if _chunked(seq):
             self._chunk_passed = True
+
+
+def _awaiting_input(seq: Sequence) -> bool:
+    """A streaming input whose arrived rows are all computed: it waits for its client."""
+    return seq.partial and not seq.has_work
 
 
 def _chunked(seq: Sequence) -> bool:
