@@ -114,21 +114,23 @@ class CellBudget:
         while an admitted prompt is still prefilling (or another was admitted this step)."""
         if seq.pinned:
             return True
-        cost = projected_tokens(seq)
-        if self._over(self._charged + cost, self._requests) or (self._charged and self._prefilling
-                                                                and self.above_high_water()):
+        after = self._charge(self._charged, self._requests, seq)
+        if after is None or (self._charged and self._prefilling and self.above_high_water()):
             self.stats.deferred_requests += 1
             return False
         self._prefilling = self._prefilling or seq.prefilling
-        self._charged += cost
-        self._requests += 0 if seq.forked_rows else cost
+        self._charged, self._requests = after
         self.stats.charged_tokens = self._charged
         return True
 
-    def _over(self, charged: int, requests: int) -> bool:
-        """``charged`` tokens are over the ceiling while other requests hold some (one over it
-        alone, beside forks only, still runs)."""
-        return charged > self.ceiling * self.pool_tokens and requests > 0
+    def _charge(self, charged: int, requests: int, seq: Sequence) -> tuple[int, int] | None:
+        """(charged, requests) once ``seq`` is admitted beside ``charged`` tokens, ``requests``
+        of them held by requests; None: over the ceiling while other requests hold some (one over
+        it alone, beside forks and idle inputs only, still runs)."""
+        cost = projected_tokens(seq)
+        if charged + cost > self.ceiling * self.pool_tokens and requests > 0:
+            return None
+        return charged + cost, requests + (0 if seq.forked_rows else cost)
 
     def prefilling(self, ranked: list[Sequence]) -> int:
         """How many of ``ranked`` (after :meth:`begin`) may get prompt rows this step, for the
@@ -146,10 +148,10 @@ class CellBudget:
             if seq.pinned or seq.swapped or seq.status is not SeqStatus.WAITING:
                 n += 1
                 continue
-            cost = projected_tokens(seq)
-            deferred = deferred or self._over(charged + cost, requests)
-            if not deferred:
-                charged, requests, n = charged + cost, requests + (0 if seq.forked_rows else cost), n + 1
+            after = None if deferred else self._charge(charged, requests, seq)
+            deferred = after is None
+            if after is not None:
+                (charged, requests), n = after, n + 1
         return n
 
     def holds_chunk(self, seq: Sequence) -> bool:
