@@ -508,3 +508,28 @@ def test_cached_spans_make_room_for_a_compressing_request():
         engine.spans.cache.clear()
         engine.check_integrity()
         assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_locality_k_leaves_inner_answers_alone_and_a_hit_reports_every_judge():
+    """Judges carried the prefix in their own input: each inner gen then ran after extra copies
+    of it and answered otherwise than without ``locality_k``; judges over judges were named
+    like the judges under them, so the cached plus kept one text for two judges and a hit
+    reported it twice (review)."""
+    from streamkv.spans.ir import system
+
+    gens = [gen(user(f"name{c}"), max_tokens=3, temperature=0) for c in "abcdefgh"]
+    tree = gen(seq(system("judge"), plus(*gens), user("list")), max_tokens=3, temperature=0)
+    inner = {}
+    for k in (None, 2):
+        engine, _ = slot_engine(num_blocks=400, budget=64)
+        runs = []
+        for rid in ("cold", "hit"):
+            engine.spans.submit(rid, tree, locality_k=k)
+            out = engine.run_to_completion([rid])[rid]
+            runs.append((out.token_ids, sorted((e["path"], e["text"]) for e in out.metrics["spans"]["inner"])))
+        engine.check_integrity()
+        assert runs[0] == runs[1]  # a hit reports what the cold run did
+        paths = [p for p, _ in runs[0][1]]
+        assert len(paths) == len(set(paths)) == (8 if k is None else 8 + 4 + 2)
+        inner[k] = [t for p, t in runs[0][1] if ".judge" not in p]
+    assert inner[2] == inner[None]  # the inner gens read the prefix once, as without judges

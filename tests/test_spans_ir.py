@@ -103,13 +103,29 @@ def test_locality_k_builds_a_k_way_tree_of_judges():
     pre, post = system("judge"), user("list every name")
     left = gen(seq(pre, plus(*gens), post), max_tokens=9)
     right = locality_k(left, OptimizerOptions(locality_k=2))
-    judge = lambda gs: gen(seq(pre, plus(*gs), post), max_tokens=9)  # noqa: E731
+    judge = lambda gs: gen(seq(plus(*gs), post), max_tokens=9)  # noqa: E731  (after pre: it reads pre once)
     assert right == gen(seq(pre, plus(judge(gens[:2]), judge(gens[2:])), post), max_tokens=9)
+    assert [j.origin for j in right.input.children[1].children] == ["query.judge[0]", "query.judge[1]"]
     assert locality_k(left, OPTS) is None  # opt-in
     assert locality_k(right, OptimizerOptions(locality_k=2)) is None  # fixed point: no plus over > k gens
     # a plus is order-free: the same judges for any order of its gens
     shuffled = gen(seq(pre, plus(gens[2], gens[0], gens[3], gens[1]), post), max_tokens=9)
     assert locality_k(shuffled, OptimizerOptions(locality_k=2)) == right
+
+
+def test_locality_k_reads_the_prefix_once_at_every_level_and_names_each_level_apart():
+    # judges carried pre in their own input too: distribute_plus moved that copy in front of
+    # the plus, so the root read pre twice (8 gens), 32 times (64 gens), and every inner gen ran
+    # after the copies; and judges over judges took the names of the judges under them
+    pre, post = system("judge"), user("list every name")
+    for n in (3, 8, 64):
+        gens = [gen(user(f"name {i}"), max_tokens=2) for i in range(n)]
+        right = optimize(gen(seq(pre, plus(*gens), post), max_tokens=9), OptimizerOptions(locality_k=2))
+        assert ir.draw(right).count("system 'judge'") == 1, ir.draw(right)
+        judges = [g.origin for g in ir.inner_gens(right) if g not in gens]
+        assert len(judges) == len(set(judges)) == sum(-(-n // 2 ** lv) for lv in range(1, n.bit_length() + 1)
+                                                       if -(-n // 2 ** (lv - 1)) > 2)
+        assert "query.judge[0]" in judges and (n < 8 or "query.judge2[0]" in judges)
 
 
 def test_locality_k_applies_to_a_gen_whose_input_is_the_plus_itself():

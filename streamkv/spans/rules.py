@@ -11,7 +11,8 @@ the tree bottom-up and applies every rule until nothing changes::
                                                            -> seq(p, plus(gen(a), gen(b)))
     locality_k (opt-in)   gen(seq(pre, plus(g1..gn), post)), n > k
                                                            -> gen(seq(pre, plus(J1..Jm), post)),
-                                                              Jj = gen(seq(pre, plus(k of the g), post))
+                                                              Jj = gen(seq(plus(k of the g), post))
+                                                              (an operand after pre: it reads pre once)
 
 ``distribute_plus`` resolves the dual-output paradox. An inner ``gen`` has two outputs: its
 text (returned in ``inner``) and its span (its input and output, with the KV it computed).
@@ -21,6 +22,7 @@ the ``plus``, every inner gen runs after it, and the parent's operands are their
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
@@ -113,10 +115,23 @@ def locality_k(node: Node, opts: OptimizerOptions) -> Node | None:
     pre, group, post = kids[:at], kids[at], kids[at + 1:]
     # a plus is order-free: which gens share a judge must not depend on the order they came in
     gens = tuple(sorted(group.children, key=repr))  # type: ignore[union-attr]
-    name = f"{node.origin or 'query'}.judge"  # judges are new nodes, named after the gen they serve
-    judges = tuple(Gen(Seq(pre + (Plus(gens[j:j + k]),) + post), node.sampling, origin=f"{name}[{j // k}]")
+    # judges are new nodes, named after the gen they serve, one name per level of the tree
+    # (judges over judges were named like the judges under them: a cached plus then kept one
+    # judge's text for both, and a hit reported it twice)
+    level = 1 + max(_judge_level(g.origin, node.origin) for g in gens)
+    name = f"{node.origin or 'query'}.judge{level if level > 1 else ''}"
+    # a judge is an operand after pre, so it reads pre once, as its gens do (with pre in its
+    # own input too, distribute_plus moved that copy in front of the plus: pre twice, every
+    # gen below it running after both, and twice again per level)
+    judges = tuple(Gen(Seq((Plus(gens[j:j + k]),) + post), node.sampling, origin=f"{name}[{j // k}]")
                    for j in range(0, len(gens), k))
     return replace(node, input=Seq(pre + (replace(group, children=judges),) + post, origin=node.input.origin))
+
+
+def _judge_level(origin: str | None, parent: str | None) -> int:
+    """The level of a judge that :func:`locality_k` made for ``parent`` (0: not one)."""
+    match = re.fullmatch(re.escape(f"{parent or 'query'}.judge") + r"(\d*)\[\d+\]", origin or "")
+    return 0 if match is None else int(match.group(1) or 1)
 
 
 def _join(children: tuple[Node, ...], origin: str | None = None) -> Node:
