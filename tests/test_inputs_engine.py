@@ -438,3 +438,17 @@ def test_an_idle_streaming_input_does_not_hold_a_request_over_the_ceiling_back()
     engine.add_request("big", [7] * 20, params(120))
     engine.step()
     assert engine.scheduler.admission.stats.deferred_requests == 1
+
+
+def test_an_update_that_cuts_into_a_prefix_hit_lowers_the_cached_count():
+    """``num_cached_tokens`` (the prompt rows a prefix hit gave) kept the admission's 16 after
+    an update cut the prompt to 6 tokens, 3 of them kept (review)."""
+    engine, _ = slot_engine(block_size=4)
+    engine.add_request("other", LETTERS[:16], GREEDY)
+    engine.run_to_completion(["other"])
+    stream = engine.inputs.open("s", prompt=LETTERS[:17], params=GREEDY)
+    _drain(engine)
+    assert stream.seq.num_cached_tokens == 16
+    engine.inputs.update("s", "abcxyz")  # LCP 3: the hit's rows past it are gone
+    out = _finish(engine, "s")
+    assert out.num_cached_tokens == 3 and out.token_ids == _fresh("abcxyz")

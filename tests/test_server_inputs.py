@@ -147,6 +147,15 @@ def test_a_socket_that_leaves_keeps_the_input_and_an_answer_it_does_not_own(serv
         while http.get(f"/v1/input_streams/{sid}").status_code != 409:  # finished: its answer is running
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        # a socket opened now, the input finished and its answer running, is refused as on an
+        # input whose answer is done (it was accepted, and answered each frame with a 409)
+        from websockets.exceptions import ConnectionClosed
+
+        with connect(url.format(sid)) as late:
+            assert json.loads(late.recv(timeout=30))["error"]["type"], "an error frame"
+            with pytest.raises(ConnectionClosed) as closed:
+                late.recv(timeout=30)
+            assert closed.value.rcvd.code == 4409
         watcher.close()
     t.join(90)
     assert "r" in done, "the HTTP finish never answered"

@@ -105,6 +105,7 @@ class SeqOps:
                 self._copy_head(copy, keep % self._kv.block_size)
         del seq.tokens[num_tokens:]
         seq.num_computed = keep
+        seq.num_cached_tokens = min(seq.num_cached_tokens, keep)  # an update may cut into a prefix hit
         seq.reads_to = min(seq.reads_to, num_tokens)  # rows from num_tokens on are new tokens: their reads count
         seq.num_prompt_tokens = min(seq.num_prompt_tokens, num_tokens)
         return before - keep

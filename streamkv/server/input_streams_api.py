@@ -189,8 +189,11 @@ async def finish_input(stream_id: str, request: Request, body: FinishInput | Non
 async def _handle(request: Request | WebSocket, stream_id: str) -> AsyncInputStream:
     engine = _state(request).engine
     handle = engine.input_stream(stream_id)
-    if handle is None:
+    # a socket asks the engine even with a handle: the handle outlives the input while its
+    # answer runs, and a socket accepted then answered every frame with a 409
+    if handle is None or isinstance(request, WebSocket):
         await engine.call(lambda e: e.inputs.get(stream_id))  # closed: 409, unknown: 404
+    if handle is None:
         raise InputStreamNotFoundError(f"input stream {stream_id!r} was not opened over HTTP")
     return handle
 
