@@ -228,6 +228,20 @@ def test_cell_budget_admission_charges_a_compressed_request_what_its_phase_holds
     assert [_result(o) for o in outs] == [solo[i % 3] for i in range(4)]
 
 
+def test_a_request_that_never_reaches_its_compression_point_is_charged_its_plain_size():
+    # prompt + max_tokens == the point: the last token is never fed, so the layout never starts
+    # (as check_write_fits agrees); it was charged point + capacity, twice its KV (review)
+    from types import SimpleNamespace
+
+    from streamkv.sched.admission import projected_tokens
+
+    write = make_write_policy(SNAP)  # capacity 208
+    for prompt, max_tokens, charged in ((100, 108, 208), (100, 109, 208 + 208), (300, 1, 300 + 208)):
+        seq = SimpleNamespace(num_prompt_tokens=prompt, params=SimpleNamespace(max_tokens=max_tokens),
+                              max_len=4096, write=write, layout=None, forked_rows=0)
+        assert projected_tokens(seq) == charged, (prompt, max_tokens)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_compressed_output_survives_preemption(solo, mode):
     """A pool too small for everyone: compressed requests are preempted (before or after their

@@ -404,3 +404,37 @@ def test_a_session_question_under_quest_is_the_same_chunked(rescore):
         answers.append((out.token_ids, [lp.logprob for lp in out.logprobs], out.kv))
     assert answers[0] == answers[1]
     assert answers[0][2]["pages_picked"] > 0 and answers[0][2]["attention_recall"] is not None
+
+
+def test_a_recomputed_answer_under_quest_never_takes_exact_rows_from_the_prefix_cache():
+    """Preempted (recompute) while a follow-up turn, whose prompt is this prompt + this answer,
+    had put exact blocks for those ids in the prefix cache, a quest request's lookup took them
+    for its answer rows, and its later logprobs changed (review: 5 of 48 from token 40). A
+    lookup now stops at the exact rows (``read_from``)."""
+    from streamkv import LLM, SamplingParams
+
+    text = "Record 1. " + " ".join(f"item{(7 + j) % 97} weighs {j % 13} kg;" for j in range(50)) + "\nWhich?"
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=1)
+    quest = {"policy": "quest", "budget_tokens": 96, "sink_tokens": 16, "recent_tokens": 32}
+    llm = LLM(dtype="float32", max_num_batched_tokens=512, num_blocks=48, preemption="recompute")
+    engine = llm.engine
+    ref = llm.generate([text], params, kv_read=quest)[0]  # alone, never preempted
+    engine.pool.reset_prefix_cache()
+    follow = list(ref.prompt_token_ids) + list(ref.token_ids)
+    engine.add_request("follow", follow, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True),
+                       priority=-1)
+    engine.step()  # its exact rows for the quest request's prompt and answer ids are cached
+    engine.add_request("q", text, params, kv_read=quest)
+    seq = engine._requests["q"].seq
+    done, filler = {}, False
+    while engine.has_unfinished():
+        if not filler and seq.num_output >= 40:  # a pressing request: q is preempted
+            engine.add_request("filler", " ".join(f"w{j}" for j in range(100)),
+                               SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True), priority=-1)
+            filler = True
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    got = done["q"]
+    assert got.metrics["num_preemptions"] > 0
+    assert got.token_ids == ref.token_ids
+    assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in ref.logprobs]
+    engine.check_integrity()

@@ -51,7 +51,7 @@ def projected_tokens(seq: Sequence) -> int:
         point = write.point(seq.num_prompt_tokens)
         if seq.layout is not None:
             size = write.capacity
-        elif size >= point:
+        elif size > point:  # it computes size - 1 rows at most (the last token is never fed)
             size = point + write.capacity
     return size - seq.forked_rows
 

@@ -191,10 +191,17 @@ class Sequence:
         most: some step computes up to the point and enters the layout there. (A recomputed
         sequence's tokens run past its point; with a hit of exactly ``write_point`` rows its
         chunk limit was 0 and it never ran again: a hypothesis example of
-        ``tests/test_kv_write_fake.py`` stepped 5,000 times.)"""
-        if self.write is None or self.layout is not None:
-            return self.tokens
-        return self.tokens[:self.write_point - max(self.write.observation, 1) + 1]
+        ``tests/test_kv_write_fake.py`` stepped 5,000 times.) With a read policy, never past
+        the exact rows (``read_from``): the policy's rows are its own, as ``exact_rows`` keeps
+        them out of the cache."""
+        end = len(self.tokens)
+        if self.write is not None and self.layout is None:
+            end = self.write_point - max(self.write.observation, 1) + 1
+        if self.read is not None:
+            # nor a read policy's rows: a recomputed answer took another request's exact rows
+            # for the same ids (a follow-up turn's) and its later logprobs changed (review)
+            end = min(end, self.read_from + 1)
+        return self.tokens[:end]
 
     @property
     def num_output(self) -> int:
