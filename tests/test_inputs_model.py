@@ -160,6 +160,14 @@ def test_a_corrupt_profile_is_remeasured_and_a_small_pool_still_gets_two_points(
                 "[" * 100_000 + "]" * 100_000):
         path.write_text(bad)
         assert all(t > 0 for _, t in profile.load_or_measure(engine).prefill)   # re-measured
+    # a folder where the file should be, or a cache that cannot be written: measured, not cached
+    # (both raised OSError out of engine start)
+    path.unlink()
+    path.mkdir()
+    assert all(t > 0 for _, t in profile.load_or_measure(engine).prefill) and path.is_dir()
+    monkeypatch.setattr(profile, "profile_path", lambda e: tmp_path / "profile.json" / "sub" / "p.json")
+    assert all(t > 0 for _, t in profile.load_or_measure(engine).prefill)
+    monkeypatch.setattr(profile, "profile_path", lambda e: path)
     sizes = {"prefill": (16, 10 ** 6), "swap": (1, 10 ** 6)}             # only the first of each fits
     measured = profile.measure(engine, sizes, repeats=1)
     room = min(engine.pool.num_free, engine.kv_ops.host_k.shape[1] // engine.pool.block_size)
@@ -183,8 +191,7 @@ def test_profile_key_names_the_kv_cache_dtype_and_the_measurable_sizes(tmp_path,
     from tests.tiny_checkpoints import make_tiny_hf_checkpoint
 
     pytest.importorskip("transformers")
-    # a tiny model: the key depends on the model's name, not its size, and the embedded one's
-    # seventeen loads took 75 s of the suite. 80 x 16 tokens, swap room for 64 blocks: every
+    # a tiny model: the embedded one's seventeen loads took 75 s of the suite. 80 x 16 tokens, swap room for 64 blocks: every
     # size fits; recompute: no profile at start
     model = str(make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=2048))
     base = dict(model=model, dtype=DEFAULT, kv_cache_dtype="bfloat16", num_blocks=80, swap_space=64 << 20,
@@ -207,6 +214,12 @@ def test_profile_key_names_the_kv_cache_dtype_and_the_measurable_sizes(tmp_path,
     assert key(num_blocks=40) != ref                             # 640 tokens: the 1024-token prefill is cut
     assert key(swap_space=8 * make().kv_ops.bytes_per_block) != ref
     assert key(max_model_len=3) == key(max_model_len=3) != key(max_model_len=4)
+    # another checkpoint in a folder of the same name (another KV block size), or other
+    # attention kernels: another profile (both shared the first one's, review)
+    other = str(make_tiny_hf_checkpoint(tmp_path / "other" / "m", "qwen2", num_hidden_layers=4, hidden_size=128,
+                                        intermediate_size=512, max_position_embeddings=2048))
+    fast = dict(numerics="fast")
+    assert key(model=other) != ref and key(**fast, attention_backend="torch") != key(**fast, attention_backend="cpu")
     # `streamkv profile` without --swap-space makes room for the largest swap, so its profile is
     # found by an engine with ample swap space, not by one whose swap space holds fewer blocks (64
     # MiB did, of the embedded model's float32 KV in 64-token blocks)

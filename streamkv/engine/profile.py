@@ -8,6 +8,7 @@ block size and the largest sizes the pool, the swap space and max_model_len let 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -39,10 +40,25 @@ def profile_key(engine: Any) -> str:
     cfg = engine.config
     kv_dtype, device = _kv_cache(engine)
     prefill, swap = limits(engine, free=False)
-    raw = json.dumps([cpu_model(), cpu_flags(), torch.__version__, engine.bundle.model_name, str(engine.bundle.dtype),
-                      torch.get_num_threads(), cfg.cache.block_size, cfg.runtime.numerics, kv_dtype, device,
-                      min(prefill, _MAX_PREFILL), min(swap, MAX_SWAP)])
+    # the model by its file (a name alone: two checkpoints in folders of one name shared a
+    # profile) and its KV block's bytes (what a swap moves); the kernels that run the prefill
+    rt = cfg.runtime
+    raw = json.dumps([cpu_model(), cpu_flags(), torch.__version__, engine.bundle.model_name, _model_file(cfg.model.model),
+                      str(engine.bundle.dtype), engine.kv_ops.bytes_per_block, cfg.model.decode_weights,
+                      torch.get_num_threads(), cfg.cache.block_size, rt.numerics, rt.attention_backend, rt.kernels,
+                      kv_dtype, device, min(prefill, _MAX_PREFILL), min(swap, MAX_SWAP)])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _model_file(path: str | None) -> list[Any] | None:
+    """``[absolute path, bytes, mtime]`` of a model file or folder (None: the embedded model)."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return [os.path.abspath(path)]
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
 
 
 def limits(engine: Any, free: bool = True) -> tuple[int, int]:
@@ -91,13 +107,18 @@ def load_or_measure(engine: Any, remeasure: bool = False, quick: bool = True) ->
     if path.exists() and not remeasure:
         try:
             return CostProfile.from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            log.warning("ignoring a corrupt cost profile at %s", path)
+        except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            log.warning("ignoring an unreadable or corrupt cost profile at %s", path)
     profile = measure(engine, QUICK if quick else FULL)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
-    tmp.replace(path)
+    try:  # an unwritable cache costs a re-measure at the next start, never this start
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("cannot cache the preemption cost profile at %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            path.with_suffix(".tmp").unlink(missing_ok=True)
     log.info("preemption cost profile (%s): %s", path, profile.to_dict())
     return profile
 
