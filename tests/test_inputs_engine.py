@@ -452,3 +452,72 @@ def test_an_update_that_cuts_into_a_prefix_hit_lowers_the_cached_count():
     engine.inputs.update("s", "abcxyz")  # LCP 3: the hit's rows past it are gone
     out = _finish(engine, "s")
     assert out.num_cached_tokens == 3 and out.token_ids == _fresh("abcxyz")
+
+
+def test_the_cost_policy_weighs_the_tokens_a_compressed_victim_would_recompute():
+    """A compressed sequence holds 9 rows (3 blocks) for 82 computed tokens; recompute re-runs
+    all 82. The scheduler passed the rows as ``num_computed``: T(9) = 9 ms against C(3) = 60 ms,
+    so it recomputed what T(82) = 82 ms says to swap (review)."""
+    from dataclasses import dataclass
+
+    from streamkv.policies import StreamingLLMPolicy
+    from streamkv.sched.preemption import Cost, CostProfile
+
+    policy = StreamingLLMPolicy(sink_tokens=3, window_tokens=6)
+    asked = []
+
+    @dataclass(frozen=True)
+    class Recorded(Cost):
+        def swap(self, num_computed: int, blocks: int) -> bool:
+            asked.append((num_computed, blocks))
+            return super().swap(num_computed, blocks)
+
+    # prefill 1 ms a token, a block 10 ms each way
+    profile = CostProfile(((0, 0.0), (1000, 1.0)), ((0, 0.0), (100, 1.0)), ((0, 0.0), (100, 1.0)))
+    engine, runner = slot_engine(num_blocks=24, max_model_len=256, swap_blocks=32)
+    runner.write = policy
+    engine.scheduler.preemption = Recorded(profile)
+    engine.add_request("c", "ab" * 40, SamplingParams(max_tokens=30, ignore_eos=True), kv_write=policy.to_dict())
+    seq = engine._requests["c"].seq
+    while seq.layout is None or seq.num_output < 3:
+        engine.step()
+    computed = seq.num_computed
+    engine.add_request("big", "z" * 90, SamplingParams(max_tokens=2, ignore_eos=True), priority=-1)
+    while not asked:
+        engine.step()
+    assert asked[0] == (computed, 3) and computed > 80
+    assert engine.scheduler.preemptions_by_kind["swap"] == 1
+    engine.run_to_completion(["c", "big"])
+    engine.check_integrity()
+
+
+def test_a_swapped_input_updated_past_all_its_rows_comes_back_as_a_new_request():
+    """Swapped out, then updated to a text sharing nothing with the old one: its host blocks
+    went back but it stayed "swapped", came back through a swap-in of nothing (a spurious
+    ``swapped_in``) and skipped the prefix lookup its new text hits (review)."""
+    engine, _ = slot_engine(num_blocks=10, budget=64, preemption="swap", swap_blocks=16)
+    engine.add_request("warm", "QRSTUVWXYZ" * 2, GREEDY)
+    engine.run_to_completion(["warm"])
+    stream = engine.inputs.open("s", prompt=LETTERS[:22], params=GREEDY)
+    _drain(engine)
+    engine.add_request("big", "zyxwvutsrqponmlkjihgfedcbazyxwvu", GREEDY)
+    engine.step()
+    assert stream.seq.swapped and engine.kv.host.num_used > 0
+    engine.inputs.update("s", "QRSTUVWXYZ" * 2 + "ab")  # LCP 0; a prefix hit on "warm"
+    assert not stream.seq.swapped and engine.kv.host.num_used == 0
+    engine.check_integrity()
+    engine.run_to_completion(["big"])
+    out = _finish(engine, "s")
+    assert "swapped_in" not in [name for name, _ in out.events]
+    assert out.token_ids == _fresh("QRSTUVWXYZ" * 2 + "ab", num_blocks=10)
+
+
+def test_a_fork_request_reports_queued_and_scheduled_like_any_request():
+    # a session question enters running with its KV: its events began at kv_resident (review)
+    engine, _ = slot_engine(num_blocks=40)
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(30)])
+    while not engine.seq_ops.is_idle(stream):
+        engine.step()
+    engine.add_fork_request("q", stream, 30, [5, 6, 7], GREEDY)
+    names = [name for name, _ in engine.run_to_completion(["q"])["q"].events]
+    assert names[:3] == ["queued", "scheduled", "kv_resident"] and names[-1] == "finished"

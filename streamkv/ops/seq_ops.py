@@ -95,6 +95,9 @@ class SeqOps:
         keep = min(before, num_tokens)
         if self._kv.is_swapped(seq.seq_id):
             self._kv.truncate_host(seq.seq_id, keep)  # host blocks past the cut go back
+            if keep == 0:  # nothing left to swap in: it comes back as a new request (prefix lookup)
+                self._kv.free(seq.seq_id)
+                seq.swapped = False
         elif self._kv.has(seq.seq_id):
             try:
                 copy = self._kv.truncate(seq.seq_id, keep)

@@ -85,6 +85,9 @@ class Scheduler(Proposing, StepUpdates, Drafting):
             raise ValueError(f"sequence {seq.seq_id} has no KV")
         seq.status = SeqStatus.RUNNING
         self.seqs[seq.seq_id] = seq
+        now = time.perf_counter()  # queued and scheduled at once: it holds its KV already
+        seq.event("queued", now)
+        seq.event("scheduled", now)
 
     def finish(self, seq_id: int, reason: str) -> Sequence | None:
         """Stop a sequence (stop string, abort, error) and free its KV at once (``keep_kv``:
@@ -294,7 +297,9 @@ class Scheduler(Proposing, StepUpdates, Drafting):
             # (a question of a 500-token session then needed 33 free blocks to resume)
             self.kv.truncate(seq.seq_id, forked)
             seq.num_computed, seq.status = seq.forked_rows, SeqStatus.RUNNING
-        elif self.kv.can_swap_out(n) and self.preemption.swap(n, self.kv.blocks_for(n)):
+        # the cost policy weighs re-prefilling every computed token against moving the rows'
+        # blocks (a compressed sequence holds fewer rows than it computed: T(rows) was weighed)
+        elif self.kv.can_swap_out(n) and self.preemption.swap(seq.num_computed, self.kv.blocks_for(n)):
             self._swap_out.extend(self.kv.swap_out(seq.seq_id, n))
             seq.swapped, kind = True, "swap"
         else:  # a compressed sequence re-runs its prefill and compression, reaching the same rows
