@@ -55,6 +55,19 @@ def test_top_k_top_p_min_p_filters():
     torch.testing.assert_close(filtered_probs(logits, [item(temperature=1.0)])[0], torch.exp(logits[0]))
 
 
+def test_a_rows_filters_never_depend_on_the_rows_beside_it():
+    # a top_p 1.0 row batched with a top_p < 1 one went through the nucleus cut too, and its
+    # float32 cumulative sum, reaching 1.0 before the tail, dropped ~16k tokens: with PLD on, a
+    # verified row is sampled alone, so a seeded request's distribution changed (review)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(1, 49152, generator=gen) * 3
+        plain = item(temperature=0.8)
+        alone = filtered_probs(logits.clone(), [plain])[0]
+        for other in (item(temperature=0.8, top_p=0.9), item(temperature=0.5, top_k=5), item(min_p=0.2)):
+            assert torch.equal(filtered_probs(torch.cat([logits, logits]), [plain, other])[0], alone)
+
+
 def test_sampling_follows_distribution_and_seed():
     probs = torch.tensor([0.6, 0.3, 0.1])
     sampler = Sampler()

@@ -131,7 +131,10 @@ def filtered_probs(logits: torch.Tensor, items: list[ScheduledSeq]) -> torch.Ten
         sorted_x, order = x.sort(dim=-1, descending=True)
         cum = sorted_x.softmax(-1).cumsum(-1)
         tp = torch.tensor(top_ps, dtype=x.dtype, device=x.device)[:, None]
-        drop = (cum - sorted_x.softmax(-1)) >= tp          # keep the smallest prefix reaching top_p
+        # keep the smallest prefix reaching top_p; rows with top_p 1 keep all (a float32 cumsum
+        # reaches 1.0 before the tail: such a row lost ~16k tokens whenever a top_p < 1 row
+        # shared its batch, so its distribution depended on the batch: review)
+        drop = ((cum - sorted_x.softmax(-1)) >= tp) & (tp < 1.0)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
     return x.softmax(-1)
