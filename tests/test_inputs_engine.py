@@ -521,3 +521,15 @@ def test_a_fork_request_reports_queued_and_scheduled_like_any_request():
     engine.add_fork_request("q", stream, 30, [5, 6, 7], GREEDY)
     names = [name for name, _ in engine.run_to_completion(["q"])["q"].events]
     assert names[:3] == ["queued", "scheduled", "kv_resident"] and names[-1] == "finished"
+
+
+def test_swap_preemption_without_swap_space_says_it_recomputes(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="streamkv.engine.engine"):
+        slot_engine(preemption="swap")
+        assert "every victim is recomputed" in caplog.text
+        caplog.clear()
+        slot_engine(preemption="swap", swap_blocks=8)
+        slot_engine(preemption="cost")  # the default: recompute without swap space, quietly
+        assert "every victim is recomputed" not in caplog.text

@@ -126,6 +126,11 @@ def test_locality_k_reads_the_prefix_once_at_every_level_and_names_each_level_ap
         assert len(judges) == len(set(judges)) == sum(-(-n // 2 ** lv) for lv in range(1, n.bit_length() + 1)
                                                        if -(-n // 2 ** (lv - 1)) > 2)
         assert "query.judge[0]" in judges and (n < 8 or "query.judge2[0]" in judges)
+    # judges take the gen's sampling but logprobs, which an inner gen never returns
+    gens = [gen(user(f"name {i}"), max_tokens=2) for i in range(3)]
+    right = optimize(gen(seq(pre, plus(*gens), post), max_tokens=9, logprobs=2), OptimizerOptions(locality_k=2))
+    assert right.sampling == (("logprobs", 2), ("max_tokens", 9))
+    assert {j.sampling for j in ir.inner_gens(right) if j not in gens} == {(("max_tokens", 9),)}
 
 
 def test_locality_k_applies_to_a_gen_whose_input_is_the_plus_itself():

@@ -119,6 +119,8 @@ class Engine(PromptChecks):
 
     def _preemption(self) -> PreemptionPolicy:
         name = self.config.scheduler.preemption
+        if name == "swap" and not self.kv.host.num_blocks:  # (cost, the default, recomputes without it too)
+            log.warning("preemption swap without swap space (--swap-space BYTES): every victim is recomputed")
         if name != "cost" or not self.kv.host.num_blocks:
             return make_preemption(name)
         from streamkv.engine.profile import load_or_measure

@@ -123,7 +123,10 @@ def locality_k(node: Node, opts: OptimizerOptions) -> Node | None:
     # a judge is an operand after pre, so it reads pre once, as its gens do (with pre in its
     # own input too, distribute_plus moved that copy in front of the plus: pre twice, every
     # gen below it running after both, and twice again per level)
-    judges = tuple(Gen(Seq((Plus(gens[j:j + k]),) + post), node.sampling, origin=f"{name}[{j // k}]")
+    # the gen's sampling, less logprobs: an inner gen returns text only (a client's inner gen
+    # with logprobs is a 400), and logprobs would only keep a judge from drafting
+    sampling = tuple((f, v) for f, v in node.sampling if f != "logprobs")
+    judges = tuple(Gen(Seq((Plus(gens[j:j + k]),) + post), sampling, origin=f"{name}[{j // k}]")
                    for j in range(0, len(gens), k))
     return replace(node, input=Seq(pre + (replace(group, children=judges),) + post, origin=node.input.origin))
 
