@@ -533,3 +533,17 @@ def test_swap_preemption_without_swap_space_says_it_recomputes(caplog):
         slot_engine(preemption="swap", swap_blocks=8)
         slot_engine(preemption="cost")  # the default: recompute without swap space, quietly
         assert "every victim is recomputed" not in caplog.text
+
+
+def test_a_finish_carrying_text_records_the_append():
+    # it counted an append but recorded only input_finished (review)
+    engine, _ = slot_engine()
+    engine.inputs.open("s", prompt=LETTERS[:10], params=GREEDY)
+    _drain(engine)
+    engine.inputs.finish("s", LETTERS[10:])
+    names = [name for name, _ in engine.run_to_completion(["s"])["s"].events]
+    assert names.index("input_appended") == names.index("input_finished") - 1
+    assert engine.inputs.stats.appends == 1
+    engine.inputs.open("t", prompt=LETTERS, params=GREEDY)
+    engine.inputs.finish("t")
+    assert "input_appended" not in [name for name, _ in engine.run_to_completion(["t"])["t"].events]

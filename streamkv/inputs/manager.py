@@ -107,7 +107,7 @@ class InputStreams:
 
     def append(self, request_id: str, text: str) -> InputStream:
         stream = self.get(request_id)
-        self._set_text(stream, stream.text + _text(text), final=False, event="input_appended")
+        self._set_text(stream, stream.text + _text(text), final=False, events=("input_appended",))
         stream.appends += 1
         self.stats.appends += 1
         return stream
@@ -115,7 +115,7 @@ class InputStreams:
     def update(self, request_id: str, text: str) -> tuple[InputStream, int, int]:
         """Replace the whole text; returns ``(stream, lcp, invalidated)``."""
         stream = self.get(request_id)
-        lcp, dropped = self._set_text(stream, _text(text), final=False, event="input_updated")
+        lcp, dropped = self._set_text(stream, _text(text), final=False, events=("input_updated",))
         stream.updates += 1
         self.stats.updates += 1
         return stream, lcp, dropped
@@ -127,7 +127,7 @@ class InputStreams:
         stream = self.get(request_id)
         computed = stream.seq.num_computed
         self._set_text(stream, stream.text + _text(text) if text else stream.text, final=True,
-                       event="input_finished")
+                       events=("input_appended", "input_finished") if text else ("input_finished",))
         stream.computed_at_finish = computed
         if text:
             stream.appends += 1
@@ -182,8 +182,8 @@ class InputStreams:
         return len(self._open)
 
     # ------------------------------------------------------------------ helpers
-    def _set_text(self, stream: InputStream, text: str, final: bool, event: str) -> tuple[int, int]:
-        """Re-tokenize, keep the LCP, invalidate the rest; on error nothing changes."""
+    def _set_text(self, stream: InputStream, text: str, final: bool, events: tuple[str, ...]) -> tuple[int, int]:
+        """Re-tokenize, keep the LCP, invalidate the rest, record ``events``; on error nothing changes."""
         ids = self._ids(stream.source, text, final, stream)
         seq, ops = stream.seq, self.engine.seq_ops
         lcp = _common_prefix(seq.tokens, ids)
@@ -200,7 +200,8 @@ class InputStreams:
         seq.tokens_invalidated += dropped
         self.stats.tokens_invalidated += dropped
         seq.last_input = now
-        seq.event(event, now)
+        for name in events:
+            seq.event(name, now)
         return lcp, dropped
 
     def _ids(self, source: InputSource, text: str, final: bool, stream: InputStream | None = None) -> list[int]:
