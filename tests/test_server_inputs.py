@@ -310,3 +310,14 @@ def test_a_failed_answer_over_the_websocket_is_an_error_frame():
     assert sent[0]["error"]["type"] == "service_unavailable"  # retryable: the 503 kind
     assert "KVCacheFullError" in sent[0]["error"]["message"] and not seen
 
+
+
+def test_open_reads_max_tokens_as_completions_and_chat_completions_do():
+    # absent: 16 for a prompt (as /v1/completions), the rest of the context for messages; an
+    # explicit null on a prompt stream took 16, where /v1/completions takes the rest (review)
+    from streamkv.server.input_streams_api import OpenInput, _open_params
+
+    read = lambda **body: _open_params(OpenInput(**body), 512)["max_tokens"]  # noqa: E731
+    assert read(prompt="x") == 16 and read(prompt="x", max_tokens=7) == 7
+    assert read(prompt="x", max_tokens=None) == 512
+    assert read(messages=[{"role": "user", "content": "x"}]) == 512

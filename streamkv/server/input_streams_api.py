@@ -136,7 +136,10 @@ def _open_params(body: OpenInput, context: int) -> dict[str, Any]:
     if requested is not None and not 1 <= requested < context:
         raise APIError(400, f"{param} must be in [1, {context - 1}] (the context is {context} tokens), "
                             f"got {requested}", param=param)
-    return {"max_tokens": requested or (context if chat else 16), "logprobs": logprobs}
+    # a prompt stream reads /v1/completions' default: 16 when absent, the rest of the context
+    # when sent as null (it took 16 for both)
+    whole = chat or "max_tokens" in body.model_fields_set
+    return {"max_tokens": requested or (context if whole else 16), "logprobs": logprobs}
 
 
 @router.get("/{stream_id}")
