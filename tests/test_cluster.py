@@ -228,7 +228,10 @@ def test_drain_input_streams_and_errors(cluster):
         sid = http.post("/v1/input_streams", json={"prompt": "The capital of France", "max_tokens": 6,
                                                    "temperature": 0}).json()["id"]
         assert http.post(f"/v1/input_streams/{sid}/append", json={"text": " is"}).status_code == 200
+        assert c.request("GET", "/v1/cluster")["input_streams"] == 1
         done = http.post(f"/v1/input_streams/{sid}/finish", json={"stream": False}).json()
+        assert c.request("GET", "/v1/cluster")["input_streams"] == 0  # a finished stream is forgotten
+        assert http.post(f"/v1/input_streams/{sid}/append", json={"text": "x"}).status_code == 409  # but closed
         ref = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
                                                  "temperature": 0}).json()
         assert done["choices"][0]["text"] == ref["choices"][0]["text"]

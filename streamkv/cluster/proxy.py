@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, AsyncIterator, Protocol
 
 import httpx
@@ -26,6 +26,7 @@ log = logging.getLogger("streamkv.cluster")
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length",
        "proxy-authorization", "proxy-authenticate"}
 RETRY = {"Retry-After": "1"}
+CLOSED_INPUTS = 4096  # closed input stream ids remembered, so late calls get 409, not 404 (as on one server)
 
 
 class Directory(Protocol):
@@ -60,7 +61,8 @@ class Proxy:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         self.moving: dict[str, asyncio.Event] = {}
-        self.inputs: dict[str, str] = {}  # input stream id -> replica (streams do not migrate)
+        self.inputs: dict[str, str] = {}  # open input stream id -> replica (streams do not migrate)
+        self.closed_inputs: OrderedDict[str, None] = OrderedDict()  # the latest closed ones, oldest first
         self.corpora: dict[str, bytes] = {}  # replayed to a replica that comes (back) up
         self.counts: Counter[str] = Counter()
         self.last_rebalance = 0.0
@@ -336,6 +338,8 @@ class Proxy:
 
     async def to_input(self, request: Request, stream_id: str, body: bytes) -> Response:
         name = self.inputs.get(stream_id)
+        if name is None and stream_id in self.closed_inputs:
+            return error_response(409, f"input stream {stream_id!r} is closed", param="id")
         if name is None:
             return error_response(404, f"input stream {stream_id!r} does not exist", param="id")
         try:
@@ -343,9 +347,20 @@ class Proxy:
         except Unreachable:
             self.inputs.pop(stream_id, None)
             raise unavailable(f"the replica holding input stream {stream_id!r} failed; open a new one") from None
-        if request.method == "DELETE" and resp.status_code == 200:
+        closed = request.method == "DELETE" or request.url.path.endswith("/finish")
+        if resp.status_code == 404:  # the replica lost it (restarted)
             self.inputs.pop(stream_id, None)
+        elif resp.status_code == 409 or (closed and resp.status_code < 400):
+            self._forget_input(stream_id)  # finished, aborted or expired there: nothing more to route
         return resp
+
+    def _forget_input(self, stream_id: str) -> None:
+        """Stop routing a closed stream; later calls get the replica's 409 from here (the last
+        CLOSED_INPUTS ids), so the map holds open streams only."""
+        self.inputs.pop(stream_id, None)
+        self.closed_inputs[stream_id] = None
+        while len(self.closed_inputs) > CLOSED_INPUTS:
+            self.closed_inputs.popitem(last=False)
 
     async def fan_out(self, request: Request, body: bytes, remember: str | None = None) -> Response:
         """The same request to every live replica (corpora, the span cache): the first answer,
