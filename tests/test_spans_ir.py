@@ -188,3 +188,16 @@ def test_trees_built_in_python_are_checked_like_json_ones(tree, path):
         ir.with_origins(gen(deep))
     with pytest.raises(ValueError, match="locality_k must be an integer"):
         OptimizerOptions(locality_k="2")  # TypeError
+
+
+def test_equal_sampling_settings_make_one_span_cache_key():
+    """``temperature: 0`` and ``0.0`` (or a top_p of 1 and 1.0) are one setting: one key, so a
+    query written either way hits the other's cached answer."""
+    from streamkv.spans.lower import GenSpec, gen_key
+
+    def key(**sampling) -> bytes:
+        return gen_key(GenSpec(gen(user("q"), **sampling).sampling, (1, 2)))
+
+    assert key(temperature=0, top_p=1, max_tokens=4) == key(temperature=0.0, top_p=1.0, max_tokens=4)
+    assert key(temperature=0, max_tokens=4) != key(temperature=0.5, max_tokens=4)
+    assert key(stop=["\n"], max_tokens=4) == key(stop=("\n",), max_tokens=4)
