@@ -71,13 +71,16 @@ def test_completions_n2_logprobs(client, model):
     # completions stream, so this one part uses a non-strict client.
     lax = openai.OpenAI(base_url=client.base_url, api_key="unused")
     stream = lax.completions.create(model=model, prompt="The three primary colors are", max_tokens=8,
-                                    temperature=0, n=2, stream=True)
-    texts, finishes = {0: "", 1: ""}, {0: 0, 1: 0}
+                                    temperature=0, n=2, stream=True, logprobs=3)
+    texts, finishes, offsets = {0: "", 1: ""}, {0: 0, 1: 0}, {0: [], 1: []}
     for chunk in stream:
         for c in chunk.choices:
             texts[c.index] += c.text
             finishes[c.index] += c.finish_reason is not None
+            offsets[c.index] += c.logprobs.text_offset if c.logprobs else []
     assert texts[0] == texts[1] == res.choices[0].text and finishes == {0: 1, 1: 1}
+    # streamed offsets continue across chunks (each chunk restarted at 0), as the whole answer's
+    assert offsets[0] == offsets[1] == lp.text_offset and lp.text_offset[-1] > 0
 
 
 def test_chat_logprobs_and_token_prompt(client, model):

@@ -84,10 +84,12 @@ def _completion_prompts(req: CompletionRequest, state: ServerState) -> list[list
     return out
 
 
-def completion_logprobs(lps_in: list[Any] | None, tokenizer: Any) -> dict[str, Any] | None:
+def completion_logprobs(lps_in: list[Any] | None, tokenizer: Any, pos: int = 0) -> dict[str, Any] | None:
+    """The ``logprobs`` object of a completion choice; ``pos``: the text offset of the first
+    token (a stream's chunk starts where the text sent before it ends)."""
     if lps_in is None:
         return None
-    tokens, lps, tops, offsets, pos = [], [], [], [], 0
+    tokens, lps, tops, offsets = [], [], [], []
     for lp in lps_in:
         text = token_text(tokenizer, lp.token_id)
         tokens.append(text)
@@ -136,14 +138,16 @@ async def completion_chunks(state: ServerState, request: Request, head: dict[str
     completion_tokens = 0
     cached: dict[int, int] = {}
     sent: dict[int, int] = {}
+    offset: dict[int, int] = {}  # by choice: the text offset after the tokens sent so far
     async for i, out in outputs:
         check_output(out)
         if not (out.delta_text or out.finished):
             continue
         lp = None
         if out.logprobs is not None:
-            lp = completion_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer)
+            lp = completion_logprobs(out.logprobs[sent.get(i, 0):], state.tokenizer, offset.get(i, 0))
             sent[i] = len(out.logprobs)
+            offset[i] = offset.get(i, 0) + sum(len(t) for t in lp["tokens"])
         chunk = {**head, "choices": [{"index": i, "text": out.delta_text, "logprobs": lp,
                                       "finish_reason": finish_reason(out)}]}
         if include_usage:
