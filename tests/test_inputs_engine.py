@@ -7,6 +7,7 @@ equal a fresh request on the final prompt.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -115,6 +116,11 @@ def test_ttl_expiry_aborts_and_frees():
     _drain(engine)
     assert engine.kv.has(s.seq.seq_id)
     assert engine.inputs.maintain(now=s.last_activity + 1.0) == []
+    opened = s.last_activity
+    time.sleep(0.05)
+    with pytest.raises(InvalidRequestError, match="context"):  # a refused call is the client too
+        engine.inputs.append("s", " word" * 5000)
+    assert s.last_activity > opened and engine.inputs.maintain(now=opened + 5.02) == []
     assert engine.inputs.maintain(now=s.last_activity + 6.0) == ["s"]
     outs = engine.step()
     assert [o.finish_reason for o in outs] == ["abort"]

@@ -241,6 +241,9 @@ def test_errors_and_limits(http):
     assert http.post("/v1/input_streams", json={"prompt": "a", "messages": []}).status_code == 400
     assert http.post("/v1/input_streams", json={"prompt": "a", "n": 2}).status_code == 400
     assert http.post("/v1/input_streams", json={"messages": [{"role": "assistant", "content": "x"}]}).status_code == 400
+    for late in ({"stream": True}, {"stream_options": {"include_usage": True}}):  # was ignored (201)
+        r = http.post("/v1/input_streams", json={"prompt": "a", **late})
+        assert r.status_code == 400 and "goes with finish" in r.json()["error"]["message"], r.text
     for bad in (0, -1, 512, 10**9):  # max_tokens 0 ran as the default (16); past the context ran truncated
         r = http.post("/v1/input_streams", json={"prompt": "a", "max_tokens": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
@@ -264,6 +267,24 @@ def test_errors_and_limits(http):
     for rid in [sid, *others]:
         assert http.delete(f"/v1/input_streams/{rid}").status_code == 200
     assert http.post(f"/v1/input_streams/{sid}/append", json={"text": "x"}).status_code == 409
+
+
+def test_input_must_leave_room_for_an_explicit_max_tokens(http):
+    """With max_tokens 400 in a 512-token context, input past 112 tokens is refused (it ran and
+    was cut short at the context: 1,747 of 1,900 tokens, where /v1/completions says 400), at
+    append and at finish alike, and the stream keeps its input; null asks for what is left."""
+    sid = _open(http, prompt="hello", max_tokens=400)
+    r = http.post(f"/v1/input_streams/{sid}/append", json={"text": " word" * 150})
+    assert r.status_code == 400 and "400 completion tokens" in r.json()["error"]["message"], r.text
+    assert http.post(f"/v1/input_streams/{sid}/append", json={"text": " word" * 60}).status_code == 200
+    r = http.post(f"/v1/input_streams/{sid}/finish", json={"text": " word" * 60})
+    assert r.status_code == 400 and "context is 512" in r.json()["error"]["message"], r.text
+    got = http.get(f"/v1/input_streams/{sid}").json()
+    assert got.get("tokens", 1 << 20) < 70, got  # refused: nothing appended
+    assert http.delete(f"/v1/input_streams/{sid}").status_code == 200
+    sid = _open(http, prompt="hello", max_tokens=None)
+    assert http.post(f"/v1/input_streams/{sid}/append", json={"text": " word" * 150}).status_code == 200
+    assert http.delete(f"/v1/input_streams/{sid}").status_code == 200
 
 
 def test_abandoned_streams_expire(http, server):
@@ -321,3 +342,14 @@ def test_open_reads_max_tokens_as_completions_and_chat_completions_do():
     assert read(prompt="x") == 16 and read(prompt="x", max_tokens=7) == 7
     assert read(prompt="x", max_tokens=None) == 512
     assert read(messages=[{"role": "user", "content": "x"}]) == 512
+
+
+def test_a_socket_reports_an_engine_error_with_the_status_http_gives_it():
+    # a full KV cache and a stopped engine were 400s over the WebSocket (HTTP: 503, retryable)
+    from streamkv.errors import (EngineDeadError, InputStreamClosedError, InputStreamNotFoundError,
+                                 InvalidRequestError, KVCacheFullError, QueueFullError)
+    from streamkv.server.input_streams_api import _status
+
+    cases = {KVCacheFullError("x"): 503, EngineDeadError("x"): 503, InputStreamNotFoundError("x"): 404,
+             InputStreamClosedError("x"): 409, QueueFullError("x", 1.0): 429, InvalidRequestError("x"): 400}
+    assert {type(e).__name__: _status(e) for e in cases} == {type(e).__name__: s for e, s in cases.items()}

@@ -176,16 +176,18 @@ class AsyncEngine:
 
     async def open_input(self, request_id: str, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                          params: SamplingParams | None = None, priority: int = 0,
-                         kv: dict[str, Any] | None = None) -> AsyncInputStream:
+                         kv: dict[str, Any] | None = None, fit_max_tokens: bool = False) -> AsyncInputStream:
         """Open a streaming-input request (see ``streamkv.inputs``; ``kv``: its ``kv_write`` /
-        ``kv_read``); raises its validation error."""
+        ``kv_read``; ``fit_max_tokens``: input must leave room for ``params.max_tokens``);
+        raises its validation error."""
         if self._dead is not None:
             raise EngineDeadError(f"engine stopped: {self._dead}")
         if not self.accepting:
             raise EngineDeadError("server is shutting down")
         if kv is not None and (not isinstance(kv, dict) or not set(kv) <= {"kv_write", "kv_read"}):
             raise InvalidRequestError(f"kv must be a dict with kv_write and/or kv_read, got {kv!r}")
-        await self.call(lambda engine: engine.inputs.open(request_id, prompt, messages, params, priority, **(kv or {})))
+        await self.call(lambda engine: engine.inputs.open(request_id, prompt, messages, params, priority,
+                                                          fit_max_tokens=fit_max_tokens, **(kv or {})))
         handle = AsyncInputStream(self, request_id)
         self._inputs[request_id] = handle
         return handle

@@ -51,6 +51,7 @@ class InputStream:
     updates: int = 0
     write: WritePolicy | None = None  # applied at finish
     read: ReadPolicy | None = None
+    fit_max_tokens: bool = False  # the input must leave room for all of params.max_tokens (HTTP's rule)
 
     @property
     def is_chat(self) -> bool:
@@ -88,25 +89,30 @@ class InputStreams:
     # --------------------------------------------------------------- operations
     def open(self, request_id: str, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
              params: SamplingParams | None = None, priority: int = 0, kv_write: Any = None,
-             kv_read: Any = None) -> InputStream:
+             kv_read: Any = None, fit_max_tokens: bool = False) -> InputStream:
         """Queue a request whose input is still arriving; it prefills what it has. ``kv_write``
-        / ``kv_read``: its KV policies (None: the server defaults), applied at finish."""
+        / ``kv_read``: its KV policies (None: the server defaults), applied at finish.
+        ``fit_max_tokens``: input that leaves less than ``params.max_tokens`` of the context is
+        refused, as ``/v1/completions`` refuses such a prompt (False: the answer stops at the
+        context, as ``Engine.add_request``'s does)."""
         self._reap()
         if len(self._open) >= self.config.max_input_streams:
             raise QueueFullError(f"{len(self._open)} input streams are open (limit "
                                  f"{self.config.max_input_streams})", 1.0)
         write, read = self.engine.kv_policies.resolve(kv_write, kv_read)
         source = make_source(prompt, messages, self.engine.tokenizer)
-        ids = self._ids(source, source.initial_text, final=False)
+        fit = (params or SamplingParams()).max_tokens if fit_max_tokens else 0
+        ids = self._ids(source, source.initial_text, final=False, fit=fit)
         seq = self.engine.add_request(request_id, ids, params, priority, partial=True)
         assert seq is not None  # partial requests never hit the response cache
-        stream = InputStream(request_id, seq, source, source.initial_text, time.monotonic(), write=write, read=read)
+        stream = InputStream(request_id, seq, source, source.initial_text, time.monotonic(), write=write, read=read,
+                             fit_max_tokens=fit_max_tokens)
         self._open[request_id] = stream
         self.stats.opened += 1
         return stream
 
     def append(self, request_id: str, text: str) -> InputStream:
-        stream = self.get(request_id)
+        stream = self._touched(request_id)
         self._set_text(stream, stream.text + _text(text), final=False, events=("input_appended",))
         stream.appends += 1
         self.stats.appends += 1
@@ -114,7 +120,7 @@ class InputStreams:
 
     def update(self, request_id: str, text: str) -> tuple[InputStream, int, int]:
         """Replace the whole text; returns ``(stream, lcp, invalidated)``."""
-        stream = self.get(request_id)
+        stream = self._touched(request_id)
         lcp, dropped = self._set_text(stream, _text(text), final=False, events=("input_updated",))
         stream.updates += 1
         self.stats.updates += 1
@@ -124,7 +130,7 @@ class InputStreams:
         """Complete the input: the template's closing tokens are added and generation starts.
         ``text``: a last piece, appended only together with the finish (refused, neither
         happens: a client retrying the same call must not get the piece twice)."""
-        stream = self.get(request_id)
+        stream = self._touched(request_id)
         computed = stream.seq.num_computed
         self._set_text(stream, stream.text + _text(text) if text else stream.text, final=True,
                        events=("input_appended", "input_finished") if text else ("input_finished",))
@@ -152,6 +158,13 @@ class InputStreams:
                 raise InputStreamClosedError(f"input stream {request_id!r} is closed ({state}); "
                                              f"it takes no more input")
             raise InputStreamNotFoundError(f"input stream {request_id!r} does not exist")
+        return stream
+
+    def _touched(self, request_id: str) -> InputStream:
+        """The open stream a change is for: any change, refused ones too, shows the client is
+        still there (reading its state does not: a stream only polled is abandoned)."""
+        stream = self.get(request_id)
+        stream.last_activity = time.monotonic()
         return stream
 
     def get_state(self, request_id: str) -> str | None:
@@ -184,7 +197,7 @@ class InputStreams:
     # ------------------------------------------------------------------ helpers
     def _set_text(self, stream: InputStream, text: str, final: bool, events: tuple[str, ...]) -> tuple[int, int]:
         """Re-tokenize, keep the LCP, invalidate the rest, record ``events``; on error nothing changes."""
-        ids = self._ids(stream.source, text, final, stream)
+        ids = self._ids(stream.source, text, final, stream, stream.seq.params.max_tokens if stream.fit_max_tokens else 0)
         seq, ops = stream.seq, self.engine.seq_ops
         lcp = _common_prefix(seq.tokens, ids)
         # the last token is always recomputed (its logits give the first output token), as
@@ -204,9 +217,11 @@ class InputStreams:
             seq.event(name, now)
         return lcp, dropped
 
-    def _ids(self, source: InputSource, text: str, final: bool, stream: InputStream | None = None) -> list[int]:
-        """Token ids of the rendered input, checked against the context and the KV pool (at
-        finish, with the stream's write policy applied)."""
+    def _ids(self, source: InputSource, text: str, final: bool, stream: InputStream | None = None,
+             fit: int = 0) -> list[int]:
+        """Token ids of the rendered input, checked against the context (leaving room for
+        ``fit`` generated tokens, at least one) and the KV pool (at finish, with the stream's
+        write policy applied)."""
         rendered = source.render(text, final)
         ids = self.engine.tokenizer.encode(rendered, add_special_tokens=True) if rendered else []
         limit = self.engine.max_model_len
@@ -214,6 +229,10 @@ class InputStreams:
             raise InvalidRequestError(f"the input would have {len(ids)} tokens but the context is {limit} "
                                       f"tokens (leave room for at least one generated token); "
                                       f"the stream keeps its earlier input")
+        if len(ids) + fit > limit:
+            raise InvalidRequestError(f"the input would have {len(ids)} tokens and the request asks for {fit} "
+                                      f"completion tokens ({len(ids) + fit} in all) but the context is {limit} "
+                                      f"tokens; the stream keeps its earlier input")
         kv = self.engine.kv
         if kv.blocks_for(len(ids) + 1) > self.engine.pool.num_blocks:
             raise InvalidRequestError(f"the input would have {len(ids)} tokens but the KV cache holds only "

@@ -27,8 +27,8 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError, m
 
 from streamkv.engine.async_inputs import AsyncInputStream
 from streamkv.engine.outputs import RequestOutput
-from streamkv.errors import InputStreamClosedError, InputStreamNotFoundError, QueueFullError, StreamKVError
-from streamkv.server.errors import APIError, error_body
+from streamkv.errors import InputStreamNotFoundError, StreamKVError
+from streamkv.server.errors import APIError, error_body, status_of
 from streamkv.server.generation import (check_model, check_output, failure, finish_reason, kv_options, last_output,
                                         make_params, until_disconnected)
 from streamkv.server.openai_api import (chat_chunks, chat_logprobs, completion_chunks, completion_logprobs,
@@ -97,6 +97,9 @@ async def open_input(body: OpenInput, request: Request) -> dict[str, Any]:
     check_model(body.model, state.model_name)
     if body.n != 1:
         raise APIError(400, "input streams generate one choice (n=1)", param="n")
+    for name in ("stream", "stream_options"):  # an answer's delivery is chosen when it starts
+        if name in body.model_fields_set and getattr(body, name) not in (None, False):
+            raise APIError(400, f"{name} goes with finish (the answer starts there), not with open", param=name)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of 'prompt' or 'messages'")
     if any(m.tool_calls for m in body.messages or []):  # the stream's template renders text turns only
@@ -109,7 +112,11 @@ async def open_input(body: OpenInput, request: Request) -> dict[str, Any]:
         {"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
         for m in body.messages]
     rid = f"istr_{secrets.token_hex(12)}"
-    handle = await state.engine.open_input(rid, body.prompt, messages, params, body.priority, kv_options(state, body))
+    # an explicit (or the default 16) max_tokens must fit beside the input, as on /v1/completions;
+    # "the rest of the context" (chat without one, or null) is what the input leaves
+    fit = params.max_tokens < state.limits.max_model_len
+    handle = await state.engine.open_input(rid, body.prompt, messages, params, body.priority, kv_options(state, body),
+                                           fit_max_tokens=fit)
     info = await handle.info()
     return {"id": rid, "object": "input_stream", "kind": "chat" if messages else "completion", **info}
 
@@ -328,8 +335,5 @@ async def _ws_answer(websocket: WebSocket, handle: AsyncInputStream) -> None:
 
 
 def _status(exc: StreamKVError) -> int:
-    if isinstance(exc, InputStreamNotFoundError):
-        return 404
-    if isinstance(exc, InputStreamClosedError):
-        return 409
-    return 429 if isinstance(exc, QueueFullError) else 400
+    """The status an HTTP call gets for ``exc`` (a full KV cache or a stopped engine: 503, not 400)."""
+    return status_of(exc)[0]
