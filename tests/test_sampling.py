@@ -80,6 +80,21 @@ def test_sampling_follows_distribution_and_seed():
     assert len(set(a)) == 1
 
 
+def test_seeds_that_differ_only_above_bit_31_sample_apart():
+    # torch's CPU generator keeps a seed's low 32 bits: 5 and 5 + 2**32 (and 0 and 2**63)
+    # gave one stream, so a 64-bit seed (--seed-from-prompt's FNV-1a) had 2**32 distinct ones
+    probs = torch.full((1000,), 1e-3)
+
+    def draws(seed: int) -> list[int]:
+        sampler, logits = Sampler(), torch.log(probs)[None]
+        return [sampler(logits.clone(), [item(seq_id=1, temperature=1.0, seed=seed)])[0][0] for _ in range(8)]
+
+    assert draws(5) == draws(5) and draws(2**32 - 1) == draws(2**32 - 1)
+    streams = [draws(s) for s in (5, 5 + 2**32, 5 + 2**40, 0, 2**63, 2**64 - 1)]
+    assert len({tuple(d) for d in streams}) == len(streams)
+    assert draws(-1) == draws(2**64 - 1)  # seeds are read modulo 2**64 (as before)
+
+
 def test_penalties():
     logits = torch.tensor([[2.0, 2.0, -1.0, 0.5]])
     s = Sampler()

@@ -16,6 +16,20 @@ from streamkv.sampling.grammar import Grammars, Guide
 from streamkv.sched.plan import ScheduledSeq, TokenLogprobs
 
 
+def generator_seed(seed: int) -> int:
+    """The 32 bits torch's CPU generator (mt19937) takes from a request's 64-bit ``seed``: a seed
+    below 2**32 as it is; a larger one mixed down (SplitMix64's finalizer), so seeds that differ
+    only above bit 31 (5 and 5 + 2**32: ``manual_seed`` kept the low 32 bits) sample apart. Any
+    two seeds still share a stream with probability 2**-32: the generator's own limit."""
+    seed %= 1 << 64
+    if seed < 1 << 32:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 31)) >> 32
+
+
 class Sampler:
     """Holds one generator per live sequence; :meth:`release` drops finished ones."""
 
@@ -34,7 +48,7 @@ class Sampler:
         if g is None:
             g = torch.Generator(device=self.device)
             seed = item.params.seed if item.params.seed is not None else int.from_bytes(os.urandom(8), "little")
-            g.manual_seed(seed % (2 ** 64))
+            g.manual_seed(generator_seed(seed))
             self._generators[item.seq_id] = g
         return g
 
