@@ -133,7 +133,7 @@ def test_bad_queries_fail_before_any_work(llm):
     spans, pool = llm.engine.spans, llm.engine.pool
     free = pool.num_free
     for bad, words in [
-        (seq(user("x")), "root must be a gen"),
+        (seq(user("x")), "root must be a gen or chat node, got seq"),  # named as sent: it said "user"
         (gen(seq(user("q"), ir.retrieve("nope", "1")), max_tokens=2), "unknown corpus 'nope'"),
         (gen(user("x " * 9000), max_tokens=2), "the context is"),
         (gen(seq(SYS, plus(fragment("word " * 500), fragment("other " * 500))), max_tokens=2), "KV cache holds"),

@@ -98,6 +98,13 @@ class Retrieve:
 Node = Union[Text, Seq, Plus, Gen, Chat, Retrieve]
 
 
+def kind_of(node: Node) -> str:
+    """A node's ``kind`` as the JSON form spells it."""
+    if isinstance(node, Text):
+        return node.kind
+    return {Seq: "seq", Plus: "plus", Gen: "gen", Chat: "chat"}.get(type(node), "retrieve")
+
+
 # ---------------------------------------------------------------------- builder
 def system(text: str) -> Text:
     return Text("system", text)
