@@ -202,6 +202,40 @@ def test_failing_step_fails_only_its_requests():
     assert len(got[0]) == 12
 
 
+def test_a_step_that_fails_before_its_swap_out_copies_leaves_the_victim_whole():
+    """A swapped-out victim is not one of the failed step's requests, so it lived on, marked
+    swapped, with host blocks the copies never wrote: its swap-in then read rows that were
+    never written (the slot runner asserts on them) and it failed too. It recomputes now."""
+    from tests.fakes import slot_engine
+
+    def run(fail: bool):
+        engine, runner = slot_engine(num_blocks=10, block_size=4, budget=64, preemption="swap", swap_blocks=8)
+        real, armed = runner.kv_ops.swap, [fail]
+
+        def swap(out, into):  # the first step that swaps out fails before copying
+            if out and armed[0]:
+                armed[0] = False
+                raise RuntimeError("boom before the copies")
+            return real(out, into)
+
+        runner.kv_ops.swap = swap
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        engine.add_request("s", "abcdefghijklmnopqrstuv", params)  # 22 tokens, 6 blocks
+        for _ in range(2):
+            engine.step()
+        engine.add_request("big", "zyxwvutsrqponmlkjihgfedcbazyxwvu", params, priority=-1)  # s makes room
+        done = engine.run_to_completion(["s", "big"])
+        engine.check_integrity()
+        assert engine.pool.num_used == 0 and engine.kv.host.num_used == 0
+        return done, engine
+
+    ref, _ = run(fail=False)
+    got, engine = run(fail=True)
+    assert got["big"].finish_reason == "error" and "boom" in got["big"].error
+    assert got["s"].finish_reason == ref["s"].finish_reason and got["s"].token_ids == ref["s"].token_ids
+    assert engine.scheduler.preemptions_by_kind["swap"] == 1
+
+
 def test_a_read_policy_covers_only_the_fork_own_rows_even_after_preemption():
     """The plan carries a fork's read policy for rows at or after the fork point only; a
     recompute preemption drops only the fork's own rows (its parent's stay: a session's

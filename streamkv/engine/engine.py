@@ -368,6 +368,8 @@ class Engine(PromptChecks):
         return True
 
     def _fail(self, plan: StepPlan, message: str) -> list[RequestOutput]:
+        """The plan's requests fail; the ones it only swapped out recompute (``step_failed``)."""
+        self.scheduler.step_failed(plan)
         out = []
         for item in plan.seqs:
             req = self._by_seq.get(item.seq_id)

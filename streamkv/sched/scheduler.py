@@ -312,6 +312,16 @@ class Scheduler(Proposing, StepUpdates, Drafting):
         seq.event(f"preempted_{kind}")
         return True
 
+    def step_failed(self, plan: StepPlan) -> None:
+        """The runner raised on ``plan``: its swap-out copies may never have run, so the victims
+        it swapped out recompute instead (their host blocks could hold anything; a swap-in of
+        them read rows that were never written)."""
+        for seq_id in plan.preempted:
+            seq = self.seqs.get(seq_id)
+            if seq is not None and seq.swapped:
+                self.kv.free(seq_id)
+                seq.swapped, seq.num_computed, seq.layout = False, 0, None
+
     def _to_plan(self, prop: Proposal) -> ScheduledSeq:
         seq = prop.seq
         start, end = seq.num_computed, prop.end
