@@ -481,6 +481,42 @@ def test_above_high_water_the_one_chunk_goes_to_a_prompt_that_can_move():
     engine.check_integrity()
 
 
+def test_above_high_water_a_chunk_taker_that_finds_no_block_lets_the_next_prompt_move():
+    """Question A needs 3 new blocks of a 19-block pool that a session's stream mostly holds;
+    question B needs none. Above the high-water mark A took the step's one chunk, found no
+    block, and B's chunk was held: nothing moved, and after 64 quiet steps A failed (503),
+    where without admission B answers at once and A after it (review). A taker that found no
+    block sits the next step out; both answer as without admission."""
+    from streamkv.config import CacheConfig, EngineConfig, SchedulerConfig
+    from streamkv.engine.engine import Engine
+    from streamkv.engine.factory import ModelBundle
+    from streamkv.sched.sequence import PriorityClass
+    from tests.fakes import VOCAB, FakeTokenizer, SlotFakeRunner
+
+    def run(admission: str) -> tuple[dict, int]:
+        config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=19), scheduler=SchedulerConfig(
+            max_num_batched_tokens=64, speculation="none", admission=admission, admission_high_water=0.85))
+        engine = Engine(config, ModelBundle(SlotFakeRunner(4, 19), FakeTokenizer(), 512, VOCAB, 19))
+        stream = engine.seq_ops.open([1 + i % 60 for i in range(58)])
+        while not engine.seq_ops.is_idle(stream):
+            engine.step()
+        params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+        engine.add_fork_request("A", stream, 58, list(range(1, 13)), params(2), klass=PriorityClass.POOL)
+        engine.add_fork_request("B", stream, 58, [5, 6], params(1), klass=PriorityClass.POOL)
+        done: dict = {}
+        for step in range(100):
+            done.update({o.request_id: (o.finish_reason, o.token_ids) for o in engine.step() if o.finished})
+            if len(done) == 2:
+                break
+        engine.check_integrity()
+        return done, step
+
+    want, _ = run("none")
+    got, steps = run("cell-budget")
+    assert got == want and all(reason == "length" for reason, _ in got.values())
+    assert steps < 8  # not 64 quiet steps and a failure
+
+
 def test_above_high_water_prompts_go_one_at_a_time_and_outputs_stay():
     # a pinned stream holds 40 of 64 blocks, above the 60% high water from the first step. New
     # requests then start only when no admitted prompt is still prefilling: admitting them beside

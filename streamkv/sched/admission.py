@@ -77,6 +77,8 @@ class CellBudget:
         self._charged = 0
         self._requests = 0  # the part of ``_charged`` that admitted requests (not forks or idle inputs) hold
         self._chunk_passed = False  # a prompt chunk went ahead this step
+        self.chunk_to: int | None = None  # the sequence it went to (phase 1)
+        self._stuck: int | None = None    # last step's, which then found no block: it sits this step out
         self._prefilling = False    # an admitted (charged) sequence still has prompt rows to compute
 
     @property
@@ -95,7 +97,7 @@ class CellBudget:
         self._requests = sum(projected_tokens(s) for s in seqs
                              if _charged(s) and not s.forked_rows and not _awaiting_input(s))
         self.stats.charged_tokens = self._charged
-        self._chunk_passed = False
+        self._chunk_passed, self.chunk_to = False, None
         self._prefilling = any(_charged(s) and s.status is SeqStatus.RUNNING and s.prefilling for s in seqs)
 
     def above_high_water(self) -> bool:
@@ -158,17 +160,27 @@ class CellBudget:
         """A running sequence's next prompt chunk waits: the pool is above the high-water mark.
         The highest-ranked prompt that can move still moves (one chunk per step,
         :meth:`took_chunk`), so a step never stalls."""
-        if not _chunked(seq) or not self.above_high_water() or not self._chunk_passed:
+        if not _chunked(seq) or not self.above_high_water():
+            return False
+        if not self._chunk_passed and seq.seq_id != self._stuck:
             return False
         self.stats.deferred_chunks += 1
         return True
 
     def took_chunk(self, seq: Sequence) -> None:
-        """``seq`` got prompt rows this step, past the fork gate, its blocks and the cadence:
-        the step's one chunk is taken. (Marked when it was first asked for, it went to a fork
-        the gate then held, and no prompt moved until the held fork failed: review.)"""
+        """``seq`` got prompt rows this step, past the fork gate and the cadence: the step's one
+        chunk is taken. (Marked when it was first asked for, it went to a fork the gate then
+        held, and no prompt moved until the held fork failed: review.)"""
         if _chunked(seq):
-            self._chunk_passed = True
+            self._chunk_passed, self.chunk_to = True, seq.seq_id
+
+    def acquired(self, got_blocks: set[int]) -> None:
+        """After phase 2 (``got_blocks``: the sequences that got theirs): a chunk's taker that
+        found no block (a fork needing blocks the pool's pinned streams hold) sits the next
+        step out, so the next prompt that can move gets the chunk. (It took it step after step,
+        every prompt below it was held, nothing moved, and the engine failed a question that
+        runs at once without admission: review.)"""
+        self._stuck = self.chunk_to if self.chunk_to is not None and self.chunk_to not in got_blocks else None
 
 
 def _awaiting_input(seq: Sequence) -> bool:

@@ -130,6 +130,8 @@ class Scheduler(Proposing, StepUpdates, Drafting):
         self._gave_way = False
         proposals = self._propose(ranked)
         scheduled, preempted = self._acquire(proposals, lambda: self.policy.rank(self.seqs.values(), now))
+        if self.admission is not None:
+            self.admission.acquired({p.seq.seq_id for p in scheduled})
         released, self._released = tuple(self._released), []
         work = tuple(self._to_plan(p) for p in scheduled if p.end > p.seq.num_computed)
         swaps, self._swap_out, self._swap_in = (tuple(self._swap_out), tuple(self._swap_in)), [], []
