@@ -517,6 +517,46 @@ def test_above_high_water_a_chunk_taker_that_finds_no_block_lets_the_next_prompt
     assert steps < 8  # not 64 quiet steps and a failure
 
 
+def test_the_cell_budget_counts_every_request_it_holds_and_charges_only_those_that_start():
+    """``deferred_requests`` is the (request, step) pairs a new request waited: the requests
+    ranked after the first held one were not counted (20 of 40). A request admitted in phase 1
+    that then got no rows (here the cadence's 8 prompt rows went to a prompt ranked first) was
+    charged all the same: the gauge read 118 of 85 admitted tokens and the next request was
+    held for room that was free (review)."""
+    from streamkv.sched.cadence import StepAllowance
+    from streamkv.sched.sequence import SeqStatus
+
+    engine, _ = fake_engine(num_blocks=64, budget=256, admission="cell-budget", speculation="none",
+                            grouped_prefill=False)
+    schedule, held = engine.scheduler.schedule, [0]
+
+    def counted():
+        before = {s.seq_id for s in engine.scheduler.seqs.values() if s.status is SeqStatus.WAITING}
+        plan = schedule()
+        held[0] += len(before & {s.seq_id for s in engine.scheduler.seqs.values() if s.status is SeqStatus.WAITING})
+        return plan
+
+    engine.scheduler.schedule = counted
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    _run(engine, [[1 + (7 * i + j) % 60 for j in range(20)] for i in range(5)], params)  # 40 tokens each, ceiling 128
+    assert engine.scheduler.admission.stats.deferred_requests == held[0] > 20
+
+    engine, _ = fake_engine(num_blocks=64, budget=64, chunk=8, admission="cell-budget", stall_factor=3.0,
+                            speculation="none", grouped_prefill=False)
+    sched = engine.scheduler
+    sched.cadence.allowance = lambda budget: StepAllowance(seconds=8.0, row_s=1.0, row_context_s=0.0)  # 8 rows
+    p = lambda m: SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)  # noqa: E731
+    engine.add_request("D", [1, 2, 3], p(40))  # a decoder: 43 tokens
+    engine.step()
+    engine.step()
+    for rid, prompt, m in (("P", list(range(1, 41)), 2), ("R", [5, 6, 7], 30), ("S", [8, 9, 10], 30)):
+        engine.add_request(rid, prompt, p(m))  # 42 + 33 + 33: S fits beside what starts (D, P)
+    engine.step()
+    running = [s for s in sched.seqs.values() if s.status is SeqStatus.RUNNING]
+    assert sched.admission.stats.charged_tokens == sum(s.num_prompt_tokens + s.params.max_tokens for s in running)
+    assert sched.admission.stats.deferred_requests == 0
+
+
 def test_above_high_water_prompts_go_one_at_a_time_and_outputs_stay():
     # a pinned stream holds 40 of 64 blocks, above the 60% high water from the first step. New
     # requests then start only when no admitted prompt is still prefilling: admitting them beside

@@ -111,19 +111,31 @@ class CellBudget:
             self.stats.charged_tokens = max(0, self.stats.charged_tokens - projected_tokens(seq))
 
     def admits(self, seq: Sequence) -> bool:
-        """A waiting request may start now (charged if so). The first one always may, so a
-        request larger than the ceiling still runs, alone (beside forks: questions). Above the high-water mark it waits
-        while an admitted prompt is still prefilling (or another was admitted this step)."""
+        """A waiting request may start now (charged by :meth:`admit` once it gets its chunk).
+        The first one always may, so a request larger than the ceiling still runs, alone (beside
+        forks: questions). Above the high-water mark it waits while an admitted prompt is still
+        prefilling (or another was admitted this step)."""
         if seq.pinned:
             return True
-        after = self._charge(self._charged, self._requests, seq)
-        if after is None or (self._charged and self._prefilling and self.above_high_water()):
-            self.stats.deferred_requests += 1
+        if self._charge(self._charged, self._requests, seq) is None or (
+                self._charged and self._prefilling and self.above_high_water()):
+            self.deferred()
             return False
-        self._prefilling = self._prefilling or seq.prefilling
-        self._charged, self._requests = after
-        self.stats.charged_tokens = self._charged
         return True
+
+    def deferred(self) -> None:
+        """A new request waits this step (refused by :meth:`admits`, or ranked after one that was)."""
+        self.stats.deferred_requests += 1
+
+    def admit(self, seq: Sequence) -> None:
+        """``seq``, which :meth:`admits` let in, got its chunk this step: its charge counts for
+        the requests ranked after it. (Charged when asked, one that the cadence, its blocks or
+        the fork gate then left without rows still deferred them and showed in the gauge.)"""
+        after = None if seq.pinned else self._charge(self._charged, self._requests, seq)
+        if after is not None:
+            self._prefilling = self._prefilling or seq.prefilling
+            self._charged, self._requests = after
+            self.stats.charged_tokens = self._charged
 
     def _charge(self, charged: int, requests: int, seq: Sequence) -> tuple[int, int] | None:
         """(charged, requests) once ``seq`` is admitted beside ``charged`` tokens, ``requests``

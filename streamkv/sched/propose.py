@@ -119,7 +119,10 @@ class Proposing:
         """``seq``'s chunk this step (spent from ``st``), or None when it gets none."""
         background = self.policy.background(seq)
         fresh = seq.status is SeqStatus.WAITING and not seq.swapped and not seq.pinned
-        if (background and st.foreground_prefill) or (st.blocked and not passes(seq)) or (st.deferred and fresh):
+        if (background and st.foreground_prefill) or (st.blocked and not passes(seq)):
+            return None
+        if st.deferred and fresh and self.admission is not None:  # ranked after one the cell budget holds
+            self.admission.deferred()
             return None
         if self.admission is not None and self._held(seq):
             st.deferred = st.deferred or fresh
@@ -135,8 +138,11 @@ class Proposing:
         n = self._fit(seq, st, computed, n)
         if n is None:
             return None
-        if self.admission is not None and n > 0:
-            self.admission.took_chunk(seq)
+        if self.admission is not None:
+            if seq.status is SeqStatus.WAITING and not seq.swapped:
+                self.admission.admit(seq)
+            if n > 0:
+                self.admission.took_chunk(seq)
         if self.fork_gate is not None:
             self.fork_gate.starts(seq)
         draft = self._draft(seq, min(st.spec_cap, st.budget - n), st.crowded) if st.spec_cap and n == 1 else ()

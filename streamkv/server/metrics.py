@@ -174,7 +174,9 @@ def _scheduler_metrics(scheduler: Any) -> Any:
     name = scheduler.speculator.name if scheduler.speculator is not None else "none"
     for key, value, doc in (("steps", st.steps, "sequence-steps that verified drafts"),
                             ("drafts_proposed", st.proposed, "draft tokens verified"),
-                            ("drafts_accepted", st.accepted, "draft tokens accepted (emitted)")):
+                            ("drafts_accepted", st.accepted,
+                             "draft tokens the verification accepted (a stop token or string may then cut some "
+                             "from the output)")):
         yield CounterMetricFamily(f"streamkv_spec_{key}", doc, value=value)
     cap = GaugeMetricFamily("streamkv_spec_cap", "drafts per sequence the load allowed in the latest step",
                             labels=["speculation"])
