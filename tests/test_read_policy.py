@@ -406,6 +406,40 @@ def test_a_session_question_under_quest_is_the_same_chunked(rescore):
     assert answers[0][2]["pages_picked"] > 0 and answers[0][2]["attention_recall"] is not None
 
 
+def test_a_session_question_under_quest_is_the_same_with_or_without_the_ready_fork(smol_fp32):
+    """A question forks the session's ready fork (snapshot + the scaffold's prefix, computed
+    exactly) when it is open, else the stream at the snapshot (right after a version finishes,
+    after a restore, or when pool pressure closed it). The stream fork read the prefix under
+    quest, so the answer, its logprobs and read report depended on which (review: tokens
+    differ from the 1st); it now computes the prefix exactly too. Flash answers fork the ready
+    fork: they equal both."""
+    from streamkv import SamplingParams
+    from streamkv.sessions.spec import SessionSpec
+
+    engine = smol_fp32.engine
+    policy = {"policy": "quest", "budget_tokens": 128, "sink_tokens": 16, "recent_tokens": 32}
+    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)]
+    question = "What was the reading of sensor 3 at t=38?"
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+    session = engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000, kv_read=policy))
+    fq = engine.sessions.flash.register(session, question, max_tokens=8)
+    engine.sessions.push(session.id, records)
+    _drain(engine)
+    outs = {}
+    for tag in ("ready", "stream"):
+        if tag == "stream":
+            engine.sessions.ready_forks.close(session)
+        assert (session.ready is not None) == (tag == "ready")
+        engine.sessions.query(session.id, tag, question, params)
+        out = engine.run_to_completion([tag])[tag]
+        outs[tag] = (out.token_ids, [lp.logprob for lp in out.logprobs], out.kv)
+    assert outs["ready"] == outs["stream"]
+    assert session.flash.cached(fq.id, session.data.data_version).token_ids == outs["ready"][0]
+    engine.sessions.delete(session.id)
+    engine.step()
+    engine.check_integrity()
+
+
 def test_a_recomputed_answer_under_quest_never_takes_exact_rows_from_the_prefix_cache():
     """Preempted (recompute) while a follow-up turn, whose prompt is this prompt + this answer,
     had put exact blocks for those ids in the prefix cache, a quest request's lookup took them

@@ -164,14 +164,16 @@ class Engine(PromptChecks):
 
     def add_fork_request(self, request_id: str, parent: Sequence, num_tokens: int, suffix: Seq[int],
                          params: SamplingParams | None = None, priority: int = 0,
-                         klass: PriorityClass = PriorityClass.SESSION, read: ReadPolicy | None = None) -> Sequence:
+                         klass: PriorityClass = PriorityClass.SESSION, read: ReadPolicy | None = None,
+                         read_from: int | None = None) -> Sequence:
         """Generate from ``parent.tokens[:num_tokens] + suffix``, sharing the parent's KV.
 
         The first ``num_tokens`` tokens must already have KV: they are forked copy-on-write
         (DESIGN.md section 3), so only ``suffix`` is computed and the parent keeps running.
         Raises InvalidRequestError (nothing queued) on bad input or when the KV pool has no
-        block for the copy. With ``read``, the fork's own rows attend only to the pages that
-        read policy picks (lossy, so the fork's KV never enters the prefix cache).
+        block for the copy. With ``read``, the fork's own rows from ``read_from`` (default: the
+        fork point) attend only to the pages that read policy picks (lossy, so the fork's KV
+        never enters the prefix cache); the rows before it are exact.
         """
         params = self._check_request(request_id, params, priority)
         ids = list(parent.tokens[:num_tokens]) + [int(t) for t in suffix]
@@ -180,7 +182,10 @@ class Engine(PromptChecks):
             params = replace(params, seed=prompt_seed(ids))  # as add_request does (session questions)
         seq = self._new_seq(ids, params, priority, klass)
         seq.cacheable = parent.cacheable and read is None
-        seq.read, seq.read_from = read, num_tokens
+        read_from = num_tokens if read_from is None else read_from
+        if not num_tokens <= read_from < len(ids):
+            raise InvalidRequestError(f"read_from must be in [{num_tokens}, {len(ids)}), got {read_from}")
+        seq.read, seq.read_from = read, read_from
         self.seq_ops.fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
         self.scheduler.add_running(self._register(request_id, None, seq))
         return seq

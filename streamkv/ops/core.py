@@ -41,8 +41,10 @@ class EngineCore(Protocol):
 
     def add_fork_request(self, request_id: str, parent: "Sequence", num_tokens: int, suffix: Seq[int],
                          params: "SamplingParams | None" = None, priority: int = 0,
-                         klass: "PriorityClass" = ..., read: "ReadPolicy | None" = None) -> "Sequence":
-        """Generate from a copy-on-write fork of ``parent``'s first ``num_tokens`` tokens."""
+                         klass: "PriorityClass" = ..., read: "ReadPolicy | None" = None,
+                         read_from: int | None = None) -> "Sequence":
+        """Generate from a copy-on-write fork of ``parent``'s first ``num_tokens`` tokens (rows from
+        ``read_from``, default ``num_tokens``, under ``read``)."""
 
     def check_write_fits(self, n_tokens: int, max_tokens: int, write: Any) -> None:
         """InvalidRequestError when a prompt of ``n_tokens`` (answer up to ``max_tokens``) under

@@ -201,10 +201,14 @@ class SessionManager:
         data, layout = session.data, session.layout
         q_ids = self.engine.tokenizer.encode(question)
         ready = session.ready
+        # the question's own rows (under a read policy) start after the scaffold's prefix either
+        # way: the ready fork computed the prefix exactly, so a fork of the stream does too (it
+        # read it under the policy: its answer then depended on whether the ready fork was open)
         if ready is not None and session.ready_version == data.data_version and self.engine.seq_ops.is_idle(ready):
             parent, n, suffix = ready, len(ready.tokens), q_ids + list(layout.suffix)
         else:
             parent, n, suffix = session.stream, data.snapshot_len(), layout.query_ids(self.engine.tokenizer, question)
+        own_from = data.snapshot_len() + len(layout.prefix)
         if parent is None:
             raise RuntimeError(f"session {session.id} has no resident stream after restore")
         if self.engine.pool.num_free < 1:  # the fork copies its partial block now: make room first,
@@ -216,7 +220,8 @@ class SessionManager:
         if gate is not None and not gate.room_for(sched.seqs.values(), n, self._fork_end(n, len(suffix), params)):
             session.wanted_at = time.monotonic()  # kept resident meanwhile (offload.WANTED_S); AsyncEngine retries
             raise KVCacheFullError(_NO_ROOM)
-        seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read)
+        seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read,
+                                           read_from=own_from)
         data.last_used, session.wanted_at = time.monotonic(), float("-inf")  # started: nobody waits now
         return {"data_version": data.data_version, "prompt_tokens": len(seq.tokens),
                 "computed_prompt_tokens": len(seq.tokens) - seq.num_computed, "prompt_token_ids": list(seq.tokens)}
