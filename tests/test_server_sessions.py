@@ -206,6 +206,8 @@ BAD = [
     ("POST", "/v1/sessions/{sid}/data", {"records": ["x" * 70000]}, 400),
     ("POST", "/v1/sessions/{sid}/data", {}, 400),
     ("POST", "/v1/sessions/{sid}/query", {"question": ""}, 400),
+    ("POST", "/v1/sessions/{sid}/query", {"question": "x", "kv_read": {"policy": "none"}}, 400),  # was ignored
+    ("POST", "/v1/sessions/{sid}/query", {"question": "x", "kv_write": {"policy": "snapstream"}}, 400),
     ("POST", "/v1/sessions/{sid}/query", {"question": "q", "max_tokens": 0}, 400),
     ("POST", "/v1/sessions/{sid}/query", {"question": "q", "temperature": -1}, 400),
     ("POST", "/v1/sessions/{sid}/query", {"question": 5}, 400),

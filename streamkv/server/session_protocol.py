@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from streamkv.server.protocol import GuidedFields, Number
 from streamkv.sessions.flash import MAX_QUESTIONS, FlashQuestion
@@ -62,3 +62,13 @@ class SessionQuery(GuidedFields):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False  # with a structured output, always generated (never a flash/ready answer)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_kv_policies(cls, data: Any) -> Any:
+        """A question reads under its session's policies: one sent with it is a 400, not ignored."""
+        late = sorted(k for k in ("kv_read", "kv_write") if isinstance(data, dict) and k in data)
+        if late:
+            raise ValueError(f"{', '.join(late)} belong to the session (set at create: kv_read, evict / "
+                             "kv_write); a question reads under its session's policies")
+        return data
