@@ -182,6 +182,35 @@ def test_no_drafts_for_penalties_logprobs_or_past_the_load_cap():
     assert all(not it.draft for plan in runner.plans for it in plan.seqs if len(plan.seqs) >= 5)
 
 
+def test_no_draft_takes_a_free_block_while_a_grouped_follower_waits():
+    """A grouped-prefill follower waits for its leader's blocks, then takes its own; it was left
+    out of "someone waits", so drafts took free blocks meanwhile (5 in this run, review)."""
+    rng = random.Random(0)
+    system = [rng.randrange(1, 27) for _ in range(64)]
+    engine, runner = fake_engine(num_blocks=64, block_size=4, budget=16, chunk_min_tokens=8, chunk_max_tokens=16,
+                                 repeat=5, speculation="pld", spec_ngram_min=1)
+    sched, took = engine.scheduler, []
+    schedule = sched.schedule
+
+    def watched():
+        waiting = any(s.status is SeqStatus.WAITING for s in sched.seqs.values())
+        plan = schedule()
+        for it in plan.seqs:  # a draft whose rows run past the blocks its own rows need
+            rows = it.start + it.num_tokens
+            if it.draft and sched.kv.blocks_for(rows) > sched.kv.blocks_for(rows - len(it.draft)):
+                took.append(waiting)
+        return plan
+
+    sched.schedule = watched
+    engine.add_request("dec", [1, 2, 3, 4, 5] * 3, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for rid, tail in (("lead", [7, 8, 9]), ("fol", [9, 8, 7])):
+        engine.add_request(rid, system + tail, GREEDY)
+    engine.run_to_completion(["dec", "lead", "fol"])
+    engine.check_integrity()
+    assert sched.groups.stats.followers == 1 and sched.spec_stats.proposed > 0
+    assert took and not any(took)  # drafts took new blocks only once nobody waited
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), blocks=st.sampled_from([12, 16, 24, 64]), budget=st.sampled_from([6, 16, 64]),
        swap=st.sampled_from([0, 8]))

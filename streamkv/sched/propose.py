@@ -92,7 +92,9 @@ class Proposing:
         self._unplaced = []
         followers, hits = (self.groups.plan(ranked, self.policy.background) if self.groups is not None
                            else (set(), {}))
-        ranked = [s for s in ranked if s.seq_id not in followers]  # they wait for a leader's blocks
+        # followers wait for a leader's blocks, then take their own: drafts leave free blocks alone
+        waiting = any(s.status is SeqStatus.WAITING for s in ranked)
+        ranked = [s for s in ranked if s.seq_id not in followers]
         spec_cap = self._spec_cap(ranked)
         if self.admission is not None:
             self.admission.begin(self.seqs.values())
@@ -103,7 +105,7 @@ class Proposing:
         if self.fork_gate is not None:
             self.fork_gate.begin(self.seqs.values())
         st = _Pass(budget, self.chunk, self._allowance(ranked, budget), hits, spec_cap,
-                   bool(spec_cap) and any(s.status is SeqStatus.WAITING for s in ranked))
+                   bool(spec_cap) and waiting)
         out: list[Proposal] = []
         for seq in ranked:
             if st.budget <= 0 or len(out) >= self.config.max_num_seqs:
