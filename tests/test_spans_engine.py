@@ -143,6 +143,8 @@ def test_bad_queries_fail_before_any_work(llm):
     with pytest.raises(InvalidRequestError, match="locality_k"):
         spans.submit("bad", rag(DOCS[:2]), locality_k=1)
     assert pool.num_free == free and not spans.has_work()
+    for wrapped in (seq(gen(user("Hi"), max_tokens=2, temperature=0)), plus(gen(user("Hi"), max_tokens=2, temperature=0))):
+        spans.plan(wrapped)  # a one-child seq or plus around a gen unwraps to it and runs (review)
 
 
 def test_retrieve_equals_explicit_fragments(llm):

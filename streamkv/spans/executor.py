@@ -18,7 +18,7 @@ from streamkv.kv.block_pool import OutOfBlocksError
 from streamkv.sched.sequence import SeqStatus
 from streamkv.spans.cache import SpanCache
 from streamkv.spans.execution import RETRY_STEPS, Execution
-from streamkv.spans.ir import Chat, Gen, Node, SpanQueryError, inner_gens, kind_of, with_origins
+from streamkv.spans.ir import Gen, Node, SpanQueryError, inner_gens, kind_of, with_origins
 from streamkv.spans.lower import Renderer, SpanPlan, check_ids, layout, lower, lower_prepare
 from streamkv.spans.query import Query, Usage, forks
 from streamkv.spans.rules import OptimizerOptions, optimize
@@ -63,14 +63,15 @@ class SpanQueries:
             opts = OptimizerOptions(locality_k=locality_k, corpora=self.corpora)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
-        if not isinstance(tree, (Gen, Chat)):  # named as sent (the optimizer may unwrap a one-child seq)
-            raise SpanQueryError("query", f"the root must be a gen or chat node, got {kind_of(tree)}")
+        sent = kind_of(tree)  # a root that is not a gen is named as sent (the optimizer unwraps a one-child seq)
         tree = with_origins(tree)  # paths in plans and errors: the client's
         for inner in inner_gens(tree):
             if dict(inner.sampling).get("logprobs") is not None:
                 raise SpanQueryError(inner.origin or "query", "logprobs are returned for the root gen only "
                                                                 "(an inner gen's text is in the report's inner)")
         optimized = optimize(tree, opts)
+        if not isinstance(optimized, Gen):  # (seq(gen) and plus(gen) unwrap to their gen: they run)
+            raise SpanQueryError("query", f"the root must be a gen or chat node, got {sent}")
         plan = lower(optimized, self.renderer, self.engine.max_model_len)
         check_ids(plan, self.engine.bundle.vocab_size)  # type: ignore[attr-defined]
         if self._need(plan) > self.engine.pool.num_blocks:
