@@ -17,7 +17,8 @@ from streamkv.sched.plan import ScheduledSeq, TokenLogprobs
 
 
 def generator_seed(seed: int) -> int:
-    """The 32 bits torch's CPU generator (mt19937) takes from a request's 64-bit ``seed``: a seed
+    """The 32 bits torch's CPU generator (mt19937) takes from a request's 64-bit ``seed`` (a
+    CUDA generator keys Philox with all 64 and takes the seed as it is): a seed
     below 2**32 as it is; a larger one mixed down (SplitMix64's finalizer), so seeds that differ
     only above bit 31 (5 and 5 + 2**32: ``manual_seed`` kept the low 32 bits) sample apart. Any
     two seeds still share a stream with probability 2**-32: the generator's own limit."""
@@ -48,7 +49,7 @@ class Sampler:
         if g is None:
             g = torch.Generator(device=self.device)
             seed = item.params.seed if item.params.seed is not None else int.from_bytes(os.urandom(8), "little")
-            g.manual_seed(generator_seed(seed))
+            g.manual_seed(generator_seed(seed) if g.device.type == "cpu" else seed % (1 << 64))  # CUDA: Philox, 64 bits
             self._generators[item.seq_id] = g
         return g
 
