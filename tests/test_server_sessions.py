@@ -208,6 +208,8 @@ BAD = [
     ("POST", "/v1/sessions/{sid}/query", {"question": ""}, 400),
     ("POST", "/v1/sessions/{sid}/query", {"question": "x", "kv_read": {"policy": "none"}}, 400),  # was ignored
     ("POST", "/v1/sessions/{sid}/query", {"question": "x", "kv_write": {"policy": "snapstream"}}, 400),
+    ("POST", "/v1/sessions/{sid}/flash", {"question": "x", "kv_read": {"policy": "none"}}, 400),  # so do flash ones
+    ("POST", "/v1/sessions", {"flash": [{"question": "x", "kv_write": {"policy": "snapstream"}}]}, 400),
     ("POST", "/v1/sessions/{sid}/query", {"question": "q", "max_tokens": 0}, 400),
     ("POST", "/v1/sessions/{sid}/query", {"question": "q", "temperature": -1}, 400),
     ("POST", "/v1/sessions/{sid}/query", {"question": 5}, 400),

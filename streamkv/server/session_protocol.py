@@ -17,10 +17,23 @@ class Body(BaseModel):
 _SPEC = SessionSpec()  # the defaults of every create field come from the spec itself
 
 
+def _session_policies_only(data: Any) -> Any:
+    """A question (asked or flash) reads under its session's KV policies: one sent with it is a
+    400, not ignored."""
+    late = sorted(k for k in ("kv_read", "kv_write") if isinstance(data, dict) and k in data)
+    if late:
+        raise ValueError(f"{', '.join(late)} {'belong' if len(late) > 1 else 'belongs'} to the session (set at "
+                         "create: kv_read, evict / "
+                         "kv_write); a question reads under its session's policies")
+    return data
+
+
 class FlashSpec(GuidedFields):
     question: StrictStr
     max_tokens: StrictInt = FlashQuestion.max_tokens
     temperature: Number = FlashQuestion.temperature
+
+    _no_kv_policies = model_validator(mode="before")(lambda data: _session_policies_only(data))
 
 
 class CreateSession(Body):
@@ -63,12 +76,4 @@ class SessionQuery(GuidedFields):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False  # with a structured output, always generated (never a flash/ready answer)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_kv_policies(cls, data: Any) -> Any:
-        """A question reads under its session's policies: one sent with it is a 400, not ignored."""
-        late = sorted(k for k in ("kv_read", "kv_write") if isinstance(data, dict) and k in data)
-        if late:
-            raise ValueError(f"{', '.join(late)} belong to the session (set at create: kv_read, evict / "
-                             "kv_write); a question reads under its session's policies")
-        return data
+    _no_kv_policies = model_validator(mode="before")(lambda data: _session_policies_only(data))
