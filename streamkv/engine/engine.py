@@ -183,8 +183,8 @@ class Engine(PromptChecks):
         seq = self._new_seq(ids, params, priority, klass)
         seq.cacheable = parent.cacheable and read is None
         read_from = num_tokens if read_from is None else read_from
-        if not num_tokens <= read_from < len(ids):
-            raise InvalidRequestError(f"read_from must be in [{num_tokens}, {len(ids)}), got {read_from}")
+        if not num_tokens <= read_from <= len(ids):
+            raise InvalidRequestError(f"read_from must be in [{num_tokens}, {len(ids)}], got {read_from}")
         seq.read, seq.read_from = read, read_from
         self.seq_ops.fork_kv(parent, seq, min(num_tokens, len(ids) - 1))
         self.scheduler.add_running(self._register(request_id, None, seq))
