@@ -200,4 +200,6 @@ def test_equal_sampling_settings_make_one_span_cache_key():
 
     assert key(temperature=0, top_p=1, max_tokens=4) == key(temperature=0.0, top_p=1.0, max_tokens=4)
     assert key(temperature=0, max_tokens=4) != key(temperature=0.5, max_tokens=4)
-    assert key(stop=["\n"], max_tokens=4) == key(stop=("\n",), max_tokens=4)
+    assert key(stop=["\n"], max_tokens=4) == key(stop=("\n",), max_tokens=4) == key(stop="\n", max_tokens=4)
+    assert key(max_tokens=4) == key(max_tokens=4, temperature=1.0, top_k=0)  # left out = sent at its default
+    assert key(seed=5, max_tokens=4) != key(seed=6, max_tokens=4)

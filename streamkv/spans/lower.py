@@ -13,7 +13,7 @@ it was built (``state_key``): the span cache stores states under it.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Union
 
 from streamkv.errors import InvalidRequestError, check_unicode
@@ -84,8 +84,7 @@ class SpanPlan:
 
     @property
     def key(self) -> bytes:
-        return digest("s", tuple(s.key for s in self.segments),
-                      None if self.gen is None else (self.gen.sampling, self.gen.prompt))
+        return digest("s", tuple(s.key for s in self.segments), None if self.gen is None else gen_key(self.gen))
 
     @property
     def reproducible(self) -> bool:
@@ -119,7 +118,16 @@ def state_key(parent: bytes, item: bytes) -> bytes:
 
 
 def gen_key(gen: GenSpec) -> bytes:
-    return digest("g", gen.sampling, gen.prompt)
+    """One key per generation prompt and sampling setting, however the query spelled it (a
+    field left out or sent at its default, ``0`` or ``0.0``, ``"x"`` or ``["x"]``)."""
+    params = gen.params
+    settings = tuple((f.name, _same_spelling(getattr(params, f.name))) for f in fields(params) if f.compare)
+    return digest("g", settings, gen.prompt)
+
+
+def _same_spelling(value: Any) -> Any:
+    """Numbers as floats (exact: sampling fields are small), so ``0`` and ``0.0`` are one value."""
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 1 << 53 else value
 
 
 class Renderer:
