@@ -232,6 +232,24 @@ def test_drain_input_streams_and_errors(cluster):
         done = http.post(f"/v1/input_streams/{sid}/finish", json={"stream": False}).json()
         assert c.request("GET", "/v1/cluster")["input_streams"] == 0  # a finished stream is forgotten
         assert http.post(f"/v1/input_streams/{sid}/append", json={"text": "x"}).status_code == 409  # but closed
+        from websockets.sync.client import connect
+
+        ws_url = cluster.replace("http", "ws") + "/v1/input_streams/{}/ws"
+        with connect(ws_url.format(sid)) as ws:  # a socket on it: the error frame and 4409, as on one server
+            assert json.loads(ws.recv(timeout=30))["error"]["type"] == "conflict_error"
+            with pytest.raises(Exception) as closed:
+                ws.recv(timeout=30)
+            assert closed.value.rcvd.code == 4409
+        other = http.post("/v1/input_streams", json={"prompt": "The capital of Italy", "max_tokens": 4,
+                                                     "temperature": 0}).json()["id"]
+        with connect(ws_url.format(other)) as ws:  # finished over the socket: the ingress forgets it too
+            ws.send(json.dumps({"type": "finish", "text": " is"}))
+            while not json.loads(ws.recv(timeout=60)).get("finished"):
+                pass
+        deadline = time.monotonic() + 10
+        while c.request("GET", "/v1/cluster")["input_streams"]:
+            assert time.monotonic() < deadline, "a stream finished over a socket stayed routed"
+            time.sleep(0.1)
         ref = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
                                                  "temperature": 0}).json()
         assert done["choices"][0]["text"] == ref["choices"][0]["text"]

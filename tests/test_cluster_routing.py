@@ -158,3 +158,26 @@ def test_owner_table_writes_are_503s_while_its_actor_restarts():
             asyncio.run(call)
         assert err.value.status == 503 and "owner table" in err.value.message
     assert proxy.router.overrides == {sid: other}
+
+
+def test_input_routes_forget_closed_lost_and_expired_streams():
+    """The ingress routed every input stream it ever opened: only a DELETE through it removed
+    one, so streams finished over a WebSocket or expired on their replica stayed for good."""
+    import time
+
+    from streamkv.cluster.input_routes import InputRoutes
+
+    routes = InputRoutes(ttl_s=10.0, closed=2)
+    for sid in ("a", "b", "c", "d"):
+        routes.add(sid, "replica-0")
+    routes.close("a")  # finished (HTTP, or a socket's replica reports it closed)
+    routes.lost("b")   # its replica restarted: unknown there, not closed
+    assert routes.get("a") is None and routes.is_closed("a") and not routes.is_closed("b") and len(routes) == 2
+    now = time.monotonic()
+    with routes.relaying("c"):  # a socket still relays its frames: in use, however long
+        assert routes.prune(now + 11.0) == ["d"]
+    assert routes.get("c") == "replica-0" and routes.is_closed("d")  # expired: late calls get 409
+    assert routes.prune(time.monotonic() + 11.0) == ["c"]
+    assert len(routes) == 0 and list(routes.closed) == ["d", "c"]  # the latest 2 closed ids
+    with pytest.raises(ValueError):
+        InputRoutes(ttl_s=0)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr
 
 from streamkv.cluster import moves, streams
 from streamkv.cluster.proxy import Proxy
-from streamkv.server.errors import APIError, install_error_handlers
+from streamkv.server.errors import APIError, error_body, install_error_handlers
 from streamkv.sessions.session import valid_session_id
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
@@ -121,7 +121,17 @@ def create_ingress_app(get_proxy: Callable[[], Proxy], api_key: str | None = Non
             await websocket.close(code=4401)
             return
         proxy = await proxy_for(websocket)
-        await streams.relay_ws(proxy, websocket, f"/v1/input_streams/{stream_id}/ws", proxy.inputs.get(stream_id))
+        if proxy.inputs.is_closed(stream_id):  # as one server answers a finished input's socket
+            await websocket.accept()
+            await websocket.send_json({"type": "error", **error_body(409, f"input stream {stream_id!r} is closed")})
+            await websocket.close(code=4409)
+            return
+        try:
+            with proxy.inputs.relaying(stream_id):
+                await streams.relay_ws(proxy, websocket, f"/v1/input_streams/{stream_id}/ws",
+                                       proxy.inputs.get(stream_id))
+        finally:  # a finish over the socket closed it there (a task of its own: this one may be cancelled)
+            proxy.check_input_later(stream_id)
 
     @app.api_route("/{path:path}", methods=METHODS, include_in_schema=False)
     async def anything(path: str, request: Request) -> Response:

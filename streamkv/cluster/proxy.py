@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import Any, AsyncIterator, Protocol
 
 import httpx
@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from streamkv.cluster.config import ClusterConfig
+from streamkv.cluster.input_routes import InputRoutes
 from streamkv.cluster.routing import NoReplicaError, ReplicaView, Router
 from streamkv.server.errors import APIError, error_response
 from streamkv.sessions.session import new_session_id
@@ -26,7 +27,6 @@ log = logging.getLogger("streamkv.cluster")
 HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length",
        "proxy-authorization", "proxy-authenticate"}
 RETRY = {"Retry-After": "1"}
-CLOSED_INPUTS = 4096  # closed input stream ids remembered, so late calls get 409, not 404 (as on one server)
 
 
 class Directory(Protocol):
@@ -52,7 +52,8 @@ def unavailable(message: str) -> APIError:
 
 
 class Proxy:
-    def __init__(self, config: ClusterConfig, directory: Directory, owners: Owners, api_key: str | None = None) -> None:
+    def __init__(self, config: ClusterConfig, directory: Directory, owners: Owners, api_key: str | None = None,
+                 input_ttl_s: float = 300.0) -> None:
         self.config = config
         self.router = Router(config.names, prefix_affinity=config.prefix_affinity, slack=config.affinity_slack)
         self.directory = directory
@@ -61,8 +62,8 @@ class Proxy:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=2.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         self.moving: dict[str, asyncio.Event] = {}
-        self.inputs: dict[str, str] = {}  # open input stream id -> replica (streams do not migrate)
-        self.closed_inputs: OrderedDict[str, None] = OrderedDict()  # the latest closed ones, oldest first
+        self.inputs = InputRoutes(input_ttl_s)  # open input streams' replicas (they do not migrate)
+        self._checks: set[asyncio.Future] = set()  # input_state tasks after WebSocket relays
         self.corpora: dict[str, bytes] = {}  # replayed to a replica that comes (back) up
         self.counts: Counter[str] = Counter()
         self.last_rebalance = 0.0
@@ -96,6 +97,7 @@ class Proxy:
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
             try:
+                self.inputs.prune()
                 await self.poll_once()
                 if await rebalance(self) is not None:
                     self.counts["rebalances"] += 1
@@ -333,34 +335,48 @@ class Proxy:
     async def create_input(self, request: Request, body: bytes) -> Response:
         resp, r = await self._to_any(request, body, None)
         if resp.status_code == 201:
-            self.inputs[json.loads(resp.body)["id"]] = r.name
+            self.inputs.add(json.loads(resp.body)["id"], r.name)
         return resp
 
     async def to_input(self, request: Request, stream_id: str, body: bytes) -> Response:
         name = self.inputs.get(stream_id)
-        if name is None and stream_id in self.closed_inputs:
+        if name is None and self.inputs.is_closed(stream_id):
             return error_response(409, f"input stream {stream_id!r} is closed", param="id")
         if name is None:
             return error_response(404, f"input stream {stream_id!r} does not exist", param="id")
         try:
             resp = await self.forward(request, self.router.replicas[name], body)
         except Unreachable:
-            self.inputs.pop(stream_id, None)
+            self.inputs.lost(stream_id)
             raise unavailable(f"the replica holding input stream {stream_id!r} failed; open a new one") from None
-        closed = request.method == "DELETE" or request.url.path.endswith("/finish")
-        if resp.status_code == 404:  # the replica lost it (restarted)
-            self.inputs.pop(stream_id, None)
-        elif resp.status_code == 409 or (closed and resp.status_code < 400):
-            self._forget_input(stream_id)  # finished, aborted or expired there: nothing more to route
+        self._settle_input(stream_id, resp.status_code, request.method == "DELETE" or request.url.path.endswith("/finish"))
         return resp
 
-    def _forget_input(self, stream_id: str) -> None:
-        """Stop routing a closed stream; later calls get the replica's 409 from here (the last
-        CLOSED_INPUTS ids), so the map holds open streams only."""
-        self.inputs.pop(stream_id, None)
-        self.closed_inputs[stream_id] = None
-        while len(self.closed_inputs) > CLOSED_INPUTS:
-            self.closed_inputs.popitem(last=False)
+    def _settle_input(self, stream_id: str, status: int, closing: bool) -> None:
+        """Stop routing a stream its replica no longer has open (404: lost; 409, or a finish or
+        DELETE it took: closed, so later calls get 409 here, as on one server)."""
+        if status == 404:
+            self.inputs.lost(stream_id)
+        elif status == 409 or (closing and status < 400):
+            self.inputs.close(stream_id)
+
+    def check_input_later(self, stream_id: str) -> None:
+        """:meth:`input_state` as a task of its own (kept referenced until it ends)."""
+        task = asyncio.ensure_future(self.input_state(stream_id))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def input_state(self, stream_id: str) -> None:
+        """After a WebSocket relay ends: ask the replica whether the stream is still open (a
+        finish sent over the socket closed it without passing :meth:`to_input`)."""
+        r = self.router.replicas.get(self.inputs.open.get(stream_id, ""))
+        if r is None or r.url is None:
+            return
+        try:
+            resp = await self.client.get(f"{r.url}/v1/input_streams/{stream_id}", headers=self.auth, timeout=5.0)
+        except httpx.HTTPError:
+            return  # unreachable: the next call finds out
+        self._settle_input(stream_id, resp.status_code, closing=False)
 
     async def fan_out(self, request: Request, body: bytes, remember: str | None = None) -> Response:
         """The same request to every live replica (corpora, the span cache): the first answer,

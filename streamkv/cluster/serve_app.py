@@ -18,6 +18,7 @@ from streamkv.cluster.ingress import create_ingress_app
 from streamkv.cluster.owners import OwnerTable, owner_table_actor
 from streamkv.cluster.proxy import Proxy
 from streamkv.cluster.replica import replica_deployment
+from streamkv.config import InputStreamConfig
 from streamkv.server.config import ServerConfig
 
 APP_NAME = "streamkv"
@@ -59,7 +60,7 @@ class LocalOwners:
         return self.table.snapshot()[1]
 
 
-def ingress_deployment(config: ClusterConfig, api_key: str | None) -> Any:
+def ingress_deployment(config: ClusterConfig, api_key: str | None, input_ttl_s: float = 300.0) -> Any:
     from ray import serve
 
     # the routes find the Proxy on this replica's instance (Serve pickles the app and the class apart)
@@ -69,7 +70,8 @@ def ingress_deployment(config: ClusterConfig, api_key: str | None) -> Any:
     @serve.ingress(app)
     class ClusterIngress:
         def __init__(self, *handles: Any) -> None:
-            self.proxy = Proxy(config, RayDirectory(dict(zip(config.names, handles))), RayOwners(), api_key)
+            self.proxy = Proxy(config, RayDirectory(dict(zip(config.names, handles))), RayOwners(), api_key,
+                               input_ttl_s=input_ttl_s)
 
     return ClusterIngress
 
@@ -90,7 +92,9 @@ def build(config: ClusterConfig, engine_options: dict[str, Any], server: ServerC
     replicas = [replica_deployment(name, float(config.replica_threads)).bind(options, server_options)
                 for name in config.names]
     api_key = server.api_key or os.environ.get("STREAMKV_API_KEY") or None
-    return ingress_deployment(config, api_key).bind(*replicas)
+    # the ingress forgets an input stream nobody touched for the replicas' TTL (they expired it)
+    ttl = float(options.get("input_stream_ttl_s", InputStreamConfig.input_stream_ttl_s))
+    return ingress_deployment(config, api_key, ttl).bind(*replicas)
 
 
 def start(config: ClusterConfig, engine_options: dict[str, Any], server: ServerConfig,
