@@ -378,6 +378,34 @@ def test_a_host_copy_that_finds_no_blocks_is_a_miss_and_stays_for_later():
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+def test_a_restore_that_fails_twice_never_leaves_the_host_tier_over_its_budget():
+    """X (8 tokens) waits on a 12-token host tier; a restore of it trims the pool, which moved a
+    newer idle state Y (8 tokens) to the host: the copy being restored could not make room, and
+    the tier held 16 tokens of 12 when the restore failed again (review). Y is dropped instead."""
+    from streamkv.sched.sequence import PriorityClass
+    from streamkv.spans.cache import State
+
+    engine, _ = slot_engine(num_blocks=16, block_size=4, span_host_bytes=64 * 12)
+    cache, ops, pool = engine.spans.cache, engine.seq_ops, engine.pool
+
+    def computed(seq):
+        while not ops.is_idle(seq):
+            engine.step()
+        return seq
+
+    X = cache.put(State(b"X", computed(ops.open(list(range(10, 18)), klass=PriorityClass.POOL)), 8))
+    cache.release(X)
+    cache.trim(pool.num_blocks + 1)
+    assert X.host is not None
+    y = computed(ops.open(list(range(20, 28)), klass=PriorityClass.POOL))
+    cache.release(cache.put(State(b"Y", y, 8)))  # idle, newer than X
+    cache.put(State(b"Z", computed(ops.fork(y, 8, [1, 2], klass=PriorityClass.POOL)), 10, base=b"Y"))  # in use
+    computed(ops.open(list(range(30, 30 + 4 * pool.num_free - 1)), klass=PriorityClass.POOL))  # the rest
+    assert cache.take(b"X") is None and X.host is not None  # a miss: the copy stays for later
+    assert cache.host_used <= cache.host_bytes
+    engine.check_integrity()
+
+
 def test_operands_restored_under_a_long_prefix_share_its_blocks_and_the_query_fits_its_reservation():
     def query(ops):
         return gen(seq(fragment("s" * 100), plus(*[fragment(o * 3) for o in ops]), user("qq")),

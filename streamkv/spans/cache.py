@@ -248,6 +248,8 @@ class SpanCache:
         if not self.host_bytes or state.assembled or size > room or not self._ops.is_idle(stream):
             return False
         self._fit_host(self.host_bytes - size)  # older copies make room first: never over budget
+        if self.host_used + size > self.host_bytes:  # a copy being restored could not go: no room
+            return False
         state.host = self._ops.export(stream, len(stream.tokens), start=start)
         state.tokens, state.host_bytes = list(stream.tokens), size
         self.host_used += size
