@@ -203,3 +203,15 @@ def test_equal_sampling_settings_make_one_span_cache_key():
     assert key(stop=["\n"], max_tokens=4) == key(stop=("\n",), max_tokens=4) == key(stop="\n", max_tokens=4)
     assert key(max_tokens=4) == key(max_tokens=4, temperature=1.0, top_k=0)  # left out = sent at its default
     assert key(seed=5, max_tokens=4) != key(seed=6, max_tokens=4)
+
+
+def test_a_plus_inside_a_plus_is_the_same_query_as_one_plus():
+    """flatten_plus: plus(a, plus(b, c)) is plus(a, b, c). Rules ran bottom-up, so the inner
+    plus of two gens on one prefix was distributed into a seq first and the two spellings gave
+    different queries (37 against 43 prompt tokens, review)."""
+    p = system("p")
+    g1 = gen(seq(p, fragment("a")), max_tokens=2, temperature=0)
+    g2 = gen(seq(p, fragment("b")), max_tokens=2, temperature=0)
+    nested = gen(seq(system("s"), plus(plus(g1, g2), fragment("c")), user("q")), max_tokens=2, temperature=0)
+    flat = gen(seq(system("s"), plus(g1, g2, fragment("c")), user("q")), max_tokens=2, temperature=0)
+    assert optimize(nested, OPTS) == optimize(flat, OPTS)

@@ -158,6 +158,11 @@ def optimize(node: Node, opts: OptimizerOptions | None = None) -> Node:
 
 
 def _pass(node: Node, opts: OptimizerOptions) -> Node:
+    # joins are spliced into their parents first (top-down), so a plus inside a plus is one plus
+    # before any rule rewrites it: distribute_plus turned the inner plus of plus(plus(g1, g2), c)
+    # into a seq, and the query differed from plus(g1, g2, c) (review)
+    while (flat := _flatten(node, Seq) or _flatten(node, Plus)) is not None:
+        node = flat
     if isinstance(node, (Seq, Plus)):
         node = replace(node, children=tuple(_pass(c, opts) for c in node.children))
     elif isinstance(node, Gen):
