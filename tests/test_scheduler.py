@@ -557,6 +557,37 @@ def test_the_cell_budget_counts_every_request_it_holds_and_charges_only_those_th
     assert sched.admission.stats.deferred_requests == 0
 
 
+def test_a_started_question_finishes_beside_a_request_that_cannot_fit_with_its_session():
+    """A session's pinned stream holds 15 of 24 blocks; a question (a fork of it) has started
+    when a request ranked above it arrives that needs 9 blocks and will need 12. Phase 1
+    counted every block the question held (its session's too) as reclaimable, so the request
+    preempted the question every step, never fit, and neither ever finished. Now the request
+    waits (for the session to go: here it is closed) and the question runs past it, as a fork
+    at its fork point does."""
+    from streamkv.sched.sequence import PriorityClass
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=24, block_size=4, budget=16, repeat=5, speculation="pld")
+    stream = engine.seq_ops.open([1 + i % 60 for i in range(58)])
+    while not engine.seq_ops.is_idle(stream):
+        engine.step()
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    engine.add_request("big", [1, 2, 3, 4, 5] * 3, params(30), priority=-1)
+    for _ in range(3):
+        engine.step()
+    engine.add_fork_request("q", stream, 58, list(range(1, 13)), params(2), klass=PriorityClass.POOL)
+    done: dict = {}
+    for _ in range(60):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+    assert done["q"].finish_reason == "length" and len(done["q"].token_ids) == 2
+    assert "big" not in done  # it cannot fit beside the session
+    engine.seq_ops.close(stream)
+    assert engine.run_to_completion(["big"])["big"].finish_reason == "length"
+    engine.check_integrity()
+    assert engine.pool.num_used == 0
+
+
 def test_above_high_water_prompts_go_one_at_a_time_and_outputs_stay():
     # a pinned stream holds 40 of 64 blocks, above the 60% high water from the first step. New
     # requests then start only when no admitted prompt is still prefilling: admitting them beside

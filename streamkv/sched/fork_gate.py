@@ -51,12 +51,14 @@ def at_fork_point(seq: Sequence) -> bool:
 
 def passes(seq: Sequence, behind_running: bool = False) -> bool:
     """Whether ``seq`` may run past a higher-ranked sequence that cannot fit: pinned streams,
-    and forks at their fork point unless that sequence is a running one that could not grow
-    and gave its blocks back (they would take them, and it would recompute, step after step).
-    Preempting either gives nothing back, so holding them idle never makes room for a waiting
-    one; only their progress (a fork finishing frees its copied block) can (helper-29's hang:
-    forks at their fork point waited behind requests that waited for blocks)."""
-    return seq.pinned or (not behind_running and at_fork_point(seq))
+    and forks unless that sequence is a running one that could not grow and gave its blocks
+    back (they would take them, and it would recompute, step after step). Preempting a stream
+    or a fork at its fork point gives nothing back, and a started fork gives back only its own
+    rows, which the waiting one was found not to fit with (``Proposing._reachable``): holding
+    them idle never makes room; only their progress (a fork finishing frees its share) can
+    (helper-29's hang: forks at their fork point waited behind requests that waited for blocks;
+    a started question held behind a request that needed its session's blocks never finished)."""
+    return seq.pinned or (not behind_running and seq.forked_rows > 0)
 
 
 class ForkGate:

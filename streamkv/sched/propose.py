@@ -206,13 +206,23 @@ class Proposing:
         return n
 
     def _reachable(self, st: _Pass) -> int:
-        """Free blocks plus those every unpinned running sequence holds (what preempting them
-        all gives); phase 1 changes nothing, so it is counted once per pass."""
+        """Free blocks plus what preempting every unpinned running sequence gives back: blocks
+        that only it holds, and of a fork only those past its fork point (it keeps its parent's
+        rows and its copied block). Counting every block held (a session question's window is
+        its session's), a request that needed nearly the pool preempted a question step after
+        step, never fitting, and neither finished; phase 1 changes nothing, so it is counted
+        once per pass."""
         if st.reclaimable is None:
             st.reclaimable = self.kv.pool.num_free + sum(
-                self.kv.num_blocks_held(s.seq_id) for s in self.seqs.values()
-                if s.status is SeqStatus.RUNNING and not s.pinned)
+                self._gives_back(s) for s in self.seqs.values() if s.status is SeqStatus.RUNNING and not s.pinned)
         return st.reclaimable
+
+    def _gives_back(self, seq: Sequence) -> int:
+        """Blocks preempting ``seq`` frees (see :meth:`_reachable`)."""
+        own = self.kv.num_unshared(seq.seq_id)
+        if seq.forked_rows and seq.layout is None:
+            own = min(own, max(0, self.kv.num_blocks_held(seq.seq_id) - self.kv.blocks_for(seq.kv_rows(seq.forked_rows))))
+        return own
 
     def _allowance(self, ranked: list[Sequence], budget: int) -> StepAllowance | None:
         """Prompt work this step may carry: the decode cadence's while someone waits on the step.
