@@ -588,6 +588,29 @@ def test_a_started_question_finishes_beside_a_request_that_cannot_fit_with_its_s
     assert engine.pool.num_used == 0
 
 
+def test_a_request_that_fits_once_two_sharers_of_a_prefix_go_is_not_held_for_good():
+    """A and B share a 16-token prefix (a prefix hit) and run; C, ranked above them, needs 13
+    of 16 blocks: free blocks and both requests' own ones are 12, the prefix's 4 more come back
+    only when both go. Counted one by one (as 39c03f1 counted them), the prefix never came
+    back: C was found not to fit, held A and B behind it, and nothing ever ran (review)."""
+    engine, _ = fake_engine(num_blocks=16, block_size=4, budget=64)
+    params = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    engine.add_request("A", [7] * 16 + [1, 2], params(20))
+    engine.step()
+    engine.step()
+    engine.add_request("B", [7] * 16 + [3, 4], params(20))
+    for _ in range(3):
+        engine.step()
+    engine.add_request("C", [10 + i % 50 for i in range(52)], params(4), priority=-1)
+    done: dict = {}
+    for _ in range(100):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if len(done) == 3:
+            break
+    assert {k: o.finish_reason for k, o in done.items()} == {"A": "length", "B": "length", "C": "length"}
+    engine.check_integrity()
+
+
 def test_above_high_water_prompts_go_one_at_a_time_and_outputs_stay():
     # a pinned stream holds 40 of 64 blocks, above the 60% high water from the first step. New
     # requests then start only when no admitted prompt is still prefilling: admitting them beside

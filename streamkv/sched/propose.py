@@ -213,16 +213,19 @@ class Proposing:
         step, never fitting, and neither finished; phase 1 changes nothing, so it is counted
         once per pass."""
         if st.reclaimable is None:
-            st.reclaimable = self.kv.pool.num_free + sum(
-                self._gives_back(s) for s in self.seqs.values() if s.status is SeqStatus.RUNNING and not s.pinned)
+            running = [s for s in self.seqs.values() if s.status is SeqStatus.RUNNING and not s.pinned]
+            forks = [s for s in running if s.forked_rows and s.layout is None]
+            plain = [s.seq_id for s in running if not (s.forked_rows and s.layout is None)]
+            # plain ones together: a prefix two of them share (a prefix-cache hit) is freed when
+            # both are preempted (counted one by one, it never was, and a request that fit only
+            # then waited, blocking both, for good: review)
+            st.reclaimable = self.kv.pool.num_free + self.kv.num_unshared(*plain) + sum(map(self._fork_gives_back, forks))
         return st.reclaimable
 
-    def _gives_back(self, seq: Sequence) -> int:
-        """Blocks preempting ``seq`` frees (see :meth:`_reachable`)."""
+    def _fork_gives_back(self, seq: Sequence) -> int:
+        """Blocks preempting a fork frees: its own, past its fork point (see :meth:`_reachable`)."""
         own = self.kv.num_unshared(seq.seq_id)
-        if seq.forked_rows and seq.layout is None:
-            own = min(own, max(0, self.kv.num_blocks_held(seq.seq_id) - self.kv.blocks_for(seq.kv_rows(seq.forked_rows))))
-        return own
+        return min(own, max(0, self.kv.num_blocks_held(seq.seq_id) - self.kv.blocks_for(seq.kv_rows(seq.forked_rows))))
 
     def _allowance(self, ranked: list[Sequence], budget: int) -> StepAllowance | None:
         """Prompt work this step may carry: the decode cadence's while someone waits on the step.
