@@ -215,3 +215,5 @@ def test_a_plus_inside_a_plus_is_the_same_query_as_one_plus():
     nested = gen(seq(system("s"), plus(plus(g1, g2), fragment("c")), user("q")), max_tokens=2, temperature=0)
     flat = gen(seq(system("s"), plus(g1, g2, fragment("c")), user("q")), max_tokens=2, temperature=0)
     assert optimize(nested, OPTS) == optimize(flat, OPTS)
+    wrapped = gen(seq(system("s"), plus(seq(plus(g1, g2)), fragment("c")), user("q")), max_tokens=2, temperature=0)
+    assert optimize(wrapped, OPTS) == optimize(flat, OPTS)  # seq(x) is x: one wrapper deeper too

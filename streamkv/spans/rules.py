@@ -161,7 +161,12 @@ def _pass(node: Node, opts: OptimizerOptions) -> Node:
     # joins are spliced into their parents first (top-down), so a plus inside a plus is one plus
     # before any rule rewrites it: distribute_plus turned the inner plus of plus(plus(g1, g2), c)
     # into a seq, and the query differed from plus(g1, g2, c) (review)
-    while (flat := _flatten(node, Seq) or _flatten(node, Plus)) is not None:
+    while True:  # (a one-child join among the children is its child first: plus(seq(plus(..)), c) too)
+        if isinstance(node, (Seq, Plus)) and any(_single(c) for c in node.children):
+            node = replace(node, children=tuple(_unwrapped(c) for c in node.children))
+        flat = _flatten(node, Seq) or _flatten(node, Plus)
+        if flat is None:
+            break
         node = flat
     if isinstance(node, (Seq, Plus)):
         node = replace(node, children=tuple(_pass(c, opts) for c in node.children))
@@ -173,6 +178,17 @@ def _pass(node: Node, opts: OptimizerOptions) -> Node:
         new = rule(node, opts)
         if new is not None:
             return new
+    return node
+
+
+def _single(node: Node) -> bool:
+    return isinstance(node, (Seq, Plus)) and len(node.children) == 1
+
+
+def _unwrapped(node: Node) -> Node:
+    """``seq(x)`` and ``plus(x)``, at any depth, are ``x``."""
+    while _single(node):
+        node = node.children[0]  # type: ignore[union-attr]
     return node
 
 
