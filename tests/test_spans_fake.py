@@ -381,7 +381,8 @@ def test_a_host_copy_that_finds_no_blocks_is_a_miss_and_stays_for_later():
 def test_a_restore_that_fails_twice_never_leaves_the_host_tier_over_its_budget():
     """X (8 tokens) waits on a 12-token host tier; a restore of it trims the pool, which moved a
     newer idle state Y (8 tokens) to the host: the copy being restored could not make room, and
-    the tier held 16 tokens of 12 when the restore failed again (review). Y is dropped instead."""
+    the tier held 16 tokens of 12 when the restore failed again (review). Y is dropped instead,
+    and an older idle copy (W) is not dropped first for an offload that is then refused."""
     from streamkv.sched.sequence import PriorityClass
     from streamkv.spans.cache import State
 
@@ -393,16 +394,19 @@ def test_a_restore_that_fails_twice_never_leaves_the_host_tier_over_its_budget()
             engine.step()
         return seq
 
+    W = cache.put(State(b"W", computed(ops.open(list(range(40, 44)), klass=PriorityClass.POOL)), 4))
+    cache.release(W)  # the least recent host copy: dropping it would not make room beside X
     X = cache.put(State(b"X", computed(ops.open(list(range(10, 18)), klass=PriorityClass.POOL)), 8))
     cache.release(X)
     cache.trim(pool.num_blocks + 1)
-    assert X.host is not None
+    assert X.host is not None and W.host is not None and cache.host_used == cache.host_bytes
     y = computed(ops.open(list(range(20, 28)), klass=PriorityClass.POOL))
     cache.release(cache.put(State(b"Y", y, 8)))  # idle, newer than X
     cache.put(State(b"Z", computed(ops.fork(y, 8, [1, 2], klass=PriorityClass.POOL)), 10, base=b"Y"))  # in use
     computed(ops.open(list(range(30, 30 + 4 * pool.num_free - 1)), klass=PriorityClass.POOL))  # the rest
     assert cache.take(b"X") is None and X.host is not None  # a miss: the copy stays for later
     assert cache.host_used <= cache.host_bytes
+    assert W.host is not None and b"W" in cache._entries  # not dropped for an offload then refused
     engine.check_integrity()
 
 

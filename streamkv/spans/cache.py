@@ -247,9 +247,10 @@ class SpanCache:
         size = (len(stream.tokens) - start) * self._per_token
         if not self.host_bytes or state.assembled or size > room or not self._ops.is_idle(stream):
             return False
-        self._fit_host(self.host_bytes - size)  # older copies make room first: never over budget
-        if self.host_used + size > self.host_bytes:  # a copy being restored could not go: no room
+        restoring = sum(s.host_bytes for s in self._entries.values() if s.host is not None and s.uses)
+        if restoring + size > self.host_bytes:  # copies being restored cannot make room: none dropped for it
             return False
+        self._fit_host(self.host_bytes - size)  # older copies make room first: never over budget
         state.host = self._ops.export(stream, len(stream.tokens), start=start)
         state.tokens, state.host_bytes = list(stream.tokens), size
         self.host_used += size
