@@ -146,25 +146,12 @@ def _sampling(fields: Mapping[str, Any], path: str) -> tuple[tuple[str, Any], ..
     unknown = sorted(set(fields) - set(SAMPLING_FIELDS))
     if unknown:
         raise SpanQueryError(path, f"unknown field(s) {unknown}; sampling fields are {list(SAMPLING_FIELDS)}")
-    items = tuple(sorted((k, _canonical(k, v)) for k, v in fields.items()))
+    items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in fields.items()))
     try:
         SamplingParams(**dict(items))
     except (TypeError, ValueError) as exc:
         raise SpanQueryError(path, str(exc)) from None
     return items
-
-
-def _canonical(name: str, value: Any) -> Any:
-    """One spelling per value, so equal settings make one span-cache key: lists as tuples,
-    integers of the float fields as floats (``temperature: 0`` and ``0.0``)."""
-    if isinstance(value, list):
-        return tuple(value)
-    if name in _FLOAT_FIELDS and isinstance(value, int) and not isinstance(value, bool) and abs(value) <= 1 << 53:
-        return float(value)  # exact; a bigger one is refused by SamplingParams's range checks or kept as given
-    return value
-
-
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 # ------------------------------------------------------------------------ JSON
