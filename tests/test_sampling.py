@@ -93,6 +93,7 @@ def test_seeds_that_differ_only_above_bit_31_sample_apart():
     streams = [draws(s) for s in (5, 5 + 2**32, 5 + 2**40, 0, 2**63, 2**64 - 1)]
     assert len({tuple(d) for d in streams}) == len(streams)
     assert draws(-1) == draws(2**64 - 1)  # seeds are read modulo 2**64 (as before)
+    assert draws(-1) != draws(2**32 - 1)  # -1 is mixed: it kept the low 32 bits, 2**32 - 1's
 
 
 def test_penalties():

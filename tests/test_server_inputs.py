@@ -338,10 +338,14 @@ def test_open_reads_max_tokens_as_completions_and_chat_completions_do():
     # explicit null on a prompt stream took 16, where /v1/completions takes the rest (review)
     from streamkv.server.input_streams_api import OpenInput, _open_params
 
-    read = lambda **body: _open_params(OpenInput(**body), 512)["max_tokens"]  # noqa: E731
-    assert read(prompt="x") == 16 and read(prompt="x", max_tokens=7) == 7
-    assert read(prompt="x", max_tokens=None) == 512
-    assert read(messages=[{"role": "user", "content": "x"}]) == 512
+    def read(**body: object) -> tuple[int, bool]:  # (max_tokens, must it fit beside the input)
+        opened, fit = _open_params(OpenInput(**body), 512)
+        return opened["max_tokens"], fit
+
+    assert read(prompt="x") == (16, True) and read(prompt="x", max_tokens=7) == (7, True)
+    assert read(prompt="x", max_tokens=None) == (512, False)
+    assert read(messages=[{"role": "user", "content": "x"}]) == (512, False)
+    assert read(messages=[{"role": "user", "content": "x"}], max_completion_tokens=9) == (9, True)
 
 
 def test_a_socket_reports_an_engine_error_with_the_status_http_gives_it():

@@ -19,7 +19,7 @@ from streamkv.sched.plan import ScheduledSeq, TokenLogprobs
 def generator_seed(seed: int) -> int:
     """The 32 bits torch's CPU generator (mt19937) takes from a request's 64-bit ``seed`` (a
     CUDA generator keys Philox with all 64 and takes the seed as it is): a seed
-    below 2**32 as it is; a larger one mixed down (SplitMix64's finalizer), so seeds that differ
+    in [0, 2**32) as it is; any other, read modulo 2**64 (-1 is 2**64 - 1), mixed down (SplitMix64's finalizer), so seeds that differ
     only above bit 31 (5 and 5 + 2**32: ``manual_seed`` kept the low 32 bits) sample apart. Any
     two seeds still share a stream with probability 2**-32: the generator's own limit."""
     seed %= 1 << 64

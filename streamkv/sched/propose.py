@@ -214,8 +214,8 @@ class Proposing:
         once per pass."""
         if st.reclaimable is None:
             running = [s for s in self.seqs.values() if s.status is SeqStatus.RUNNING and not s.pinned]
-            forks = [s for s in running if s.forked_rows and s.layout is None]
-            plain = [s.seq_id for s in running if not (s.forked_rows and s.layout is None)]
+            forks = [s for s in running if s.fork_kept]
+            plain = [s.seq_id for s in running if not s.fork_kept]
             # plain ones together: a prefix two of them share (a prefix-cache hit) is freed when
             # both are preempted (counted one by one, it never was, and a request that fit only
             # then waited, blocking both, for good: review)

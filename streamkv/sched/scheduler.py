@@ -292,7 +292,7 @@ class Scheduler(Proposing, StepUpdates, Drafting):
         n = seq.kv_rows(seq.num_computed)
         kind, seq.status = "recompute", SeqStatus.WAITING
         forked = seq.kv_rows(seq.forked_rows)
-        if forked and seq.layout is None and self.kv.truncates_in_place(seq.seq_id, forked):
+        if seq.fork_kept and self.kv.truncates_in_place(seq.seq_id, forked):
             # a fork keeps its parent's rows (nothing a prefill of its ids would give back) and
             # goes on running from the fork point: its own rows are recomputed. Never swapped:
             # that would move the rows it shares too, and bring them back as private copies
@@ -305,9 +305,7 @@ class Scheduler(Proposing, StepUpdates, Drafting):
             self._swap_out.extend(self.kv.swap_out(seq.seq_id, n))
             seq.swapped, kind = True, "swap"
         else:  # a compressed sequence re-runs its prefill and compression, reaching the same rows
-            self.kv.free(seq.seq_id)
-            seq.num_computed = 0
-            seq.layout = None
+            self._drop_kv(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.preemptions_by_kind[kind] += 1
@@ -321,8 +319,12 @@ class Scheduler(Proposing, StepUpdates, Drafting):
         for seq_id in plan.preempted:
             seq = self.seqs.get(seq_id)
             if seq is not None and seq.swapped:
-                self.kv.free(seq_id)
-                seq.swapped, seq.num_computed, seq.layout = False, 0, None
+                self._drop_kv(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """``seq`` recomputes: its blocks (device or host) go back, and its prefill starts over."""
+        self.kv.free(seq.seq_id)
+        seq.swapped, seq.num_computed, seq.layout = False, 0, None
 
     def _to_plan(self, prop: Proposal) -> ScheduledSeq:
         seq = prop.seq

@@ -139,6 +139,12 @@ class Sequence:
         return self.write is not None and self.layout is None
 
     @property
+    def fork_kept(self) -> bool:
+        """A fork whose parent's rows stay put on preemption (only its own rows are dropped):
+        uncompressed, so its rows past ``forked_rows`` follow the fork point one for one."""
+        return bool(self.forked_rows) and self.layout is None
+
+    @property
     def compressed(self) -> bool:
         """In its write policy's layout, with rows of the prompt dropped."""
         return self.layout is not None and self.write is not None and self.write.moves(self.num_prompt_tokens)

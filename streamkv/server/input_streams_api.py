@@ -106,24 +106,24 @@ async def open_input(body: OpenInput, request: Request) -> dict[str, Any]:
         raise APIError(400, "input streams take text messages; a turn with tool_calls goes to "
                             "/v1/chat/completions", param="messages")
     guided, field = guided_spec(body)
-    params = make_params(guided=guided, **_open_params(body, state.limits.max_model_len), **sampling_fields(body))
+    opened, fit = _open_params(body, state.limits.max_model_len)
+    params = make_params(guided=guided, **opened, **sampling_fields(body))
     await compile_guided(state.engine, guided, field)
     messages = None if body.messages is None else [
         {"role": "system" if m.role == "developer" else m.role, "content": message_text(m.content)}
         for m in body.messages]
     rid = f"istr_{secrets.token_hex(12)}"
-    # an explicit (or the default 16) max_tokens must fit beside the input, as on /v1/completions;
-    # "the rest of the context" (chat without one, or null) is what the input leaves
-    fit = params.max_tokens < state.limits.max_model_len
     handle = await state.engine.open_input(rid, body.prompt, messages, params, body.priority, kv_options(state, body),
                                            fit_max_tokens=fit)
     info = await handle.info()
     return {"id": rid, "object": "input_stream", "kind": "chat" if messages else "completion", **info}
 
 
-def _open_params(body: OpenInput, context: int) -> dict[str, Any]:
+def _open_params(body: OpenInput, context: int) -> tuple[dict[str, Any], bool]:
     """``max_tokens`` and ``logprobs`` from the open body, read as /v1/completions reads them
-    (a prompt) or /v1/chat/completions (messages); a field the stream cannot honour is a 400."""
+    (a prompt) or /v1/chat/completions (messages); a field the stream cannot honour is a 400.
+    The flag: the input must leave room for all of ``max_tokens`` (an explicit one, or a prompt
+    stream's default 16, as on /v1/completions); "the rest of the context" is what it leaves."""
     chat = body.messages is not None
     if body.tools or body.tool_choice not in (None, "none"):
         raise APIError(400, "input streams do not take tools (the growing message is rendered without tool "
@@ -145,8 +145,8 @@ def _open_params(body: OpenInput, context: int) -> dict[str, Any]:
                             f"got {requested}", param=param)
     # a prompt stream reads /v1/completions' default: 16 when absent, the rest of the context
     # when sent as null (it took 16 for both)
-    whole = chat or "max_tokens" in body.model_fields_set
-    return {"max_tokens": requested or (context if whole else 16), "logprobs": logprobs}
+    whole = requested is None and (chat or "max_tokens" in body.model_fields_set)
+    return {"max_tokens": requested or (context if whole else 16), "logprobs": logprobs}, not whole
 
 
 @router.get("/{stream_id}")

@@ -33,7 +33,7 @@ class FlashSpec(GuidedFields):
     max_tokens: StrictInt = FlashQuestion.max_tokens
     temperature: Number = FlashQuestion.temperature
 
-    _no_kv_policies = model_validator(mode="before")(lambda data: _session_policies_only(data))
+    _no_kv_policies = model_validator(mode="before")(_session_policies_only)
 
 
 class CreateSession(Body):
@@ -76,4 +76,4 @@ class SessionQuery(GuidedFields):
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False  # with a structured output, always generated (never a flash/ready answer)
 
-    _no_kv_policies = model_validator(mode="before")(lambda data: _session_policies_only(data))
+    _no_kv_policies = model_validator(mode="before")(_session_policies_only)

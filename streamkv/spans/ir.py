@@ -273,7 +273,7 @@ def to_json(node: Node) -> dict[str, Any]:
     if isinstance(node, Text):
         return {"kind": node.kind, "text": node.text}
     if isinstance(node, (Seq, Plus)):
-        return {"kind": "seq" if isinstance(node, Seq) else "plus", "children": [to_json(c) for c in node.children]}
+        return {"kind": kind_of(node), "children": [to_json(c) for c in node.children]}
     if isinstance(node, Gen):
         return {"kind": "gen", "input": to_json(node.input), **_json_sampling(node.sampling)}
     if isinstance(node, Chat):
@@ -291,8 +291,7 @@ def draw(node: Node, indent: str = "") -> str:
         text = node.text if len(node.text) <= 48 else node.text[:45] + "..."
         return f"{indent}{node.kind} {text!r}\n"
     if isinstance(node, (Seq, Plus)):
-        head = "seq" if isinstance(node, Seq) else "plus"
-        return f"{indent}{head}\n" + "".join(draw(c, indent + "  ") for c in node.children)
+        return f"{indent}{kind_of(node)}\n" + "".join(draw(c, indent + "  ") for c in node.children)
     if isinstance(node, Gen):
         args = ", ".join(f"{k}={v}" for k, v in node.sampling)
         return f"{indent}gen({args})\n" + draw(node.input, indent + "  ")
