@@ -127,3 +127,19 @@ def test_slot_kv_stays_exact_with_grouping_preemption_and_staggered_arrivals(see
     grouped, _ = slot_engine(**kw)
     assert _run(grouped, prompts, arrive) == _run(plain, prompts, arrive)
     assert not grouped.scheduler.has_work() and grouped.pool.num_used == 0  # every alias released
+
+
+def test_a_leader_diverging_inside_the_first_block_does_not_hide_one_that_shares_it():
+    # the next-8-token hash named the first candidate only; A shares C's first 8 tokens but not
+    # its first 16-token block, so C computed the part B shares with it (review: helper-56)
+    rng = random.Random(3)
+    head = [rng.randrange(1, 64) for _ in range(8)]
+    shared = head + [rng.randrange(1, 64) for _ in range(88)]
+    a = head + [rng.randrange(1, 64) for _ in range(40)]
+    b, c = shared + [1, 2, 3], shared + [4, 5, 6, 7]
+    kw = dict(num_blocks=64, block_size=16, budget=32, chunk_min_tokens=8, chunk_max_tokens=16)
+    plain, _ = fake_engine(grouped_prefill=False, **kw)
+    grouped, _ = fake_engine(**kw)
+    assert _run(grouped, [a, b, c]) == _run(plain, [a, b, c])
+    stats = grouped.scheduler.groups.stats
+    assert stats.followers == 1 and stats.tokens_saved == 96  # C aliased B's 6 full blocks

@@ -55,7 +55,7 @@ class PrefillGroups:
         ``background`` leader (a streaming input, whose prefill yields to complete requests')
         leads only background followers, so a complete request never waits behind one."""
         bs = self.kv.block_size
-        leaders: dict[_Key, Sequence] = {}
+        leaders: dict[_Key, list[Sequence]] = {}  # every candidate: the first may diverge within a block
         followers: set[int] = set()
         hits: dict[int, PrefixHit] = {}
         for seq in ranked:
@@ -64,9 +64,9 @@ class PrefillGroups:
             if seq.status is SeqStatus.WAITING:
                 hits[seq.seq_id] = hit = self.kv.match_prefix(seq.match_tokens, seq.cache_key)
                 start = hit.num_tokens(bs)
-                leader = leaders.get(self._key(seq.match_tokens, start, seq.cache_key))
-                if (leader is not None and (background(seq) or not background(leader))
-                        and self._shared_end(seq, leader, start) > start):
+                candidates = leaders.get(self._key(seq.match_tokens, start, seq.cache_key), ())
+                if any((background(seq) or not background(lead)) and self._shared_end(seq, lead, start) > start
+                       for lead in candidates):
                     followers.add(seq.seq_id)
                     seq.grouped_from = start if seq.grouped_from < 0 else seq.grouped_from
                     self.stats.deferred_steps += 1
@@ -75,7 +75,7 @@ class PrefillGroups:
                 start = seq.num_computed // bs * bs  # its full computed blocks are prefix hits by now
             else:
                 continue
-            leaders.setdefault(self._key(seq.tokens, start, seq.cache_key), seq)
+            leaders.setdefault(self._key(seq.tokens, start, seq.cache_key), []).append(seq)
         return followers, hits
 
     def admitted(self, seq: Sequence, computed: int) -> None:
