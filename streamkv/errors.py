@@ -15,7 +15,12 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 
 class InvalidRequestError(StreamKVError, ValueError):
-    """A request (prompt or sampling parameters) is invalid; nothing was scheduled."""
+    """A request (prompt or sampling parameters) is invalid; nothing was scheduled. ``param``:
+    the request field at fault, when one is (the HTTP error body's ``param``)."""
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class KVCacheFullError(InvalidRequestError):

@@ -324,8 +324,9 @@ def test_a_compression_that_can_never_fit_the_pool_is_refused_not_queued(llm):
     big = {"policy": "snapstream"}  # defaults: 64 + 1,024 + 512 = 1,600 rows kept = 100 blocks
     prompt = list(range(1000, 3000))  # 2,000 tokens = 125 blocks: fits the 160-block pool alone
     assert engine.kv.blocks_for(len(prompt) + 1) <= engine.pool.num_blocks
-    with pytest.raises(InvalidRequestError, match="kv_write: compressing this 2000-token prompt holds up to 225"):
+    with pytest.raises(InvalidRequestError, match="kv_write: compressing this 2000-token prompt holds up to 225") as err:
         engine.add_request("huge", prompt, PARAMS, kv_write=big)
+    assert err.value.param == "kv_write"  # the 400 body's param (it was null: review)
     assert not engine.has_request("huge")
     # a prompt below the capacity compresses only if its answer reaches the capacity: this one never does
     engine.add_request("short", prompt[:100], PARAMS, kv_write=big)

@@ -95,6 +95,26 @@ def test_a_full_kv_cache_is_a_retryable_503_not_a_bad_request():
     assert resp.json()["error"]["type"] == "service_unavailable"
 
 
+def test_an_engine_refusal_that_names_its_field_is_a_400_with_that_param():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from streamkv.errors import InvalidRequestError
+    from streamkv.server.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/bad/{param}")
+    async def bad(param: str) -> None:
+        raise InvalidRequestError("kv_write: never fits", param=None if param == "none" else param)
+
+    client = TestClient(app)
+    named, unnamed = client.get("/bad/kv_write"), client.get("/bad/none")
+    assert named.status_code == unnamed.status_code == 400
+    assert named.json()["error"]["param"] == "kv_write" and unnamed.json()["error"]["param"] is None
+
+
 def test_choices_whose_response_never_started_are_aborted():
     """A client that leaves while its request is being accepted: the response body never starts,
     so nothing iterates the choices; dropping them must still abort every one (they ran to their

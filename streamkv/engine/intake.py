@@ -71,4 +71,4 @@ class PromptChecks:
             raise InvalidRequestError(
                 f"kv_write: compressing this {n_tokens}-token prompt holds up to {need} KV blocks at once "
                 f"(the prompt's and the {write.capacity} kept rows' copies) but the KV cache has "
-                f"{self.pool.num_blocks}; raise --kv-cache-memory or lower the policy's budget")
+                f"{self.pool.num_blocks}; raise --kv-cache-memory or lower the policy's budget", param="kv_write")

@@ -52,8 +52,10 @@ def kv_report(seq: Sequence, bytes_per_row: int) -> dict[str, Any] | None:
         {"tokens_seen": N, "tokens_kept": N, "kv_bytes_read_per_token": B, "read": {...},
          "tokens_read_per_step": r, "pages_scored": s, "pages_picked": p, "attention_recall": x}  (kv_read)
 
-    ``kv_bytes_read_per_token``: K and V bytes (every layer) one decode step reads, averaged over
-    the request's steps; ``attention_recall``: the picked rows' share of the exact softmax mass,
+    ``kv_bytes_read_per_token``: K and V bytes (every layer) one decode step reads: under a read
+    policy averaged over the request's steps; under a write policy alone, of the rows held at the
+    end (what every step in the compressed layout reads; an uncompressed one's earlier steps read
+    fewer, one row less per token since); ``attention_recall``: the picked rows' share of the exact softmax mass,
     on sampled steps (None before one was sampled).
     """
     if seq.write is None and seq.read is None:

@@ -74,7 +74,7 @@ def install_error_handlers(app: Any) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(KVCacheFullError)
     async def _kv_full(_: Request, exc: KVCacheFullError) -> JSONResponse:  # no block for a fork now
