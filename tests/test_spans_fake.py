@@ -565,3 +565,60 @@ def test_locality_k_leaves_inner_answers_alone_and_a_hit_reports_every_judge():
         assert len(paths) == len(set(paths)) == (8 if k is None else 8 + 4 + 2)
         inner[k] = [t for p, t in runs[0][1] if ".judge" not in p]
     assert inner[2] == inner[None]  # the inner gens read the prefix once, as without judges
+
+
+def _nested(big: int):
+    """A plus inside a seq inside a plus: ``big``'s rows are held three times at once (its own
+    state, the inner plus's placed copy, and the outer plus's copy of that)."""
+    inner_a = seq(fragment("x"), plus(fragment("a1"), fragment("a2")))
+    inner_b = seq(fragment("y"), plus(fragment("b"), fragment("w" * big)))
+    return gen(seq(fragment("sys"), plus(inner_a, inner_b), user("q")), max_tokens=2, temperature=0)
+
+
+def test_a_nested_plus_never_holds_more_blocks_than_the_query_reserved():
+    # the bound counted every span twice; a fragment under two plus levels is held three times,
+    # so a pool of exactly the bound accepted a query that failed (retryable) every time (review)
+    engine, _ = slot_engine(num_blocks=256, block_size=4, span_host_bytes=0)
+    query = _nested(120)
+    _, plan = engine.spans.plan(query)
+    need = engine.spans._need(plan)
+    engine.spans.submit("q", query)
+    peak, out = 0, None
+    while out is None:
+        out = next((o for o in engine.step() if o.request_id == "q" and o.finished), None)
+        peak = max(peak, engine.pool.num_blocks - engine.pool.num_free)
+    assert out.finish_reason == "length" and peak <= need, (peak, need)
+    exact, _ = slot_engine(num_blocks=need, block_size=4, span_host_bytes=0)  # a pool of exactly the bound
+    fits = _run(exact, [query], [])["q0"]
+    assert fits.finish_reason == "length" and fits.token_ids == out.token_ids
+
+
+def test_an_aborted_query_leaves_no_output_of_its_inner_gens():
+    # _end forgot an inner request before aborting it, so its abort output came out of the
+    # next step as a client's (review)
+    engine, _ = slot_engine(num_blocks=128, block_size=4)
+    inner = [gen(user(f"colour {i}"), max_tokens=12, temperature=0, ignore_eos=True) for i in range(2)]
+    engine.spans.submit("Q", gen(seq(fragment("judge"), plus(*inner), user("both")), max_tokens=3, temperature=0))
+    while not any(rid != "Q" and req.seq.num_output for rid, req in engine._requests.items()):
+        assert not engine.step()
+    assert engine.abort("Q")
+    seen = [(o.request_id, o.finish_reason) for _ in range(4) for o in engine.step()]
+    assert seen == [("Q", "abort")] and not engine.spans._owner and not engine.spans.has_work()
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_an_inner_gen_failing_for_want_of_room_fails_its_query_as_retryable():
+    engine, _ = slot_engine(num_blocks=128, block_size=4)
+    inner = [gen(user(f"count {i}"), max_tokens=12, temperature=0, ignore_eos=True) for i in range(2)]
+    engine.spans.submit("Q", gen(seq(fragment("judge"), plus(*inner), user("both")), max_tokens=3, temperature=0))
+    while not any(rid != "Q" and req.seq.num_output for rid, req in engine._requests.items()):
+        assert not engine.step()
+    victim = next(rid for rid in engine._requests if rid != "Q")
+    assert engine.fail(victim, "KVCacheFullError: no block", retry=True)
+    seen = [o for _ in range(4) for o in engine.step()]
+    assert [(o.request_id, o.finish_reason, o.retry) for o in seen] == [("Q", "error", True)], seen
+    engine.spans.cache.clear()
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.num_blocks

@@ -198,7 +198,7 @@ class Execution:
         query.kept.append(req)
         out = yield Done(rid)
         if out.error or out.finish_reason in ("error", "abort"):
-            raise TaskFailed(f"inner gen {plan.path} failed: {out.error or out.finish_reason}")
+            raise TaskFailed(f"inner gen {plan.path} failed: {out.error or out.finish_reason}", retry=out.retry)
         query.inner.append({"path": plan.path, "text": out.text})
         yield from self._keep_ends(query, run, req, run.ends)
         # the span is the request's own KV, as written (prompt, then decode): a stream forks it

@@ -20,7 +20,7 @@ from streamkv.spans.cache import SpanCache
 from streamkv.spans.execution import RETRY_STEPS, Execution
 from streamkv.spans.ir import Gen, Node, SpanQueryError, inner_gens, kind_of, with_origins
 from streamkv.spans.lower import Renderer, SpanPlan, check_ids, layout, lower, lower_prepare
-from streamkv.spans.query import Query, Usage, forks
+from streamkv.spans.query import Query, Usage, forks, held_rows
 from streamkv.spans.rules import OptimizerOptions, optimize
 from streamkv.spans.tasks import Done, Idle, Step, Task, TaskFailed, advance
 
@@ -75,15 +75,15 @@ class SpanQueries:
         plan = lower(optimized, self.renderer, self.engine.max_model_len)
         check_ids(plan, self.engine.bundle.vocab_size)  # type: ignore[attr-defined]
         if self._need(plan) > self.engine.pool.num_blocks:
-            raise SpanQueryError("query", f"the query needs up to {plan.max_len()} tokens of KV, some of it twice "
-                                      f"(operands and their placed copies): {self._need(plan)} blocks; the KV "
-                                      f"cache holds {self.engine.pool.num_blocks}")
+            raise SpanQueryError("query", f"the query needs up to {held_rows(plan)} rows of KV at once ({plan.max_len()} "
+                                      f"tokens, operands also as their placed copies, once per plus level): "
+                                      f"{self._need(plan)} blocks; the KV cache holds {self.engine.pool.num_blocks}")
         return optimized, plan
 
     def _need(self, plan: SpanPlan) -> int:
-        """Blocks a query may hold at once, at most: every span and its placed copy, plus one
-        partial block copied per fork."""
-        return self.engine.kv.blocks_for(2 * plan.max_len()) + forks(plan) + 2
+        """Blocks a query may hold at once, at most: its states' rows (:func:`held_rows`), plus
+        one partial block copied per fork."""
+        return self.engine.kv.blocks_for(held_rows(plan)) + forks(plan) + 2
 
     def explain(self, tree: Node, locality_k: int | None = None) -> dict[str, Any]:
         optimized, plan = self.plan(tree, locality_k)
@@ -220,9 +220,12 @@ class SpanQueries:
         self._steps += 1
         passed, self._emit = self._emit, []
         for out in outputs:
-            if out.request_id in self._owner:
-                if out.finished:
+            owner = self._owner.get(out.request_id)
+            if owner is not None:
+                if out.finished and self._queries.get(owner.request_id) is owner:
                     self._outputs[out.request_id] = out
+                elif out.finished:  # the abort :meth:`_end` asked for: its last output
+                    del self._owner[out.request_id]
                 continue
             query = self._queries.get(out.request_id)
             if query is not None and out.finished:
@@ -287,7 +290,7 @@ class SpanQueries:
         error = query.task.error
         self._end(query)
         out = self._error_output(query, f"{type(error).__name__}: {error}")
-        out.retry = isinstance(error, (KVCacheFullError, OutOfBlocksError))
+        out.retry = isinstance(error, (KVCacheFullError, OutOfBlocksError)) or getattr(error, "retry", False)
         return [out]
 
     def _end(self, query: Query) -> None:
@@ -298,10 +301,9 @@ class SpanQueries:
         if query.admitted:
             query.admitted = False
             self._reserved -= query.blocks
-        for rid in query.internal:
-            self._owner.pop(rid, None)
-            if self._outputs.pop(rid, None) is None:
-                self.engine.abort(rid)
+        for rid in query.internal:  # one still running stays owned until its abort output comes (after_step)
+            if self._outputs.pop(rid, None) is not None or not self.engine.abort(rid):
+                self._owner.pop(rid, None)
         for req in query.kept:  # inner gens' KV not taken over (the query failed or was aborted)
             self.engine.seq_ops.release_kv(req)
         for state in query.held:

@@ -49,6 +49,24 @@ class Query:
         return {"usage": self.usage.as_dict(), "inner": list(self.inner), "submitted": self.submitted}
 
 
+def held_rows(plan: SpanPlan) -> int:
+    """KV rows a plan's states hold at once, at most: each piece's and the gen's once; a plus's
+    operands each as their own states, and every operand after the first (the canonical order
+    the execution keeps) again as its copy placed in the assembled stream. The states stay held
+    until the query ends, so a fragment inside k nested plus nodes is held up to k + 1 times::
+
+        plus(seq(y, plus(b, BIG)), ...)   BIG: its own state, the inner assembled copy,
+                                          and the outer one's copy of seq(y, ...): 3 times
+    """
+    n = len(plan.gen.prompt) + plan.gen.params.max_tokens if plan.gen is not None else 0
+    for seg in plan.segments:
+        if isinstance(seg, PlusPlan):
+            n += sum(held_rows(o) for o in seg.operands) + sum(o.max_len() for o in seg.operands[1:])
+        else:
+            n += len(seg.ids)
+    return n
+
+
 def forks(plan: SpanPlan) -> int:
     """Streams a plan creates (each fork may copy one partial block)."""
     n = len(plan.segments) + (2 if plan.gen is not None else 0)

@@ -55,7 +55,12 @@ class Task:
 
 
 class TaskFailed(RuntimeError):
-    """A stream a task waits on finished without computing (aborted or out of blocks)."""
+    """A stream a task waits on finished without computing (aborted or out of blocks); ``retry``:
+    for want of room (the query's error is then retryable too)."""
+
+    def __init__(self, message: str, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
 
 
 def advance(task: Task, ready: Callable[[Any], tuple[bool, Any]]) -> bool:
