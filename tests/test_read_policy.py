@@ -412,7 +412,9 @@ def test_a_session_question_under_quest_is_the_same_with_or_without_the_ready_fo
     after a restore, or when pool pressure closed it). The stream fork read the prefix under
     quest, so the answer, its logprobs and read report depended on which (review: tokens
     differ from the 1st); it now computes the prefix exactly too. Flash answers fork the ready
-    fork: they equal both."""
+    fork: they equal both. Both answer in the step the question is asked: the stream fork's
+    exact prefix rows and its own rows under quest share one step (the runner splits them into
+    two spans); it took a step more."""
     from streamkv import SamplingParams
     from streamkv.sessions.spec import SessionSpec
 
@@ -431,6 +433,8 @@ def test_a_session_question_under_quest_is_the_same_with_or_without_the_ready_fo
             engine.sessions.ready_forks.close(session)
         assert (session.ready is not None) == (tag == "ready")
         engine.sessions.query(session.id, tag, question, params)
+        first = [o for o in engine.step() if o.request_id == tag]
+        assert first and len(first[0].token_ids) == 1, tag  # the first token, in one step
         out = engine.run_to_completion([tag])[tag]
         outs[tag] = (out.token_ids, [lp.logprob for lp in out.logprobs], out.kv)
     assert outs["ready"] == outs["stream"]

@@ -12,6 +12,7 @@ import torch
 
 from streamkv.attention.backend import AttentionBackend, SeqSpan
 from streamkv.models.q4_linear import DENSE, RowSplit
+from streamkv.policies.read import ReadPolicy
 from streamkv.runner.compression import Compressor
 from streamkv.runner.kv_ops import KVOps
 from streamkv.runner.recent_queries import RecentQueries
@@ -58,16 +59,14 @@ class ModelRunner:
             q0 = len(ids)
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + item.num_tokens))
-            span = SeqSpan(q0, item.num_tokens, item.start, item.block_table, item.read, item.seq_id,
-                           item.rows, item.write_row, item.ring_from, item.num_prompt,
-                           item.read_from)
             for seen in (self.compressor.observe(item, q0), self.recent.observe(item, q0)):
                 if seen is not None:
                     observe.append(seen)
-            spans.append(span)
-            decode = span.is_decode
-            if decode:
-                decode_rows.append(q0)
+            for span in item_spans(item, q0):
+                spans.append(span)
+                if span.is_decode:
+                    decode_rows.append(span.q_start)
+            decode = spans[-1].is_decode  # the kind of the row it samples
             if item.sample and item.draft:
                 spec.append((item, len(ids) - len(item.draft) - 1))
             elif item.sample:
@@ -105,3 +104,24 @@ class ModelRunner:
                 out.drafts[item.seq_id] = self.sampler.verify(logits[at:at + n], item)
                 at += n
         return out
+
+
+def item_spans(item: ScheduledSeq, q0: int) -> list[SeqSpan]:
+    """The attention spans of ``item``'s rows, from batch row ``q0``: one, or two when its
+    chunk reaches its read policy's first row (``read_from``) from before it, as a session
+    question's does (its scaffold's exact rows, then its own under the policy)::
+
+        rows   [ start ... read_from-1 | read_from ... end-1 ]
+        span     exact (read None)       under item.read
+
+    Each is the span a step holding only its rows would build, so the rows compute alike
+    whether or not one step holds both."""
+    cut = item.read_from - item.start if item.read is not None and item.rows < 0 else 0
+
+    def span(q: int, n: int, start: int, read: ReadPolicy | None) -> SeqSpan:
+        return SeqSpan(q, n, start, item.block_table, read, item.seq_id, item.rows, item.write_row,
+                       item.ring_from, item.num_prompt, item.read_from)
+
+    if 0 < cut < item.num_tokens:
+        return [span(q0, cut, item.start, None), span(q0 + cut, item.num_tokens - cut, item.read_from, item.read)]
+    return [span(q0, item.num_tokens, item.start, item.read)]

@@ -336,7 +336,7 @@ class Scheduler(Proposing, StepUpdates, Drafting):
             sample=(seq.samples or seq.peek) and end == len(seq.tokens),
             params=seq.params, history=seq.tokens, num_prompt=seq.num_prompt_tokens,
             banned_ids=tuple(seq.stop_ids) if seq.num_output < seq.params.min_tokens else (),
-            read=seq.read if start >= seq.read_from else None, read_from=seq.read_from,
+            read=seq.read if end > seq.read_from else None, read_from=seq.read_from,
             write=seq.write if seq.compresses else None,
             rows=layout.rows if layout is not None else -1,
             write_row=layout.row(start) if layout is not None else -1,

@@ -153,21 +153,22 @@ class Sequence:
         """Most rows one step may compute from ``computed`` (None: no limit of its own).
 
         Rows must be computed alike in any chunking (and after a preemption by recompute, as
-        they were the first time): exact rows stop where the read policy starts (``read_from``);
-        the question's rows under it stop where the answer starts (and, replayed, where the rows
-        whose reads were counted end: ``reads_to``) and need no other limit, as each reads what it
-        would read alone (``streamkv.attention.picks``); the answer's rows go
-        one per step, as they did, so each recomputed row's reads and recall sample are reported
-        as they were; a write policy's chunks stop at its point and its ring takes one row per step."""
+        they were the first time): a question's rows stop where the answer starts (and, replayed,
+        where the rows whose reads were counted end: ``reads_to``) and need no other limit: the
+        runner computes its exact rows (before ``read_from``) as a span of their own, and each row
+        under the policy reads what it would read alone (``streamkv.attention.picks``). A
+        request's exact rows (its prompt) stop where the policy starts; the answer's rows go one
+        per step, as they did, so each recomputed row's reads and recall sample are reported as
+        they were. A write policy's chunks stop at its point and its ring takes one row per step."""
         limits = []
         if self.write is not None:
             limits.append(1 if self.layout is not None else self.write_point - computed)
         if self.read is not None and self.read_from > 0:
-            if computed < self.read_from:
-                limits.append(self.read_from - computed)
-            elif computed < self.num_prompt_tokens:  # (a replay stops where rows counted before end)
-                end = self.num_prompt_tokens
+            end = self.num_prompt_tokens
+            if computed < end and self.read_from < end:  # (a replay stops where rows counted before end)
                 limits.append((self.reads_to if computed < self.reads_to < end else end) - computed)
+            elif computed < self.read_from:
+                limits.append(self.read_from - computed)
             else:
                 limits.append(1)
         return min(limits) if limits else None
