@@ -10,6 +10,9 @@ Two parts, each printing the CPU (model, vector flags):
   false``, the sessions' default) and re-scoring every row (``rescore: true``); each quest
   answer is also asked with ``max_chunk_tokens=5`` and must be bit-identical (the question's
   rows pick their own pages: ``streamkv.attention.picks``);
+* forks: quest(1024) questions forking the session's ready fork (the scaffold prefix computed
+  ahead) or the stream (no ready fork open: the prefix is computed exactly in the question's
+  step); first-token and total median seconds, and the answers must be equal;
 * agreement: 24 retrieval questions ("What is the code for item X?") over ~2.8k tokens of
   records, greedy 24 tokens; per budget, the mean length of the answer's prefix equal to the
   exact session's and how many answers are identical (the 135M model retrieves few codes
@@ -71,6 +74,43 @@ def latency(n: int) -> list[list]:
     return rows
 
 
+def forks(n: int) -> list[list]:
+    """Median first-token and total seconds of quest(1024) questions that fork the session's
+    ready fork (its scaffold prefix computed ahead) or, that closed, the stream (the prefix is
+    computed exactly with the question); the answers must be equal."""
+    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(400)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    engine = LLM(dtype="float32").engine
+    s = _session(engine, records, {**QUEST, "rescore": False}, "Answer from the data.")
+    rows, answers = [], {}
+    for fork in ("ready", "stream"):
+        first, total = [], []
+        for j in range(n + 2):
+            q = (f"Across every sensor listed above, what was the reading of sensor {j % 7} at t={j * 40 + 3}, "
+                 "and which was largest?")
+            for _ in range(64):  # the ready fork reopens once the session is idle
+                if s.ready is not None:
+                    break
+                engine.step()
+            if fork == "stream":
+                engine.sessions.ready_forks.close(s)
+            assert (s.ready is not None) == (fork == "ready"), fork
+            rid, t, t_first, out = f"{fork}{j}", time.perf_counter(), None, None
+            engine.sessions.query(s.id, rid, q, params)
+            while out is None:
+                for o in engine.step():
+                    if o.request_id == rid and t_first is None and o.token_ids:
+                        t_first = time.perf_counter() - t
+                    out = o if o.request_id == rid and o.finished else out
+            if j >= 2:
+                first.append(t_first)
+                total.append(time.perf_counter() - t)
+            answers.setdefault(j, []).append(out.token_ids)
+        rows.append([fork, s.data.snapshot_len(), f"{statistics.median(first):.3f}", f"{statistics.median(total):.3f}"])
+    same = sum(a[0] == a[1] for a in answers.values())
+    return [row + [f"{same}/{len(answers)}"] for row in rows]
+
+
 def agreement(budgets: list[int]) -> list[list]:
     rng = random.Random(7)
     names = [f"{rng.choice(['red', 'blue', 'green', 'amber', 'violet', 'grey'])}-"
@@ -108,6 +148,8 @@ def main() -> None:
     print("\n## Question latency (median s, 8 answer tokens) and chunk invariance\n")
     print(md_table(["policy", "context tokens", "median s", "bit-identical with max_chunk_tokens=5"],
                    latency(args.questions)))
+    print("\n## quest(1024) questions on the ready fork or the stream (median s)\n")
+    print(md_table(["fork", "context tokens", "first token s", "total s", "same answers"], forks(args.questions)))
     print("\n## Agreement with the exact session (24 retrieval questions, greedy 24 tokens)\n")
     print(md_table(["policy", "context tokens", "mean agreeing prefix (tokens)", "identical answers"],
                    agreement([int(b) for b in args.budgets.split(",")])))
