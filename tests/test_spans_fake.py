@@ -622,3 +622,32 @@ def test_an_inner_gen_failing_for_want_of_room_fails_its_query_as_retryable():
     engine.spans.cache.clear()
     engine.check_integrity()
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def _deep(rng: random.Random, depth: int):
+    """A random operand: a fragment, an inner gen, or (above depth 0) a seq holding a plus."""
+    roll = rng.random()
+    if depth and roll < 0.45:
+        ops = [_deep(rng, depth - 1) for _ in range(rng.randint(1, 3))]
+        return seq(fragment(rng.choice(WORDS)), plus(*ops))
+    if roll < 0.65:
+        return gen(user(rng.choice(WORDS)), max_tokens=rng.randint(1, 4), temperature=0)
+    return fragment(rng.choice(WORDS) * rng.randint(1, 8))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000))
+def test_a_query_alone_never_holds_more_blocks_than_its_admission_bound(seed):
+    # the bound (SpanQueries._need) is what admission reserves and what the up-front "the KV
+    # cache holds" check uses: a query held past it can stall pinned, never finishing
+    rng = random.Random(seed)
+    query = gen(seq(fragment("sys"), plus(*[_deep(rng, 2) for _ in range(rng.randint(1, 3))]), user("q")),
+                max_tokens=3, temperature=0)
+    engine, _ = slot_engine(num_blocks=512, block_size=4, span_host_bytes=0)
+    need = engine.spans._need(engine.spans.plan(query)[1])
+    engine.spans.submit("q", query)
+    peak, out = 0, None
+    while out is None:
+        out = next((o for o in engine.step() if o.request_id == "q" and o.finished), None)
+        peak = max(peak, engine.pool.num_blocks - engine.pool.num_free)
+    assert out.finish_reason in ("stop", "length") and peak <= need, (peak, need, out.error)
