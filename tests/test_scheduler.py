@@ -966,3 +966,80 @@ def test_a_new_fork_takes_its_copy_only_while_the_gate_can_still_start_a_fork():
     assert gate.room_for(seqs(), 58, 91)  # q0's blocks came back
     engine.seq_ops.close(stream)
     engine.check_integrity()
+
+
+def test_a_flash_batch_never_truncates_a_running_question_it_then_cannot_start_beside():
+    # helper-59: with the pool full, a due flash batch preempted (truncated to its fork point)
+    # the running session question for its copy block, then the fork gate refused the batch;
+    # retried every step, the question lost its rows each time and never finished (131
+    # preemptions in 400 steps). Running requests are preempted only if that frees what the
+    # gate asks for.
+    from streamkv.sessions.spec import SessionSpec
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=9, block_size=4, budget=4, speculation="none")
+    s = engine.sessions.create(SessionSpec(system="sys", chat=False, retention_tokens=16, query_prefix="",
+                                           query_suffix="", ingest_batch_tokens=8))
+    engine.sessions.push(s.id, ["abcdefg"])
+    for _ in range(30):
+        engine.step()
+    engine.sessions.query(s.id, "q", "hij", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    while engine.pool.num_free:
+        assert not [o for o in engine.step() if o.finished]
+    engine.sessions.flash.register(s, "xyz", max_tokens=16)
+    done = None
+    for _ in range(60):
+        done = next((o for o in engine.step() if o.request_id == "q" and o.finished), done)
+        engine.check_integrity()
+        if done is not None and s.flash.counters["batches"]:
+            break
+    assert done is not None and done.finish_reason == "length" and len(done.token_ids) == 12
+    assert engine.scheduler.num_preemptions == 0 and s.flash.counters["batches"] == 1
+
+
+def test_a_question_before_the_stream_computed_its_version_is_retryable_and_preempts_nobody():
+    # right after create the snapshot is the system prompt, not computed yet: the fork failed
+    # with a plain 400 ("cannot fork"), and only after start_query had preempted running
+    # requests for its block (a flash batch retried that every step: helper-59's fuzz, seed 828)
+    from streamkv.errors import KVCacheFullError
+    from streamkv.sessions.spec import SessionSpec
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=32, block_size=4)
+    s = engine.sessions.create(SessionSpec(system="a system prompt of some length", chat=False, retention_tokens=64,
+                                           query_prefix="", query_suffix=""))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with pytest.raises(KVCacheFullError, match="retry later"):
+        engine.sessions.query(s.id, "q", "hij", params)
+    assert engine.scheduler.num_preemptions == 0 and not engine.has_request("q")
+    while s.stream.num_computed < s.data.snapshot_len():
+        engine.step()
+    engine.sessions.query(s.id, "q", "hij", params)
+    assert _finish_all(engine, {"q"}, steps=50)["q"].finish_reason == "length"
+
+
+def test_a_flash_batch_that_cannot_start_whole_starts_question_by_question():
+    # a batch started whole or not at all: when the pool held one question's fork but not two,
+    # the first was aborted at every try and the batch never ran (158 aborts in 80 steps, no
+    # answer); now the forks started stay, and the rest start as room comes back
+    from streamkv.sessions.spec import SessionSpec
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=10, block_size=4, budget=8, speculation="none")
+    s = engine.sessions.create(SessionSpec(system="sys", chat=False, retention_tokens=16, query_prefix="",
+                                           query_suffix="", ingest_batch_tokens=8))
+    engine.sessions.push(s.id, ["abcdefg"])
+    for _ in range(30):
+        engine.step()
+    assert engine.pool.num_free == 5  # one fork's growth fits, two at once do not
+    a = engine.sessions.flash.register(s, "xyz", max_tokens=14)
+    b = engine.sessions.flash.register(s, "uvw", max_tokens=14)
+    aborted = []
+    for _ in range(80):
+        aborted += [o.request_id for o in engine.step() if o.finish_reason == "abort"]
+        engine.check_integrity()
+        if s.flash.evaluated_version == s.data.data_version:
+            break
+    version = s.data.data_version
+    assert s.flash.cached(a.id, version) is not None and s.flash.cached(b.id, version) is not None
+    assert not aborted and s.flash.counters["batches"] == 1 and s.flash.counters["evaluations"] == 2

@@ -81,22 +81,26 @@ class ForkGate:
 
     def room_for(self, seqs: Iterable[Sequence], rows: int, end: int, extra: int = 0, spare: int = 0) -> bool:
         """Whether a new fork of a parent's first ``rows`` rows that may grow to ``end`` rows may
-        take its copied block now: after the copy the free blocks must still hold the started
-        forks' remaining growth and the smallest need among the forks at their fork point, this
-        one included, so the gate can always start one. (Copies of forks that could not start took
-        every free block: nothing progressed until the engine failed the latest one 64 steps
-        later.) With no other fork, the new one only needs its copy, as the gate lets the first
-        start whatever its need. ``extra`` blocks are taken first (a restore of the parent) and
-        ``spare`` ones could be freed for it (idle sessions, less urgent requests)."""
+        take its copied block now (:meth:`start_blocks` free). ``extra`` blocks are taken first (a
+        restore of the parent) and ``spare`` ones could be freed for it (idle sessions, less
+        urgent requests)."""
+        return self.kv.pool.num_free + spare - extra >= self.start_blocks(seqs, rows, end)
+
+    def start_blocks(self, seqs: Iterable[Sequence], rows: int, end: int) -> int:
+        """Free blocks a new fork (see :meth:`room_for`) needs to take its copy: after the copy
+        they must still hold the started forks' remaining growth and the smallest need among the
+        forks at their fork point, this one included, so the gate can always start one. (Copies
+        of forks that could not start took every free block: nothing progressed until the engine
+        failed the latest one 64 steps later.) With no other fork, only its copy, as the gate
+        lets the first start whatever its need. Preempting started forks for it never raises
+        this: their growth leaves the reservation, and their needs can only lower the smallest."""
         kv = self.kv
         copy = 1 if rows % kv.block_size else 0
-        free = kv.pool.num_free + spare - extra
         live = [s for s in seqs if gated(s)]
         if not live:
-            return copy <= free
-        reserved = self._reserved(live)
+            return copy
         smallest = min([self.need(s) for s in live if at_fork_point(s)] + [kv.blocks_for(end) - kv.blocks_for(rows)])
-        return free - copy >= reserved + smallest
+        return copy + self._reserved(live) + smallest
 
     def begin(self, seqs: Iterable[Sequence]) -> None:
         live = [s for s in seqs if gated(s)]

@@ -219,8 +219,10 @@ class Scheduler(Proposing, StepUpdates, Drafting):
         return pairs
 
     def reclaimable(self, below: PriorityClass | None, victims: list[Sequence] | None = None) -> int:
-        """The blocks :meth:`reclaim` could free at most: its victims' own blocks."""
-        return sum(self.kv.num_unshared(s.seq_id) for s in (self._victims(below) if victims is None else victims))
+        """The blocks :meth:`reclaim` could free at most: its victims' own blocks (a fork's past
+        its fork point: it keeps the rest, as phase 1 counts it)."""
+        victims = self._victims(below) if victims is None else victims
+        return sum(self._fork_gives_back(s) if s.fork_kept else self.kv.num_unshared(s.seq_id) for s in victims)
 
     def _victims(self, below: PriorityClass | None) -> list[Sequence]:
         """What :meth:`reclaim` may preempt, lowest ranked first: running inputs still streaming,

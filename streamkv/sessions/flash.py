@@ -91,6 +91,7 @@ class FlashState:
     cache: dict[str, OrderedDict[int, FlashAnswer]] = field(default_factory=dict)
     batch_version: int | None = None
     inflight: dict[str, str] = field(default_factory=dict)  # request id -> question id
+    to_start: list[str] = field(default_factory=list)  # question ids of the batch not started yet
     batch_started: float = 0.0
     batch_answers: list[FlashAnswer] = field(default_factory=list)
     evaluated_version: int = -1
@@ -168,33 +169,44 @@ class FlashEvaluator:
 
     # ---------------------------------------------------------------- evaluation
     def schedule(self, session: Session) -> None:
-        """Start a batch at the newest version when none is in flight (before a step)."""
+        """Start a batch at the newest version when none is in flight, or go on starting the
+        one begun (before a step). A question whose fork finds no room now is tried again
+        before the next step, the ones started meanwhile running: a batch started whole or not
+        at all aborted them, and a batch a full pool could never start whole preempted a running
+        question for its first fork every step, so that question never finished (review)."""
         flash, data = session.flash, session.data
-        if (not flash.questions or flash.batch_version is not None or session.stream is None
-                or flash.evaluated_version >= data.data_version):
+        if not flash.questions or session.stream is None:
             return
+        if flash.batch_version is not None and flash.to_start and flash.batch_version != data.data_version:
+            self.abort_all(session)  # begun at an older version: start over at the newest
+        if flash.batch_version is None and flash.evaluated_version >= data.data_version:
+            return
+        if flash.batch_version is not None and not flash.to_start:
+            return  # in flight
         ready = session.ready
         if session.layout.prefix and (ready is None or session.ready_version != data.data_version
                                       or not self.engine.seq_ops.is_idle(ready)):
             return  # fork from the computed ready sequence, exactly as a standard query does
         version = data.data_version
-        if flash.evaluated_version >= 0:
-            flash.counters["versions_skipped"] += max(0, version - flash.evaluated_version - 1)
-        started: dict[str, str] = {}
-        for fq in flash.questions.values():
-            rid = f"flash-{session.id}-{fq.id}-{version}"
-            try:
-                self.manager.start_query(session, rid, fq.question, fq.params(), PriorityClass.FLASH)
-            except InvalidRequestError:
-                for r in started:
-                    self.engine.abort(r)
-                return  # no KV block for a fork right now: retry before the next step
-            started[rid] = fq.id
-        flash.inflight = started
-        flash.batch_version, flash.batch_started, flash.batch_answers = version, time.perf_counter(), []
-        for rid in started:
-            self._owner[rid] = session
-        flash.counters["batches"] += 1
+        if flash.batch_version is None:
+            if flash.evaluated_version >= 0:
+                flash.counters["versions_skipped"] += max(0, version - flash.evaluated_version - 1)
+            flash.batch_version, flash.batch_started, flash.batch_answers = version, time.perf_counter(), []
+            flash.to_start = list(flash.questions)
+            flash.counters["batches"] += 1
+        while flash.to_start:
+            fq = flash.questions.get(flash.to_start[0])
+            if fq is not None:  # (one unregistered meanwhile is dropped)
+                rid = f"flash-{session.id}-{fq.id}-{version}"
+                try:
+                    self.manager.start_query(session, rid, fq.question, fq.params(), PriorityClass.FLASH)
+                except InvalidRequestError:
+                    return  # no KV block for this fork now: tried again before the next step
+                flash.inflight[rid] = fq.id
+                self._owner[rid] = session
+            flash.to_start.pop(0)
+        if not flash.inflight:  # every fork started already answered
+            self._deliver(session)
 
     def collect(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Take finished flash outputs out of a step's outputs; returns the others."""
@@ -217,7 +229,7 @@ class FlashEvaluator:
             flash.batch_answers.append(FlashAnswer(
                 fq.id, fq.question, out.text, list(out.token_ids), flash.batch_version or 0, confidence(out),
                 out.finish_reason, len(out.prompt_token_ids), (time.perf_counter() - flash.batch_started) * 1e3))
-        if not flash.inflight:
+        if not flash.inflight and not flash.to_start:
             self._deliver(session)
 
     def _deliver(self, session: Session) -> None:
@@ -237,11 +249,14 @@ class FlashEvaluator:
                 waiter[2](None)  # type: ignore[arg-type]
 
     def abort_all(self, session: Session) -> None:
+        """End the batch: its forks still running are aborted, and stay owned until their abort
+        output comes (:meth:`collect` takes it; it came out of ``engine.step`` as a client's)."""
         for rid in list(session.flash.inflight):
-            self.engine.abort(rid)
-            self._owner.pop(rid, None)
+            if not self.engine.abort(rid):
+                self._owner.pop(rid, None)
         session.flash.inflight.clear()
-        session.flash.batch_version = None
+        session.flash.to_start.clear()
+        session.flash.batch_version, session.flash.batch_answers = None, []
 
     # ------------------------------------------------------------------- lookup
     def lookup(self, session: Session, question: str,
@@ -261,13 +276,14 @@ class FlashEvaluator:
         if ans is not None:
             flash.count_hit(self.hits)
             return "hit", ans
-        if flash.batch_version == version and fq.id in flash.inflight.values() and on_ready is not None:
+        if (flash.batch_version == version and (fq.id in flash.inflight.values() or fq.id in flash.to_start)
+                and on_ready is not None):
             flash.waiters.append((fq.id, version, on_ready))
             return "wait", None
         return "miss", None
 
     def stats(self, session: Session) -> dict[str, Any]:
         flash = session.flash
-        return {"questions": len(flash.questions), "pending": len(flash.inflight),
+        return {"questions": len(flash.questions), "pending": len(flash.inflight) + len(flash.to_start),
                 "batch_version": flash.batch_version, "evaluated_version": flash.evaluated_version,
                 **flash.counters}

@@ -211,13 +211,22 @@ class SessionManager:
         own_from = data.snapshot_len() + len(layout.prefix)
         if parent is None:
             raise RuntimeError(f"session {session.id} has no resident stream after restore")
+        if parent.num_computed < n:  # before any preemption for it: the fork could not start anyway
+            # (a flash batch preempted a running question every step for a fork that then failed
+            # here, and the question, ranked above the stream, took the blocks back: review)
+            raise KVCacheFullError(f"session {session.id}: its stream has computed {parent.num_computed} of the "
+                                   f"{n} rows of version {data.data_version} (the rest wait for KV blocks); retry later")
+        end = self._fork_end(n, len(suffix), params)
         if self.engine.pool.num_free < 1:  # the fork copies its partial block now: make room first,
             self.engine.seq_ops.reclaim(1)  # as a span query's fork does (idle streaming inputs),
             if self.engine.pool.num_free < 1:  # then from another idle session,
                 self.offload._offload_one(exclude=session)
-            if self.engine.pool.num_free < 1:  # then from a running request of a less urgent class
-                self.engine.seq_ops.reclaim(1, below=klass)
-        if gate is not None and not gate.room_for(sched.seqs.values(), n, self._fork_end(n, len(suffix), params)):
+            if self.engine.pool.num_free < 1:  # then from running requests of a less urgent class, only
+                # if they free all the gate asks for (a flash batch truncated a running question for
+                # its copy block, the gate then refused the batch, and so every step: review)
+                want = gate.start_blocks(sched.seqs.values(), n, end) if gate is not None else 1
+                self.engine.seq_ops.reclaim(max(1, want), below=klass)
+        if gate is not None and not gate.room_for(sched.seqs.values(), n, end):
             session.wanted_at = time.monotonic()  # kept resident meanwhile (offload.WANTED_S); AsyncEngine retries
             raise KVCacheFullError(_NO_ROOM)
         seq = self.engine.add_fork_request(request_id, parent, n, suffix, params, klass=klass, read=session.spec.kv_read,
@@ -241,7 +250,7 @@ class SessionManager:
             or (self.ready_forks.stale(s) and self.ready_forks.fits(s))
             or (s.ready is not None and s.ready.num_computed < len(s.ready.tokens))
             or (s.flash.questions and s.flash.batch_version is None
-                and s.flash.evaluated_version < s.data.data_version))
+                and s.flash.evaluated_version < s.data.data_version) or s.flash.to_start)
             for s in self.sessions.values())
 
     def before_step(self) -> None:
