@@ -553,3 +553,43 @@ def test_a_finish_carrying_text_records_the_append():
     engine.inputs.open("t", prompt=LETTERS, params=GREEDY)
     engine.inputs.finish("t")
     assert "input_appended" not in [name for name, _ in engine.run_to_completion(["t"])["t"].events]
+
+
+def test_an_in_process_handle_can_be_aborted_dropped_or_left_to_expire():
+    # helper-60: LLM.open_input's handle had no abort, the input TTL ran only in the server's
+    # loop, and a dropped handle kept its KV, its place among max_input_streams (every later
+    # open was a 429-like QueueFullError for good) and, finished, its output in Engine._kept
+    import gc
+
+    from streamkv import LLM
+    from streamkv.errors import QueueFullError
+
+    engine, _ = slot_engine(max_input_streams=2, input_stream_ttl_s=0.2)
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._ids = engine, iter(range(100))
+    a, b = llm.open_input("abcdefgh", GREEDY), llm.open_input("ijklmnop", GREEDY)
+    a.advance()
+    b.advance()
+    with pytest.raises(QueueFullError):
+        llm.open_input("q", GREEDY)
+    a.abort()
+    del b
+    gc.collect()
+    assert [o.finish_reason for o in engine.step()] == ["abort", "abort"]
+    assert engine.inputs.num_open == 0 and engine.pool.num_used == 0 and not engine._kept
+    with pytest.raises(InvalidRequestError, match="aborted"):
+        a.result()
+    c = llm.open_input("qrstuvwx", GREEDY)  # room again
+    c.advance()
+    time.sleep(0.3)  # past the TTL: the next step expires it, as the server's loop does
+    assert [o.finish_reason for o in engine.step()] == ["abort"] and engine.pool.num_used == 0
+    with pytest.raises(InputStreamClosedError, match="expired"):
+        c.result()
+    del c
+    d = llm.open_input("yzabcdef", GREEDY)
+    d.finish()
+    _drain(engine)  # answered, but its result never read: dropping the handle forgets it
+    assert list(engine._kept) == [d.request_id]
+    del d
+    engine.step()
+    assert not engine._kept

@@ -73,10 +73,20 @@ def test_chat_stream_finish_over_sse_equals_chat_completion(http):
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == ref["choices"][0]["message"]["content"]
-    assert chunks[-1]["streamkv"]["events"][-1]["event"] == "finished"
+    # the chunks of a plain stream: the extension rides the finished choice's chunk, every
+    # chunk before the usage one has "usage": null, and only the usage chunk has no choices
+    # (the extension came in a chunk of its own with "choices": [] and no usage: review)
+    assert [c for c in chunks if not c["choices"]] == [chunks[-1]] and "streamkv" not in chunks[-1]
+    assert chunks[-2]["choices"][0]["finish_reason"] and chunks[-2]["streamkv"]["events"][-1]["event"] == "finished"
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
     usages = [c["usage"] for c in chunks if c.get("usage")]  # there were two, with different fields
     assert len(usages) == 1 and usages[0] is chunks[-1]["usage"], usages
     assert usages[0]["completion_tokens"] == ref["usage"]["completion_tokens"] and "computed_prompt_tokens" in usages[0]
+    sid = _open(http, prompt=TEXT)
+    with http.stream("POST", f"/v1/input_streams/{sid}/finish", json={"stream": True}) as resp:
+        plain = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: {")]
+    assert all(c["choices"] and "usage" not in c for c in plain)  # no usage asked: no usage chunk
+    assert plain[-1]["choices"][0]["finish_reason"] and plain[-1]["streamkv"]["events"][-1]["event"] == "finished"
 
 
 def test_websocket_frames(server, http):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Sequence as Seq
 
@@ -100,6 +100,7 @@ class Engine(PromptChecks):
         # final outputs kept for an in-process owner that steps the engine only now and then
         # (``LLM.open_input`` handles): whoever steps first must not lose another's answer
         self._kept: dict[str, RequestOutput | None] = {}
+        self._dropped: deque[str] = deque()  # handles gone: abort and forget at the next step (drop_output)
         self._quiet = 0  # steps in a row that computed no new row
         self.responses = ResponseCache(cc.response_cache_entries)
         self.sessions = SessionManager(self)
@@ -258,6 +259,8 @@ class Engine(PromptChecks):
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed or ended."""
+        self._release_dropped()
+        self.inputs.maintain()  # the input TTL, for in-process handles too (the server's loop also runs it when idle)
         outputs, self._pending = self._pending, []
         self.sessions.before_step()
         self.spans.before_step()
@@ -301,6 +304,18 @@ class Engine(PromptChecks):
         """Keep ``request_id``'s final output until :meth:`run_to_completion` asks for it,
         whichever call steps the engine when it finishes."""
         self._kept[request_id] = None
+
+    def drop_output(self, request_id: str) -> None:
+        """Nobody will ask for ``request_id``'s output (its handle was dropped or aborted): abort
+        it at the next step if it still runs, and forget its kept output. Safe from a garbage
+        collector's finalizer, which may run in the middle of a step: it only queues the id."""
+        self._dropped.append(request_id)
+
+    def _release_dropped(self) -> None:
+        while self._dropped:
+            rid = self._dropped.popleft()
+            self._kept.pop(rid, None)
+            self.abort(rid)
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []

@@ -1,6 +1,7 @@
 """In-process handle of one streaming-input request (``LLM.open_input``)."""
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from streamkv.errors import InvalidRequestError, KVCacheFullError, is_int_in
@@ -18,12 +19,18 @@ class InputHandle:
     Nothing runs in the background here: :meth:`advance` (or ``LLM.step``) runs engine
     steps so the arrived input is prefilled while more is coming. The engine keeps the
     final output for :meth:`result` (``Engine.keep_output``), whoever steps it meanwhile.
+    :meth:`abort` gives the request up; so does dropping the handle (its KV, its place among
+    ``max_input_streams`` and its kept output go back at the next step), and an input left
+    unchanged for ``input_stream_ttl_s`` is aborted as on the server.
     """
 
     def __init__(self, engine: "EngineCore", request_id: str) -> None:
         self._engine = engine
         self.request_id = request_id
         self._output: Any = None
+        self._aborted = False
+        self._release = weakref.finalize(self, engine.drop_output, request_id)
+        self._release.atexit = False
 
     def append(self, text: str) -> dict[str, int]:
         """Add ``text`` at the end; returns ``{"tokens": N, "computed": M}``."""
@@ -57,8 +64,16 @@ class InputHandle:
         """The input is complete: generation starts at the next step."""
         self._engine.inputs.finish(self.request_id)
 
+    def abort(self) -> None:
+        """Give the request up, open or answering: it ends at the next step ("abort") and its
+        KV goes back. :meth:`result` then raises."""
+        self._aborted = True
+        self._release()
+
     def result(self) -> Any:
         """Finish (if still open) and run to completion; the request's final RequestOutput."""
+        if self._aborted and self._output is None:
+            raise InvalidRequestError(f"input {self.request_id!r} was aborted")
         if self._output is None:
             try:
                 self.finish()

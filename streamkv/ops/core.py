@@ -64,3 +64,6 @@ class EngineCore(Protocol):
 
     def run_to_completion(self, request_ids: Seq[str]) -> dict[str, Any]:
         """Step until every listed request finished."""
+
+    def drop_output(self, request_id: str) -> None:
+        """Nobody will read ``request_id``'s output: abort it (if running) and forget it, at the next step."""

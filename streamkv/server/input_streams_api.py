@@ -31,7 +31,7 @@ from streamkv.errors import InputStreamNotFoundError, StreamKVError
 from streamkv.server.errors import APIError, error_body, status_of
 from streamkv.server.generation import (check_model, check_output, failure, finish_reason, kv_options, last_output,
                                         make_params, until_disconnected)
-from streamkv.server.openai_api import (chat_chunks, chat_logprobs, completion_chunks, completion_logprobs,
+from streamkv.server.openai_api import (ChunkEnds, chat_chunks, chat_logprobs, completion_chunks, completion_logprobs,
                                         sampling_fields, stream_sse, usage)
 from streamkv.server.protocol import ChatMessage, StreamOptions, _Body, _Sampling, message_text
 from streamkv.server.state import ServerState
@@ -240,19 +240,17 @@ async def _sse(state: ServerState, request: Request, head: dict[str, Any], handl
             last[:] = [out]
             yield 0, out
 
-    # one usage chunk, the last (it has computed_prompt_tokens): the route's own would be a second
+    # the chunks a plain request's stream has: the extension on the finished choice's chunk (a
+    # chunk of its own, with no choices, broke clients reading choices[0]: review), the usage
+    # chunk only if asked for, with what the stream computed
+    ends = ChunkEnds(extension=lambda out: {"streamkv": _extension(out)}, usage=lambda _: _usage(last[0], info))
     if chat:
         head = {**head, "object": "chat.completion.chunk"}
-        chunks = chat_chunks(state, request, head, pairs(), 1, info["tokens"], False)
+        chunks = chat_chunks(state, request, head, pairs(), 1, info["tokens"], include_usage, ends=ends)
     else:
-        chunks = completion_chunks(state, request, head, pairs(), False, info["tokens"])
+        chunks = completion_chunks(state, request, head, pairs(), include_usage, info["tokens"], ends=ends)
     async for chunk in chunks:
         yield chunk
-    if last:
-        tail = {**head, "choices": [], "streamkv": _extension(last[0])}
-        if include_usage:
-            tail["usage"] = _usage(last[0], info)
-        yield f"data: {json.dumps(tail)}\n\n"
 
 
 # ----------------------------------------------------------------- websocket

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -131,10 +132,23 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
     return {**head, "choices": choices, "usage": totals, **_cache_mark(outs), **kv_extension(outs)}
 
 
+@dataclass(frozen=True)
+class ChunkEnds:
+    """What a stream's ends carry: ``extension(out)``, the fields a finished choice's chunk adds
+    (the ``streamkv`` extension); ``usage(counted)``, the usage chunk's body from the one counted
+    over the choices (an input stream's adds what it computed)."""
+
+    extension: Callable[[Any], dict[str, Any]] = lambda out: kv_extension([out])
+    usage: Callable[[dict[str, Any]], dict[str, Any]] = lambda counted: counted
+
+
 async def completion_chunks(state: ServerState, request: Request, head: dict[str, Any],
                             outputs: AsyncIterator[tuple[int, Any]], include_usage: bool,
-                            prompt_tokens: int, n: int = 1) -> AsyncIterator[str]:
-    """SSE ``text_completion`` chunks of ``(choice index, output)`` pairs (``n`` choices per prompt)."""
+                            prompt_tokens: int, n: int = 1, ends: ChunkEnds | None = None) -> AsyncIterator[str]:
+    """SSE ``text_completion`` chunks of ``(choice index, output)`` pairs (``n`` choices per prompt);
+    ``ends``: what a finished choice's chunk and the usage chunk carry (default: the KV report,
+    the usage counted here)."""
+    ends = ends or ChunkEnds()
     completion_tokens = 0
     cached: dict[int, int] = {}
     sent: dict[int, int] = {}
@@ -156,11 +170,11 @@ async def completion_chunks(state: ServerState, request: Request, head: dict[str
             completion_tokens += len(out.token_ids)
             cached[i] = out.num_cached_tokens
             state.observe(out, request)
-            chunk.update(kv_extension([out]))
+            chunk.update(ends.extension(out))
         yield _sse(chunk)
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens,
-                                                          cached_prompt_tokens(cached, n))})
+        yield _sse({**head, "choices": [], "usage": ends.usage(usage(prompt_tokens, completion_tokens,
+                                                                      cached_prompt_tokens(cached, n)))})
 
 
 # ------------------------------------------------------------- chat completions
@@ -248,10 +262,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
 
 async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any],
                       outputs: AsyncIterator[tuple[int, Any]], n: int, prompt_tokens: int,
-                      include_usage: bool, tools: list[Any] = ()) -> AsyncIterator[str]:
+                      include_usage: bool, tools: list[Any] = (), ends: ChunkEnds | None = None) -> AsyncIterator[str]:
     """SSE ``chat.completion.chunk``s of ``(choice index, output)`` pairs over ``n`` choices.
     With ``tools``, text that may start a ``<tool_call>`` is held back; at the end the calls go
-    out as one ``tool_calls`` delta (finish reason ``tool_calls``)."""
+    out as one ``tool_calls`` delta (finish reason ``tool_calls``). ``ends``: as for
+    :func:`completion_chunks`."""
+    ends = ends or ChunkEnds()
     extra = {"usage": None} if include_usage else {}
     for i in range(n):
         yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -273,14 +289,14 @@ async def chat_chunks(state: ServerState, request: Request, head: dict[str, Any]
             delta, reason = _tool_delta(out, tools, sent_text, i)
         yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
                                          "finish_reason": reason}], **extra,
-                    **(kv_extension([out]) if out.finished else {})})
+                    **(ends.extension(out) if out.finished else {})})
         if out.finished:
             completion_tokens += len(out.token_ids)
             cached[i] = out.num_cached_tokens
             state.observe(out, request)
     if include_usage:
-        yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens,
-                                                          cached_prompt_tokens(cached, n))})
+        yield _sse({**head, "choices": [], "usage": ends.usage(usage(prompt_tokens, completion_tokens,
+                                                                      cached_prompt_tokens(cached, n)))})
 
 
 def _tool_delta(out: Any, tools: list[Any], sent_text: dict[int, int], i: int) -> tuple[dict[str, Any], str | None]:
