@@ -968,21 +968,27 @@ def test_a_new_fork_takes_its_copy_only_while_the_gate_can_still_start_a_fork():
     engine.check_integrity()
 
 
+def _small_session(num_blocks: int, budget: int):
+    """A slot engine with one ingested 17-row session (no scaffold), and the session."""
+    from streamkv.sessions.spec import SessionSpec
+    from tests.fakes import slot_engine
+
+    engine, _ = slot_engine(num_blocks=num_blocks, block_size=4, budget=budget, speculation="none")
+    s = engine.sessions.create(SessionSpec(system="sys", chat=False, retention_tokens=16, query_prefix="",
+                                           query_suffix="", ingest_batch_tokens=8))
+    engine.sessions.push(s.id, ["abcdefg"])
+    for _ in range(30):
+        engine.step()
+    return engine, s
+
+
 def test_a_flash_batch_never_truncates_a_running_question_it_then_cannot_start_beside():
     # helper-59: with the pool full, a due flash batch preempted (truncated to its fork point)
     # the running session question for its copy block, then the fork gate refused the batch;
     # retried every step, the question lost its rows each time and never finished (131
     # preemptions in 400 steps). Running requests are preempted only if that frees what the
     # gate asks for.
-    from streamkv.sessions.spec import SessionSpec
-    from tests.fakes import slot_engine
-
-    engine, _ = slot_engine(num_blocks=9, block_size=4, budget=4, speculation="none")
-    s = engine.sessions.create(SessionSpec(system="sys", chat=False, retention_tokens=16, query_prefix="",
-                                           query_suffix="", ingest_batch_tokens=8))
-    engine.sessions.push(s.id, ["abcdefg"])
-    for _ in range(30):
-        engine.step()
+    engine, s = _small_session(num_blocks=9, budget=4)
     engine.sessions.query(s.id, "q", "hij", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     while engine.pool.num_free:
         assert not [o for o in engine.step() if o.finished]
@@ -1022,15 +1028,7 @@ def test_a_flash_batch_that_cannot_start_whole_starts_question_by_question():
     # a batch started whole or not at all: when the pool held one question's fork but not two,
     # the first was aborted at every try and the batch never ran (158 aborts in 80 steps, no
     # answer); now the forks started stay, and the rest start as room comes back
-    from streamkv.sessions.spec import SessionSpec
-    from tests.fakes import slot_engine
-
-    engine, _ = slot_engine(num_blocks=10, block_size=4, budget=8, speculation="none")
-    s = engine.sessions.create(SessionSpec(system="sys", chat=False, retention_tokens=16, query_prefix="",
-                                           query_suffix="", ingest_batch_tokens=8))
-    engine.sessions.push(s.id, ["abcdefg"])
-    for _ in range(30):
-        engine.step()
+    engine, s = _small_session(num_blocks=10, budget=8)
     assert engine.pool.num_free == 5  # one fork's growth fits, two at once do not
     a = engine.sessions.flash.register(s, "xyz", max_tokens=14)
     b = engine.sessions.flash.register(s, "uvw", max_tokens=14)

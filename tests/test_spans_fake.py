@@ -593,14 +593,20 @@ def test_a_nested_plus_never_holds_more_blocks_than_the_query_reserved():
     assert fits.finish_reason == "length" and fits.token_ids == out.token_ids
 
 
-def test_an_aborted_query_leaves_no_output_of_its_inner_gens():
-    # _end forgot an inner request before aborting it, so its abort output came out of the
-    # next step as a client's (review)
+def _decoding_inner_gens():
+    """An engine whose query "Q" has two inner gens decoding."""
     engine, _ = slot_engine(num_blocks=128, block_size=4)
     inner = [gen(user(f"colour {i}"), max_tokens=12, temperature=0, ignore_eos=True) for i in range(2)]
     engine.spans.submit("Q", gen(seq(fragment("judge"), plus(*inner), user("both")), max_tokens=3, temperature=0))
     while not any(rid != "Q" and req.seq.num_output for rid, req in engine._requests.items()):
         assert not engine.step()
+    return engine
+
+
+def test_an_aborted_query_leaves_no_output_of_its_inner_gens():
+    # _end forgot an inner request before aborting it, so its abort output came out of the
+    # next step as a client's (review)
+    engine = _decoding_inner_gens()
     assert engine.abort("Q")
     seen = [(o.request_id, o.finish_reason) for _ in range(4) for o in engine.step()]
     assert seen == [("Q", "abort")] and not engine.spans._owner and not engine.spans.has_work()
@@ -610,11 +616,7 @@ def test_an_aborted_query_leaves_no_output_of_its_inner_gens():
 
 
 def test_an_inner_gen_failing_for_want_of_room_fails_its_query_as_retryable():
-    engine, _ = slot_engine(num_blocks=128, block_size=4)
-    inner = [gen(user(f"count {i}"), max_tokens=12, temperature=0, ignore_eos=True) for i in range(2)]
-    engine.spans.submit("Q", gen(seq(fragment("judge"), plus(*inner), user("both")), max_tokens=3, temperature=0))
-    while not any(rid != "Q" and req.seq.num_output for rid, req in engine._requests.items()):
-        assert not engine.step()
+    engine = _decoding_inner_gens()
     victim = next(rid for rid in engine._requests if rid != "Q")
     assert engine.fail(victim, "KVCacheFullError: no block", retry=True)
     seen = [o for _ in range(4) for o in engine.step()]
