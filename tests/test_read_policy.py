@@ -476,3 +476,38 @@ def test_a_recomputed_answer_under_quest_never_takes_exact_rows_from_the_prefix_
     assert got.token_ids == ref.token_ids
     assert [lp.logprob for lp in got.logprobs] == [lp.logprob for lp in ref.logprobs]
     engine.check_integrity()
+
+
+def test_a_stream_forks_question_scores_no_page_its_own_step_writes(smol_fp32):
+    """With a short ``recent_tokens`` the question's scored pages reach the blocks its scaffold's
+    exact rows fill: computed in one step with them (df46c6c), those pages were scored by the
+    bounds of what their slots held before, so the same question on the same version answered
+    with other logprobs and recall each time (review). Such a question takes the prefix a step
+    ahead, as before; every answer equals the ready fork's."""
+    from streamkv import SamplingParams
+    from streamkv.sessions.spec import SessionSpec
+
+    engine = smol_fp32.engine
+    policy = {"policy": "quest", "budget_tokens": 128, "sink_tokens": 16, "recent_tokens": 16}
+    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(40)]
+    prefix = ("Below is a question about the sensor log above. Read the log carefully, then answer it with a "
+              "single number and nothing else. Question: ")
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1, ignore_eos=True)
+    session = engine.sessions.create(SessionSpec(system="Answer from the data.", chat=False, retention_tokens=4000,
+                                                 kv_read=policy, query_prefix=prefix, query_suffix=" Answer:"))
+    engine.sessions.push(session.id, records)
+    for _ in range(200):
+        engine.step()
+        if session.ready is not None and engine.seq_ops.is_idle(session.ready) and not session.data.queue:
+            break
+    outs = []
+    for tag in ("ready", "stream1", "stream2"):
+        if tag != "ready":
+            engine.sessions.ready_forks.close(session)
+        engine.sessions.query(session.id, tag, "What was the reading of sensor 3 at t=38?", params)
+        out = engine.run_to_completion([tag])[tag]
+        outs.append((out.token_ids, [lp.logprob for lp in out.logprobs], out.kv["attention_recall"]))
+    assert outs[0] == outs[1] == outs[2]
+    engine.sessions.delete(session.id)
+    engine.step()
+    engine.check_integrity()

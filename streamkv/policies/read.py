@@ -119,6 +119,13 @@ class ReadPolicy(ABC):
         """How many candidate pages may be read besides the sinks and the tail."""
         return 0
 
+    def scored_end(self, start: int, ctx_len: int, block_size: int) -> int:
+        """The position where the pages :meth:`plan` scores (their bounds read before a step's
+        writes) end: rows from it on may be written in the same step as rows that read under the
+        plan; 0 when no page is scored."""
+        plan = self.plan(start, ctx_len, block_size)
+        return plan.tail * block_size if plan is not None and plan.keep > 0 else 0
+
     def plan(self, start: int, ctx_len: int, block_size: int) -> PagePlan | None:
         """Regions for rows ``[start, ctx_len)``; None when every page would be read anyway."""
         end = -(-ctx_len // block_size)

@@ -160,14 +160,14 @@ class Proposing:
         the pool, progress (a swapped one that counted as this step's prompt work kept the
         session streams, background work, from ever going idle to be offloaded for it)."""
         computed = seq.num_computed
-        limit = seq.chunk_limit(computed)
+        limit = seq.chunk_limit(computed, self.kv.block_size)
         if seq.status is not SeqStatus.WAITING:
             return computed, limit
         hit = None
         if not seq.swapped:
             hit = st.hits.get(seq.seq_id) or self.kv.match_prefix(seq.match_tokens, seq.cache_key)
             computed = hit.num_tokens(self.kv.block_size)
-            limit = seq.chunk_limit(computed)
+            limit = seq.chunk_limit(computed, self.kv.block_size)
         target = seq.computable
         end = min(target, computed + st.budget, computed + limit if limit is not None else target)
         extra = seq.extra_blocks(end, self.kv.block_size)

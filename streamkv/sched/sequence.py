@@ -149,14 +149,17 @@ class Sequence:
         """In its write policy's layout, with rows of the prompt dropped."""
         return self.layout is not None and self.write is not None and self.write.moves(self.num_prompt_tokens)
 
-    def chunk_limit(self, computed: int) -> int | None:
+    def chunk_limit(self, computed: int, block_size: int) -> int | None:
         """Most rows one step may compute from ``computed`` (None: no limit of its own).
 
         Rows must be computed alike in any chunking (and after a preemption by recompute, as
         they were the first time): a question's rows stop where the answer starts (and, replayed,
-        where the rows whose reads were counted end: ``reads_to``) and need no other limit: the
-        runner computes its exact rows (before ``read_from``) as a span of their own, and each row
-        under the policy reads what it would read alone (``streamkv.attention.picks``). A
+        where the rows whose reads were counted end: ``reads_to``) and need no other limit, as
+        each row under the policy reads what it would read alone (``streamkv.attention.picks``).
+        Its exact rows (before ``read_from``) share a step with them (the runner computes them as
+        a span of their own) only if every page the question scores lies before them: a page's
+        bounds are read before the step writes, so one the step's exact rows fill was scored by
+        what its slots held before (answers then depended on the pool's history: review). A
         request's exact rows (its prompt) stop where the policy starts; the answer's rows go one
         per step, as they did, so each recomputed row's reads and recall sample are reported as
         they were. A write policy's chunks stop at its point and its ring takes one row per step."""
@@ -165,7 +168,8 @@ class Sequence:
             limits.append(1 if self.layout is not None else self.write_point - computed)
         if self.read is not None and self.read_from > 0:
             end = self.num_prompt_tokens
-            if computed < end and self.read_from < end:  # (a replay stops where rows counted before end)
+            joins = self.read_from <= computed or self.read.scored_end(self.read_from, end, block_size) <= computed
+            if computed < end and self.read_from < end and joins:  # (a replay stops where rows counted before end)
                 limits.append((self.reads_to if computed < self.reads_to < end else end) - computed)
             elif computed < self.read_from:
                 limits.append(self.read_from - computed)
