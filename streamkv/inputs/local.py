@@ -81,4 +81,5 @@ class InputHandle:
                 if self._engine.inputs.get_state(self.request_id) != "finished":
                     raise
             self._output = self._engine.run_to_completion([self.request_id])[self.request_id]
+            self._release.detach()  # answered and its output taken: nothing to release (the id must not be aborted later)
         return self._output
