@@ -202,10 +202,11 @@ class SchedulerConfig:
 
     def chunk_for(self, num_prefilling: int) -> int:
         """Most prompt rows one sequence computes in a step where ``num_prefilling`` sequences
-        have prompt rows pending (adaptive), or the static cap."""
-        if self.chunking == "static" or num_prefilling < 1:
+        have prompt rows pending (adaptive; none: the largest adaptive chunk, what the gauge
+        shows between prompts, not the static cap above ``chunk_max_tokens``), or the static cap."""
+        if self.chunking == "static":
             return self.chunk_cap
-        share = self.max_num_batched_tokens // num_prefilling
+        share = self.max_num_batched_tokens // max(1, num_prefilling)
         return min(self.chunk_cap, max(self.chunk_min_tokens, min(self.chunk_max_tokens, share)))
 
     def make_speculator(self, numerics: str = "invariant") -> Any:

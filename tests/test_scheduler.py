@@ -290,6 +290,8 @@ def test_adaptive_chunks_share_the_budget_between_prefilling_sequences():
 
     cfg = SchedulerConfig(max_num_batched_tokens=2048)
     assert [cfg.chunk_for(n) for n in (1, 2, 4, 16, 64)] == [1024, 1024, 512, 128, 128]
+    # between prompts the gauge read 2048, the static cap, above chunk_max_tokens (review)
+    assert cfg.chunk_for(0) == 1024 and SchedulerConfig(chunking="static").chunk_for(0) == 2048
     assert SchedulerConfig(max_num_batched_tokens=2048, chunking="static").chunk_for(4) == 2048
     assert SchedulerConfig(max_num_batched_tokens=2048, max_chunk_tokens=300).chunk_for(1) == 300
     with pytest.raises(ValueError, match="chunking"):

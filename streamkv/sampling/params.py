@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 from streamkv.errors import InvalidRequestError
@@ -20,9 +20,12 @@ def prompt_seed(ids: Sequence[int]) -> int:
     return h
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg: str, param: str | None = None) -> None:
+    """InvalidRequestError(``msg``) unless ``cond``; its ``param`` is ``param`` or the field the
+    message starts with (the 400 body's ``param``)."""
     if not cond:
-        raise InvalidRequestError(msg)
+        head = msg.split(maxsplit=1)[0] if msg else ""
+        raise InvalidRequestError(msg, param=param or (head if head in _FIELDS else None))
 
 
 def _int(value: object) -> bool:
@@ -93,7 +96,7 @@ class SamplingParams:
         _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        _check(len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}")
+        _check(len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}", param="stop")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative")
         _check(self.guided is None or isinstance(self.guided, GuidedSpec), "guided must be a GuidedSpec")
         _check(self.guided is None or not self.ignore_eos,
@@ -112,3 +115,6 @@ class SamplingParams:
     def deterministic(self) -> bool:
         """Output depends only on the prompt and these parameters."""
         return self.greedy or self.seed is not None
+
+
+_FIELDS = frozenset(f.name for f in fields(SamplingParams))

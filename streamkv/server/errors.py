@@ -57,9 +57,22 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errs:
         return "invalid request", None
     first = errs[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":  # its loc is the offset in the body, not a field
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None
+    # the field's path: names and list indices, not the type tags pydantic adds per union branch
+    # ("prompt.str", "temperature.int", "messages.0.content.str": review)
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _type_tag(p)]
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def _type_tag(part: object) -> bool:
+    """A pydantic loc part naming a type or validator (``str``, ``list[int]``,
+    ``function-after[...]``, ``constrained-str``) rather than a field or an index."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or "-" in part)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none", "any"})
 
 
 def install_error_handlers(app: Any) -> None:

@@ -56,7 +56,7 @@ def make_params(**kwargs: Any) -> SamplingParams:
     try:
         return SamplingParams(**clean)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), param=exc.param) from None
 
 
 def chat_prompt_ids(engine: AsyncEngine, messages: list[dict[str, str]]) -> list[int]:
