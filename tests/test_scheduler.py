@@ -1043,3 +1043,68 @@ def test_a_flash_batch_that_cannot_start_whole_starts_question_by_question():
     version = s.data.data_version
     assert s.flash.cached(a.id, version) is not None and s.flash.cached(b.id, version) is not None
     assert not aborted and s.flash.counters["batches"] == 1 and s.flash.counters["evaluations"] == 2
+
+
+def _half_started_batch():
+    """A session whose flash batch of two questions has started one fork; the other waits."""
+    engine, s = _small_session(num_blocks=10, budget=8)
+    flash = engine.sessions.flash
+    a, b = flash.register(s, "xyz", max_tokens=14), flash.register(s, "uvw", max_tokens=14)
+    while not (s.flash.inflight and s.flash.to_start):
+        engine.step()
+    return engine, s, a, b
+
+
+def test_unregistering_a_half_started_batchs_questions_ends_the_batch():
+    # helper-63: to_start kept the unregistered question, so the batch never ended, the engine
+    # never went idle, and a question registered later was never answered at its version
+    engine, s, a, b = _half_started_batch()
+    flash = engine.sessions.flash
+    flash.unregister(s, a.id)
+    flash.unregister(s, b.id)
+    for _ in range(40):
+        engine.step()
+    assert not s.flash.to_start and s.flash.batch_version is None and not engine.has_unfinished()
+    c = flash.register(s, "rst", max_tokens=4)
+    for _ in range(40):
+        engine.step()
+    assert s.flash.cached(c.id, s.data.data_version) is not None
+
+
+def test_a_half_started_batch_releases_its_waiters_when_the_session_goes():
+    # helper-63: a delete (or an offload, which strands the questions not started) left the
+    # waiters queued: an HTTP flash query then waited out its 120 s timeout
+    engine, s, a, b = _half_started_batch()
+    landed: list = []
+    assert engine.sessions.flash.lookup(s, "uvw", landed.append)[0] == "wait"
+    assert engine.sessions.flash.lookup(s, "xyz", landed.append)[0] == "wait"
+    engine.sessions.delete(s.id)
+    for _ in range(10):
+        assert not [o for o in engine.step() if o.request_id.startswith("flash-")]  # none leaks out
+    assert landed == [None, None] and not s.flash.waiters and not engine.sessions.flash._owner
+    engine.check_integrity()
+
+
+def test_offloading_a_half_started_batchs_session_ends_the_batch():
+    engine, s, a, b = _half_started_batch()
+    landed: list = []
+    assert engine.sessions.flash.lookup(s, "uvw", landed.append)[0] == "wait"
+    assert engine.sessions.offload.offload(s) > 0 and s.where != "pool"
+    assert landed == [None] and not s.flash.to_start  # the question falls back to a plain one
+    for _ in range(10):
+        engine.step()
+    engine.check_integrity()
+
+
+def test_a_flash_question_registered_while_a_batch_runs_joins_it():
+    # helper-64: the batch's delivery marked the version evaluated without the new question,
+    # which then had no answer until the next push
+    engine, s = _small_session(num_blocks=32, budget=8)
+    flash = engine.sessions.flash
+    flash.register(s, "xyz", max_tokens=6)
+    while not s.flash.inflight:
+        engine.step()
+    late = flash.register(s, "uvw", max_tokens=6)
+    for _ in range(40):
+        engine.step()
+    assert s.flash.cached(late.id, s.data.data_version) is not None and s.flash.counters["batches"] == 1

@@ -260,7 +260,6 @@ class Engine(PromptChecks):
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns outputs of requests that progressed or ended."""
         self._release_dropped()
-        self.inputs.maintain()  # the input TTL, for in-process handles too (the server's loop also runs it when idle)
         outputs, self._pending = self._pending, []
         self.sessions.before_step()
         self.spans.before_step()

@@ -20,8 +20,9 @@ class InputHandle:
     steps so the arrived input is prefilled while more is coming. The engine keeps the
     final output for :meth:`result` (``Engine.keep_output``), whoever steps it meanwhile.
     :meth:`abort` gives the request up; so does dropping the handle (its KV, its place among
-    ``max_input_streams`` and its kept output go back at the next step), and an input left
-    unchanged for ``input_stream_ttl_s`` is aborted as on the server.
+    ``max_input_streams`` and its kept output go back at the next step). ``input_stream_ttl_s``
+    is the server's (its loop expires streams no client changed): in-process, the handle's owner
+    may be busy in another engine call for any time, so nothing expires its input.
     """
 
     def __init__(self, engine: "EngineCore", request_id: str) -> None:

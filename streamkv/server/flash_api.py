@@ -112,5 +112,8 @@ async def wait_for_flash(engine: AsyncEngine, session_id: str, question: str, t0
         return flash_result(ans, session_id, t0)
     if kind == "miss":
         return None
-    ans = await asyncio.wait_for(fut, WAIT_TIMEOUT_S)
+    try:
+        ans = await asyncio.wait_for(fut, WAIT_TIMEOUT_S)
+    except asyncio.TimeoutError:  # the evaluation did not land in time: a plain question (it was a 500)
+        return None
     return flash_result(ans, session_id, t0) if ans is not None else None

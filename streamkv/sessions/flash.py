@@ -157,14 +157,21 @@ class FlashEvaluator:
         flash.questions[fq.id] = fq
         flash.reindex()
         flash.evaluated_version = -1  # evaluate the new question at the current version
+        if flash.batch_version is not None and flash.batch_version == session.data.data_version:
+            flash.to_start.append(fq.id)  # it joins the batch in flight, whose delivery marks the version evaluated
         self.manager.offload.flash_changed(session)
         return fq
 
     def unregister(self, session: Session, question_id: str) -> None:
-        if session.flash.questions.pop(question_id, None) is None:
+        flash = session.flash
+        if flash.questions.pop(question_id, None) is None:
             raise InvalidRequestError(f"flash question {question_id!r} does not exist")
-        session.flash.cache.pop(question_id, None)
-        session.flash.reindex()
+        flash.cache.pop(question_id, None)
+        flash.reindex()
+        if question_id in flash.to_start:  # a batch still starting: it no longer waits for this one
+            flash.to_start.remove(question_id)
+            if not flash.to_start and not flash.inflight:
+                self._deliver(session)
         self.manager.offload.flash_changed(session)
 
     # ---------------------------------------------------------------- evaluation
@@ -250,13 +257,19 @@ class FlashEvaluator:
 
     def abort_all(self, session: Session) -> None:
         """End the batch: its forks still running are aborted, and stay owned until their abort
-        output comes (:meth:`collect` takes it; it came out of ``engine.step`` as a client's)."""
-        for rid in list(session.flash.inflight):
+        output comes (:meth:`collect` takes it; it came out of ``engine.step`` as a client's);
+        every waiter is released with None (it falls back to a plain question; a deleted
+        session's waited for its timeout)."""
+        flash = session.flash
+        for rid in list(flash.inflight):
             if not self.engine.abort(rid):
                 self._owner.pop(rid, None)
-        session.flash.inflight.clear()
-        session.flash.to_start.clear()
-        session.flash.batch_version, session.flash.batch_answers = None, []
+        flash.inflight.clear()
+        flash.to_start.clear()
+        flash.batch_version, flash.batch_answers = None, []
+        waiters, flash.waiters = flash.waiters, []
+        for waiter in waiters:
+            waiter[2](None)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------- lookup
     def lookup(self, session: Session, question: str,

@@ -92,6 +92,8 @@ class Offloader:
         stream = session.stream
         if stream is None or not self.idle(session):
             return 0
+        if session.flash.to_start:  # a batch still starting would wait for its return: end it
+            self.manager.flash.abort_all(session)
         free = self.engine.pool.num_free
         session.host_kv = self.engine.seq_ops.export(stream, len(stream.tokens))
         session.host_q = self.engine.seq_ops.queries(stream)
