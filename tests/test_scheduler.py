@@ -1096,9 +1096,10 @@ def test_offloading_a_half_started_batchs_session_ends_the_batch():
     engine.check_integrity()
 
 
-def test_a_flash_question_registered_while_a_batch_runs_joins_it():
+def test_a_flash_question_registered_while_a_batch_runs_is_answered_at_that_version():
     # helper-64: the batch's delivery marked the version evaluated without the new question,
-    # which then had no answer until the next push
+    # which then had no answer until the next push; a next batch answers only it (joining the
+    # running batch instead stranded it when the session was offloaded meanwhile: helper-65)
     engine, s = _small_session(num_blocks=32, budget=8)
     flash = engine.sessions.flash
     flash.register(s, "xyz", max_tokens=6)
@@ -1107,4 +1108,24 @@ def test_a_flash_question_registered_while_a_batch_runs_joins_it():
     late = flash.register(s, "uvw", max_tokens=6)
     for _ in range(40):
         engine.step()
-    assert s.flash.cached(late.id, s.data.data_version) is not None and s.flash.counters["batches"] == 1
+    assert s.flash.cached(late.id, s.data.data_version) is not None
+    assert s.flash.counters["batches"] == 2 and s.flash.counters["evaluations"] == 2  # nothing evaluated twice
+    assert s.flash.evaluated_version == s.data.data_version and not engine.has_unfinished()
+
+
+def test_a_question_registered_after_its_sessions_offload_mid_batch_strands_nothing():
+    # helper-65: a question joining the running batch of a session offloaded meanwhile kept the
+    # batch from ever delivering: the answer already computed was never stored, its waiter never
+    # released, and the engine idle
+    engine, s = _small_session(num_blocks=12, budget=8)
+    flash = engine.sessions.flash
+    a = flash.register(s, "xyz", max_tokens=14)
+    while not (s.flash.inflight and not s.flash.to_start):
+        engine.step()
+    landed: list = []
+    assert flash.lookup(s, "xyz", landed.append)[0] == "wait"
+    assert engine.sessions.offload.offload(s) > 0
+    flash.register(s, "uvw", max_tokens=4)
+    stray = [o.request_id for _ in range(80) for o in engine.step()]
+    assert not stray and len(landed) == 1 and landed[0] is not None
+    assert s.flash.cached(a.id, s.data.data_version) is not None and not s.flash.waiters
