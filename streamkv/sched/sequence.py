@@ -168,8 +168,9 @@ class Sequence:
             limits.append(1 if self.layout is not None else self.write_point - computed)
         if self.read is not None and self.read_from > 0:
             end = self.num_prompt_tokens
-            joins = self.read_from <= computed or self.read.scored_end(self.read_from, end, block_size) <= computed
-            if computed < end and self.read_from < end and joins:  # (a replay stops where rows counted before end)
+            question = computed < end and self.read_from < end
+            if question and (self.read_from <= computed  # (a replay stops where rows counted before end)
+                             or self.read.scored_end(self.read_from, end, block_size) <= computed):
                 limits.append((self.reads_to if computed < self.reads_to < end else end) - computed)
             elif computed < self.read_from:
                 limits.append(self.read_from - computed)

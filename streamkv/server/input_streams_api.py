@@ -243,7 +243,8 @@ async def _sse(state: ServerState, request: Request, head: dict[str, Any], handl
     # the chunks a plain request's stream has: the extension on the finished choice's chunk (a
     # chunk of its own, with no choices, broke clients reading choices[0]: review), the usage
     # chunk only if asked for, with what the stream computed
-    ends = ChunkEnds(extension=lambda out: {"streamkv": _extension(out)}, usage=lambda counted: _usage(last[0], info) if last else counted)
+    ends = ChunkEnds(extension=lambda out: {"streamkv": _extension(out)},
+                     usage=lambda counted: _usage(last[0], info) if last else counted)
     if chat:
         head = {**head, "object": "chat.completion.chunk"}
         chunks = chat_chunks(state, request, head, pairs(), 1, info["tokens"], include_usage, ends=ends)

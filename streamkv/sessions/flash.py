@@ -170,8 +170,7 @@ class FlashEvaluator:
         flash.reindex()
         if question_id in flash.to_start:  # a batch still starting: it no longer waits for this one
             flash.to_start.remove(question_id)
-            if not flash.to_start and not flash.inflight:
-                self._deliver(session)
+            self._deliver_if_done(session)
         self.manager.offload.flash_changed(session)
 
     # ---------------------------------------------------------------- evaluation
@@ -212,8 +211,7 @@ class FlashEvaluator:
                 flash.inflight[rid] = fq.id
                 self._owner[rid] = session
             flash.to_start.pop(0)
-        if not flash.inflight:  # every fork started already answered
-            self._deliver(session)
+        self._deliver_if_done(session)  # (every fork started may have answered already)
 
     def collect(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Take finished flash outputs out of a step's outputs; returns the others."""
@@ -236,7 +234,11 @@ class FlashEvaluator:
             flash.batch_answers.append(FlashAnswer(
                 fq.id, fq.question, out.text, list(out.token_ids), flash.batch_version or 0, confidence(out),
                 out.finish_reason, len(out.prompt_token_ids), (time.perf_counter() - flash.batch_started) * 1e3))
-        if not flash.inflight and not flash.to_start:
+        self._deliver_if_done(session)
+
+    def _deliver_if_done(self, session: Session) -> None:
+        """Deliver the batch once every question has started and answered."""
+        if not session.flash.inflight and not session.flash.to_start:
             self._deliver(session)
 
     def _deliver(self, session: Session) -> None:

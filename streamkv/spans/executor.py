@@ -74,10 +74,11 @@ class SpanQueries:
             raise SpanQueryError("query", f"the root must be a gen or chat node, got {sent}")
         plan = lower(optimized, self.renderer, self.engine.max_model_len)
         check_ids(plan, self.engine.bundle.vocab_size)  # type: ignore[attr-defined]
-        if self._need(plan) > self.engine.pool.num_blocks:
+        need = self._need(plan)
+        if need > self.engine.pool.num_blocks:
             raise SpanQueryError("query", f"the query needs up to {held_rows(plan)} rows of KV at once ({plan.max_len()} "
                                       f"tokens, operands also as their placed copies, once per plus level): "
-                                      f"{self._need(plan)} blocks; the KV cache holds {self.engine.pool.num_blocks}")
+                                      f"{need} blocks; the KV cache holds {self.engine.pool.num_blocks}")
         return optimized, plan
 
     def _need(self, plan: SpanPlan) -> int:
