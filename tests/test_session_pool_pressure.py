@@ -733,3 +733,30 @@ def test_a_ready_fork_that_finds_no_free_block_is_not_work_to_step_for(tmp_path)
     engine.step()
     assert state.ready is not None and not engine.has_unfinished()
     engine.check_integrity()
+
+
+def test_a_flash_batch_due_after_its_ready_fork_was_closed_forks_the_stream(tmp_path):
+    # the last-resort close under pressure keeps ready_version (a new ready fork waits for the
+    # next version, so the close does not thrash): the flash batch due at that version waited for
+    # a ready fork that never came, and the engine stepped, doing nothing, until the next push
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    engine, manager = llm.engine, llm.engine.sessions
+    session = llm.session("s", chat=False, retention_tokens=60)
+    session.push(["a record of some data"])
+    session.ingest()
+    state = manager.get(session.id)
+    manager.ready_forks.close(state)
+    assert state.ready is None and not manager.ready_forks.stale(state)
+    qid = session.register_flash("what?", max_tokens=4)
+    for _ in range(40):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    answer = session.flash_answers()[qid]
+    assert answer.data_version == state.data.data_version
+    engine.sessions.query(session.id, "plain", "what?", SamplingParams(max_tokens=4, temperature=0))
+    plain = engine.run_to_completion(["plain"])["plain"]
+    assert answer.token_ids == plain.token_ids
+    engine.check_integrity()

@@ -190,9 +190,11 @@ class FlashEvaluator:
         if flash.batch_version is not None and not flash.to_start:
             return  # in flight
         ready = session.ready
-        if session.layout.prefix and (ready is None or session.ready_version != data.data_version
-                                      or not self.engine.seq_ops.is_idle(ready)):
+        if ready is not None and (session.ready_version != data.data_version or not self.engine.seq_ops.is_idle(ready)):
             return  # fork from the computed ready sequence, exactly as a standard query does
+        # (none open: refresh, just before, could not open one, or pressure closed it until the
+        # next version; the forks take the stream, as a query does, with the same answer. A batch
+        # that waited for one stepped the engine, doing nothing, until the next push: review)
         version = data.data_version
         if flash.batch_version is None:
             if flash.evaluated_version >= 0:
