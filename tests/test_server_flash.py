@@ -95,7 +95,11 @@ def test_flash_hit_needs_no_model_step(server):
     with Client(server.url) as c:
         sess = c.create_session(system="Log.", retention_tokens=500, flash=[{"question": Q1, "max_tokens": 6}])
         sess.push(["reading 1: 10"])
-        _wait(lambda: c.request("GET", f"/v1/sessions/{sess.id}/flash")["data"][0]["latest"] is not None)
+        # the pushed version's answer, not version 0's (the system prompt alone): a query while
+        # version 1's batch ran waited for it, no hit, and the step count moved (a loaded CPU's
+        # slow step passed for idle)
+        _wait(lambda: (c.request("GET", f"/v1/sessions/{sess.id}/flash")["data"][0]["latest"] or {})
+              .get("data_version") == 1)
         steps, hits = idle_steps(server.url), metric(server.url, "streamkv_flash_hits_total")
         for _ in range(30):
             answer = sess.query(Q1, max_tokens=6)
