@@ -15,7 +15,7 @@ DECODE_WEIGHTS = ("auto", "dense", "q4")
 MAX_THREADS = 4096  # well past any CPU's cores: 100,000 failed to start its threads, 1e20 overflowed a C long
 
 
-def _check_types(config: object) -> None:
+def check_types(config: object) -> None:
     """ValueError for a field whose value is not of its annotated kind (``int``, ``float``,
     ``bool``, ``str``, each maybe ``| None``): Python callers (``LLM(...)``) pass values the CLI
     would have parsed, and ``"false"`` for a bool, 2.5 for a count or NaN must not get through
@@ -47,7 +47,7 @@ class ModelConfig:
                 "torch's int4 kernel; auto = q4 for such GGUFs in bfloat16 on CPU"})
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.decode_weights not in DECODE_WEIGHTS:
@@ -81,7 +81,7 @@ class CacheConfig:
                 "them; off by default: OpenAI clients expect variety without a seed. A request's seed wins"})
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size > 1024:
@@ -166,7 +166,7 @@ class SchedulerConfig:
         "a sequence whose running draft acceptance falls below this stops drafting (it probes now and then)")})
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         from streamkv.sched.policies import make_queue_policy
 
         from streamkv.sched.preemption import make_preemption
@@ -237,14 +237,14 @@ class RuntimeConfig:
 
     kernels: str = field(default="auto", metadata={"unit": "KIND=PATH,...", 
         "help": "auto | KIND=PATH,...: kernels are chosen by measurement at first start and cached per CPU "
-                "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense, gemm=amx|avx512, "
+                "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense|deq, gemm=amx|avx512, "
                 "lm_head=q8|dense, attention=bf16|f32|amx, prefill_attention=native|sdpa"})
 
     step_log: str | None = field(default=None, metadata={"unit": "PATH", "help": "append one JSON line per engine "
                                   "step (its sequences, rows, classes and seconds) to PATH, for diagnosis"})
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         from streamkv.native.tuning import parse_kernels
 
         parse_kernels(self.kernels)  # ValueError naming the problem
@@ -260,7 +260,7 @@ class RuntimeConfig:
         if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
                                          or not 1 <= self.threads <= MAX_THREADS):
             raise ValueError(f"threads must be an integer in [1, {MAX_THREADS}], got {self.threads!r}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+        if self.device not in ("cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdecimal()):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
 
 
@@ -279,7 +279,7 @@ class SessionConfig:
                 "dir on its first request instead (the cluster ingress decides which replica owns it)"})
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if self.adopt_sessions and not self.session_dir:
             raise ValueError("adopt_sessions needs a session_dir (the shared directory sessions are adopted from)")
         if self.max_sessions < 1:
@@ -299,7 +299,7 @@ class InputStreamConfig:
                 "aborted and its KV freed"})
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if self.max_input_streams < 1:
             raise ValueError(f"max_input_streams must be >= 1, got {self.max_input_streams}")
         if not self.input_stream_ttl_s > 0:
@@ -320,7 +320,7 @@ class KVPolicyConfig:
                 "\"budget_tokens\": 1024}' (quest | recent | none): each step reads only the best pages"})
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         self.write_policy, self.read_policy  # noqa: B018  (validates: ValueError with the problem)
 
     @property
@@ -361,7 +361,7 @@ class EngineConfig:
     kv_policies: KVPolicyConfig = field(default_factory=KVPolicyConfig)
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_types(self)
         if self.scheduler.speculation == "pld" and self.runtime.numerics != "invariant":
             raise ValueError("speculation needs numerics=invariant: only there does a verified chunk row "
                              "compute exactly what a decode row does (so the output stays unchanged)")

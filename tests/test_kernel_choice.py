@@ -166,13 +166,38 @@ def test_measured_once_then_read_from_the_cache(shapes, tmp_path, monkeypatch):
                     json.dumps({**g, "rows": {k: "many" for k in measured}}),
                     *(json.dumps({**g, "timings": {**g["timings"], k0: t}}) for t in bad_timings),
                     *(json.dumps({**g, "rows": r}) for r in bad_rows)):
-        files[0].write_text(damaged)  # a damaged cache is measured again, not trusted
+        files[0].write_text(damaged)  # a damaged kind is measured again, not trusted (k0 is damaged in each)
         third = choose(shapes, {})
-        assert all(third.source[k] == "measured" for k in measured), (damaged, third.source)
+        assert third.source[k0] == "measured" and all(third.source[k] in ("measured", "cached") for k in measured), \
+            (damaged, third.source)
         assert all(third.paths[k] in runnable(shapes)[k] for k in measured)
     last = next((tmp_path / "kernels").glob("last-*.json"))
     last.write_text(json.dumps({"paths": {k0: [g["paths"][k0]]}, "timings": {}}))  # crashed every start (a
     assert choose(shapes, {}, retune=True).source[k0] == "measured"                 # list is unhashable)
+
+
+def test_a_run_that_forced_a_kind_leaves_the_next_start_only_the_forced_kind_to_measure(tmp_path, monkeypatch):
+    """A forced run on an empty cache measured the other kinds and wrote them alone under the
+    unforced key; the next plain start found the forced kind missing, warned that the cache names
+    paths that cannot run here, and measured every kind again (review)."""
+    shapes = next((s for s in (TINY, TINY_F32) if sum(len(v) > 1 for v in runnable(s).values()) >= 2), None)
+    if shapes is None:
+        pytest.skip("fewer than two kernel kinds have two runnable paths on this CPU")
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    kinds = [k for k, v in runnable(shapes).items() if len(v) > 1 and k != "gemm"]
+    forced = {kinds[0]: runnable(shapes)[kinds[0]][-1]}
+    timed: list[str] = []
+    from streamkv.native import kernel_bench
+    real = kernel_bench.measure
+    monkeypatch.setattr(kernel_bench, "measure", lambda kind, *a: timed.append(kind) or real(kind, *a))
+    first = choose(shapes, forced)
+    assert first.source[kinds[0]] == "forced" and kinds[0] not in timed
+    timed.clear()
+    plain = choose(shapes, {})
+    assert timed == [kinds[0]] and plain.source[kinds[0]] == "measured"
+    assert all(plain.source[k] == "cached" and plain.paths[k] == first.paths[k] for k in kinds[1:])
+    timed.clear()
+    assert choose(shapes, {}).source == {**plain.source, **{k: "cached" for k in kinds}} and timed == []
 
 
 def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_start(tmp_path, monkeypatch):
@@ -360,6 +385,17 @@ def test_a_4bit_path_on_a_model_without_4bit_weights_names_the_flag_that_asked(t
     assert cli_main(["info", "--model", tiny_gguf, "--decode-weights", "q4", "--dtype", "float32",
                      "--numerics", "fast"]) == 2
     assert "decode_weights=q4 cannot run here" in capsys.readouterr().err
+
+
+def test_a_kind_that_cannot_run_beside_linear_q4_is_the_one_named(tiny_gguf, capsys):
+    """With linear=q4 forced, any other forced kind that could not run was reported as linear=q4
+    needing the native 4-bit kernel (with wrong advice) though linear=q4 alone ran (review).
+    prefill_attention is fast numerics' only: it cannot run under invariant numerics anywhere."""
+    for dtype in ("float32", "bfloat16"):
+        assert cli_main(["info", "--model", tiny_gguf, "--dtype", dtype,
+                         "--kernels", "prefill_attention=sdpa,linear=q4"]) == 2
+        err = capsys.readouterr().err
+        assert "prefill_attention=sdpa cannot run here" in err and "4-bit" not in err, err
 
 
 def test_a_thread_count_past_what_can_start_is_refused():

@@ -1,7 +1,11 @@
 """The cluster's own frozen config (``streamkv serve --replicas N ...``)."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
+
+from streamkv.config import MAX_THREADS, check_types
 
 
 @dataclass(frozen=True)
@@ -30,12 +34,13 @@ class ClusterConfig:
                                                     "is installed (about 1 ms per request instead of about 5)"})
 
     def __post_init__(self) -> None:
+        check_types(self)  # NaN too: a NaN move_timeout_s answered every request waiting on a move 503 at once
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
-        if self.replica_threads < 1:
-            raise ValueError(f"replica_threads must be >= 1, got {self.replica_threads}")
-        if self.poll_interval_s <= 0:
-            raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
+        if not 1 <= self.replica_threads <= MAX_THREADS:  # (each replica's engine threads: checked here, not in Ray)
+            raise ValueError(f"replica_threads must be in [1, {MAX_THREADS}], got {self.replica_threads}")
+        if not 0 < self.poll_interval_s < math.inf:
+            raise ValueError(f"poll_interval_s must be > 0 and finite, got {self.poll_interval_s}")
         if self.move_timeout_s <= 0:
             raise ValueError(f"move_timeout_s must be > 0, got {self.move_timeout_s}")
         if not 0 <= self.rebalance_kv_free < 0.5:

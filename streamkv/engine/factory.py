@@ -81,7 +81,8 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
     try:
         return choose(shapes, forced, retune)
     except ValueError as exc:
-        if forced.get("linear") == "q4" and config.runtime.numerics == "invariant":
+        if (forced.get("linear") == "q4" and config.runtime.numerics == "invariant"
+                and str(exc).startswith("kernels: linear=")):  # (another kind's refusal names that kind)
             raise ValueError(f"{asked} with numerics=invariant needs the native 4-bit kernel "
                              "(AVX512-BF16 CPUs for bfloat16; float32 on any CPU with a C compiler); "
                              "use numerics=fast or decode_weights=dense") from exc
@@ -154,6 +155,8 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     from streamkv.loading import load_checkpoint
 
     device = torch.device(config.runtime.device)
+    if device.type == "cuda" and not torch.cuda.is_available():  # (torch asserted deep in the first copy)
+        raise ValueError(f"device={config.runtime.device}: this torch {torch.__version__} sees no CUDA device")
     set_threads(config)
     dtype = resolve_dtype(config.model.dtype, device)
     ckpt = load_checkpoint(config.model.model, dtype=dtype, show_progress=show_progress)

@@ -264,20 +264,18 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
     path = _cache_dir() / f"{_cache_key(s, _shaping(forced, allowed))}.json"
     with _lock(path.with_suffix(".lock")):  # a concurrent start waits, then reads this measurement
         cached = None if retune else _read(path)
-        if cached is not None and _valid(cached, s, kinds, allowed):
-            cached.paths = {k: cached.paths[k] for k in kinds}
-            cached.rows = {k: v for k, v in cached.rows.items() if k in kinds}
-            cached.source = {k: "cached" for k in kinds}
-            return cached
-        if cached is not None:
-            log.warning("the cached kernel choice %s names paths that cannot run here: measuring again", path)
+        have = _still_valid(cached, s, kinds, allowed)
+        choice = _subset(cached, have) if cached is not None else KernelChoice()
+        if len(have) == len(kinds):
+            return choice
+        if cached is not None and any(k in cached.paths for k in kinds if k not in have):
+            log.warning("the cached kernel choice %s names paths that cannot run here: measuring them again", path)
         t0 = time.perf_counter()
         from streamkv.native.kernel_bench import measure
 
         last_path = _cache_dir() / f"last-{_cache_key(s, {}, build=False)}.json"
         last = _read(last_path)
-        choice = KernelChoice()
-        for kind in kinds:  # gemm first: the dense candidates of the other kinds use its choice
+        for kind in (k for k in kinds if k not in have):  # gemm first: the others' dense candidates use it
             choice.timings[kind] = measure(kind, s, {**forced, **choice.paths})
             choice.source[kind] = "measured"
             if is_exact(s, kind):  # same bits either way: switch by row count, no near-tie rule
@@ -294,7 +292,7 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
                     choice.rows[kind] = rows
                 continue
             choice.paths[kind] = pick(choice.timings[kind], prefer=prefer)
-        _write(path, choice)
+        _write(path, _merged(cached, choice))  # (a run that forced some kinds measured only the rest)
         _write(last_path, _merged(last, choice))  # the kinds not measured now keep their last choice
         log.info("kernels measured in %.1f s: %s", time.perf_counter() - t0, choice.describe())
         return choice
@@ -322,6 +320,20 @@ def _shaping(forced: dict[str, str], allowed: dict[str, list[str]]) -> dict[str,
     """The forced paths that change other kinds' measurements (``kernel_bench.measure``'s
     ``chosen``: gemm), where the kind has more than one path."""
     return {k: v for k, v in forced.items() if k == "gemm" and len(allowed.get(k, ())) > 1}
+
+
+def _still_valid(cached: KernelChoice | None, s: ModelShapes, kinds: list[str],
+                 allowed: dict[str, list[str]]) -> list[str]:
+    """The ``kinds`` a cached choice still decides: each that it covers validly (a run that forced
+    a kind wrote the others only, and the next start measured them all again), none where gemm
+    must be measured (the others' dense candidates were timed on its choice)."""
+    have = [k for k in kinds if cached is not None and _valid(cached, s, [k], allowed)]
+    return [] if "gemm" in kinds and "gemm" not in have else have
+
+
+def _subset(cached: KernelChoice, kinds: list[str]) -> KernelChoice:
+    return KernelChoice({k: cached.paths[k] for k in kinds}, {k: cached.timings[k] for k in kinds},
+                        {k: "cached" for k in kinds}, {k: v for k, v in cached.rows.items() if k in kinds})
 
 
 def _merged(last: KernelChoice | None, new: KernelChoice) -> KernelChoice:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from streamkv.config import check_types
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -24,6 +26,7 @@ class ServerConfig:
                                    "threads are busy"})
 
     def __post_init__(self) -> None:
+        check_types(self)  # NaN and strings too: NaN as shutdown_timeout aborted every request at once
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_waiting < 1:

@@ -36,7 +36,10 @@ class StoredSession:
 class SessionStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a path nobody can create: the flag's error, not a traceback
+            raise ValueError(f"session_dir {str(root)!r} cannot be created: {exc.strerror or exc}") from None
         self._logs: dict[str, Any] = {}
 
     def _dir(self, session_id: str) -> Path:
