@@ -6,6 +6,7 @@ metadata entry becomes a ``--flag``.
 from __future__ import annotations
 
 import math
+import re
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,7 +261,7 @@ class RuntimeConfig:
         if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
                                          or not 1 <= self.threads <= MAX_THREADS):
             raise ValueError(f"threads must be an integer in [1, {MAX_THREADS}], got {self.threads!r}")
-        if self.device not in ("cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdecimal()):
+        if not re.fullmatch(r"cpu|cuda(:(0|[1-9][0-9]*))?", self.device, flags=re.ASCII):  # as torch parses it
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
 
 

@@ -14,7 +14,7 @@ def tiny(tmp_path_factory) -> str:
     return str(make_tiny_hf_checkpoint(tmp_path_factory.mktemp("m"), "llama"))
 
 
-@pytest.mark.parametrize("device", ["cuda:abc", "cuda:-1", "cuda:", "cpu:0"])
+@pytest.mark.parametrize("device", ["cuda:abc", "cuda:-1", "cuda:", "cpu:0", "cuda:01", "cuda:\u0663"])
 def test_a_malformed_device_is_refused_by_name(tiny, device, capsys):
     # cuda:abc passed the check and torch raised "Invalid device string" from the engine factory
     assert cli_main(["generate", "--model", tiny, "--numerics", "fast", "--device", device, "hi"]) == 2

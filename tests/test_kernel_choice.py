@@ -200,6 +200,35 @@ def test_a_run_that_forced_a_kind_leaves_the_next_start_only_the_forced_kind_to_
     assert choose(shapes, {}).source == {**plain.source, **{k: "cached" for k in kinds}} and timed == []
 
 
+def test_kinds_timed_on_an_older_gemm_choice_are_not_kept_beside_a_new_one(tmp_path, monkeypatch):
+    """A cache whose gemm entry was damaged, then a run that forced lm_head: gemm was measured
+    again (another winner) and the cached lm_head, timed on the old gemm, was written back beside
+    it, so every later start ran a choice nobody measured (review). An AMX machine, faked."""
+    from streamkv.native import kernel_bench, tuning
+
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    allowed = {"gemm": ["amx", "avx512"], "lm_head": ["q8", "dense"]}
+    monkeypatch.setattr(tuning, "runnable", lambda s: allowed)
+    monkeypatch.setattr(tuning, "_measurable", lambda s, k: True)
+    winner = ["amx"]
+
+    def measure(kind, s, chosen):  # q8 wins beside amx, dense beside avx512
+        if kind == "gemm":
+            return {p: {"decode x1": 1.0 if p == winner[0] else 5.0} for p in allowed["gemm"]}
+        return {p: {"decode x1": 1.0 if (p == "q8") == (chosen.get("gemm") == "amx") else 3.0} for p in allowed[kind]}
+    monkeypatch.setattr(kernel_bench, "measure", measure)
+    shapes = ModelShapes(64, 128, 4, 2, 16, 384, 2, "invariant", True, True, True)
+    assert choose(shapes, {}).paths == {"gemm": "amx", "lm_head": "q8"}
+    f = next(p for p in (tmp_path / "kernels").glob("*.json") if not p.name.startswith("last-"))
+    damaged = json.loads(f.read_text())
+    del damaged["timings"]["gemm"]
+    f.write_text(json.dumps(damaged))
+    winner[0] = "avx512"
+    assert choose(shapes, {"lm_head": "dense"}).paths == {"gemm": "avx512", "lm_head": "dense"}
+    plain = choose(shapes, {})
+    assert plain.paths == {"gemm": "avx512", "lm_head": "dense"} and plain.source["lm_head"] == "measured"
+
+
 def test_a_cache_directory_that_cannot_be_written_costs_the_cache_not_the_start(tmp_path, monkeypatch):
     """The kernels folder a plain file, or the choice's file a directory: the start measured and
     then crashed (FileExistsError, IsADirectoryError); now it measures and runs uncached."""

@@ -292,7 +292,10 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
                     choice.rows[kind] = rows
                 continue
             choice.paths[kind] = pick(choice.timings[kind], prefer=prefer)
-        _write(path, _merged(cached, choice))  # (a run that forced some kinds measured only the rest)
+        # a run that forced some kinds measured only the rest: the cached ones are kept, unless
+        # gemm was measured now (they were timed on the old gemm choice: review)
+        _write(path, _merged(None if choice.source.get("gemm") == "measured" else cached,
+                             choice))
         _write(last_path, _merged(last, choice))  # the kinds not measured now keep their last choice
         log.info("kernels measured in %.1f s: %s", time.perf_counter() - t0, choice.describe())
         return choice
