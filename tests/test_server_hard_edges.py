@@ -192,3 +192,22 @@ def test_access_log_line_per_request(server, model):
         time.sleep(0.1)
     assert expected in server.log_text()
     assert "GET /health 200 tokens=-" in server.log_text()
+
+
+def test_a_client_that_leaves_a_stream_is_logged_and_counted_as_499(server, model):
+    # the response had begun, so its last body message never went out: no access-log line and
+    # no streamkv_requests_total sample at all (helper-69: 126 dropped streams of a soak uncounted)
+    before = metric(server.url, "streamkv_requests_total", AUTH, where='status="499"')
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60, headers=AUTH) as c, c.stream("POST", server.url + "/v1/completions", json=body) as r:
+        frames = 0
+        for line in r.iter_lines():
+            frames += line.startswith("data: ")
+            if frames >= 3:
+                break
+    deadline = time.time() + 30
+    while metric(server.url, "streamkv_requests_total", AUTH, where='status="499"') == before:
+        assert time.time() < deadline, "the dropped stream was never counted"
+        time.sleep(0.1)
+    assert "POST /v1/completions 499 " in server.log_text()

@@ -178,19 +178,29 @@ def test_an_offloaded_sessions_question_preempts_running_requests_to_come_back(t
     llm.engine.check_integrity()
 
 
-def test_a_push_refused_for_want_of_blocks_is_not_applied(tmp_path):
-    # a push to an offloaded session that found no room to restore it answered 429 after its
-    # records were already accepted as a new version (helper-29: versions = pushes + 429s + 1), so
-    # a client retrying the 429 pushed them twice
+def test_a_push_to_an_offloaded_session_with_no_room_is_queued_once_and_ingested_later(tmp_path):
+    # a push to an offloaded session that found no room to restore it was refused (429) after its
+    # records were accepted as a new version (helper-29: versions = pushes + 429s + 1); then it was
+    # refused before anything was accepted, and beside steady traffic a client retried for 40 s
+    # and more (helper-69): each block a finishing request freed went to the next request first.
+    # Now the records queue while the session stays offloaded; it comes back to ingest them
     llm, session, _ = _session_beside_requests(tmp_path, offload=True)
     engine = llm.engine
     s = engine.sessions.get(session.id)
     version, pushed = s.data.data_version, s.data.counters.records_pushed
-    with pytest.raises(QueueFullError):
-        engine.sessions.push(session.id, ["one more record"])
-    assert (s.data.data_version, s.data.counters.records_pushed, len(s.data.queue)) == (version, pushed, 0)
-    engine.run_to_completion(["r0", "r1"])
     assert engine.sessions.push(session.id, ["one more record"])["data_version"] == version + 1
+    assert (s.where, s.data.counters.records_pushed, len(s.data.queue)) == ("host", pushed + 1, 1)
+    _requests_as_alone(llm)
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert (s.data.data_version, len(s.data.queue)) == (version + 1, 0)  # (idle since: maybe offloaded again)
+    fresh = llm.session("s", chat=False, retention_tokens=60)
+    fresh.push([f"record {i} of some data" for i in range(6)])
+    fresh.push(["one more record"])
+    fresh.ingest()
+    assert session.query("what?", max_tokens=4).token_ids == fresh.query("what?", max_tokens=4).token_ids
     engine.check_integrity()
 
 

@@ -41,14 +41,15 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = {"code": 500}
+        status = {"code": 500, "started": False, "logged": False}
         path = scope.get("path", "")
 
         async def send_logged(message: dict) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
+                status["logged"] = True
                 self._log(scope, path, status["code"], start)
 
         if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
@@ -84,6 +85,9 @@ class GuardMiddleware:
             await self.app(scope, receive_limited, send_guarded)
         except _TooLarge:
             await send_guarded({})
+        finally:  # a response begun and never ended: the client left mid-stream (no line, no count
+            if status["started"] and not status["logged"]:  # before; a plain request's is a 499)
+                self._log(scope, path, 499, start)
 
     def _authorized(self, scope: dict) -> bool:
         headers = dict(scope.get("headers") or [])

@@ -148,7 +148,10 @@ class SessionManager:
         if data.spec.overflow != "drop_oldest" and not data.fits(total):
             raise QueueFullError(f"session queue holds {data.queued_tokens} of {data.spec.max_queue_tokens} "
                                  f"tokens; {total} more do not fit", retry_after=1.0)
-        self.offload.ensure_resident(session)  # before anything is accepted: a refusal (429) changes nothing
+        try:  # restored now where the pool holds it, else queued while offloaded: `_bring_back`
+            self.offload.ensure_resident(session)  # restores it before a step once there is room
+        except QueueFullError:  # (refused with a 429, a push beside steady traffic retried for 40 s
+            pass  # and more: the blocks a finishing request freed went to the next one first: review)
         version = data.next_version()
         dropped = data.accept([Record(version, x, t) for x, t in zip(ids, records)])
         data.counters.records_pushed += len(records)
