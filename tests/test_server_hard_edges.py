@@ -211,3 +211,40 @@ def test_a_client_that_leaves_a_stream_is_logged_and_counted_as_499(server, mode
         assert time.time() < deadline, "the dropped stream was never counted"
         time.sleep(0.1)
     assert "POST /v1/completions 499 " in server.log_text()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["client-left", "route-failed"])
+def test_a_response_begun_and_never_ended_is_counted_once(fails):
+    # a route that failed after its first body chunk was counted as 499, the client's doing
+    from streamkv.server.middleware import GuardMiddleware
+
+    seen: list[dict] = []
+
+    class Counter:
+        def labels(self, **labels):
+            seen.append(labels)
+            return self
+
+        def inc(self) -> None:
+            pass
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        if fails:
+            raise RuntimeError("the engine died mid-stream")
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        pass
+
+    guard = GuardMiddleware(app, None, 1 << 20, type("Metrics", (), {"requests": Counter()})())
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": []}
+    if fails:
+        with pytest.raises(RuntimeError):
+            asyncio.run(guard(scope, receive, send))
+    else:
+        asyncio.run(guard(scope, receive, send))
+    assert [s["status"] for s in seen] == ["500" if fails else "499"]

@@ -770,3 +770,34 @@ def test_a_flash_batch_due_after_its_ready_fork_was_closed_forks_the_stream(tmp_
     plain = engine.run_to_completion(["plain"])["plain"]
     assert answer.token_ids == plain.token_ids
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("host_bytes", [0, 1 << 30], ids=["disk", "host"])
+def test_pushes_queued_while_offloaded_keep_their_counts_across_a_restart(tmp_path, host_bytes):
+    # a session offloaded to disk took pushes without coming back (no room); its snapshot's
+    # counters predate them and the log replay queued their records uncounted: pushed 15,
+    # dropped 11 came back as 6 and 4 (review). The records themselves were replayed exactly once
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    opts = dict(model=str(path), dtype="float32", num_blocks=40, block_size=4, session_dir=str(tmp_path / "s"),
+                host_offload_bytes=host_bytes)
+    llm = LLM(**opts)
+    engine = llm.engine
+    session = llm.session("s", chat=False, retention_tokens=60, max_queue_tokens=40)
+    session.push([f"record {i} of some data" for i in range(6)])
+    session.ingest()
+    state = engine.sessions.get(session.id)
+    assert engine.sessions.offload.offload(state) > 0
+    for i, p in enumerate(REQUESTS):
+        engine.add_request(f"r{i}", p, LONG)
+    while engine.pool.num_free:
+        engine.step()
+    for k in range(3):  # the queue's 40 tokens drop the oldest queued records (this push's own too)
+        engine.sessions.push(session.id, [f"late record {k} {j} " + "x " * 6 for j in range(3)])
+    assert state.where != "pool" and state.data.counters.records_dropped > 0
+    before = engine.sessions.stats(session.id)["records"]
+    queued = [r.text for r in state.data.queue]
+    engine.sessions.close()
+    again = LLM(**opts).engine
+    recovered = again.sessions.get(session.id)
+    assert [r.text for r in recovered.data.queue] == queued
+    assert again.sessions.stats(session.id)["records"] == before

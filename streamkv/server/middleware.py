@@ -81,13 +81,17 @@ class GuardMiddleware:
                 return
             await send_logged(message)
 
+        failed = False
         try:
             await self.app(scope, receive_limited, send_guarded)
         except _TooLarge:
             await send_guarded({})
+        except Exception:
+            failed = True
+            raise
         finally:  # a response begun and never ended: the client left mid-stream (no line, no count
-            if status["started"] and not status["logged"]:  # before; a plain request's is a 499)
-                self._log(scope, path, 499, start)
+            if status["started"] and not status["logged"]:  # before; a plain request's is a 499),
+                self._log(scope, path, 500 if failed else 499, start)  # or the route failed mid-stream
 
     def _authorized(self, scope: dict) -> bool:
         headers = dict(scope.get("headers") or [])
