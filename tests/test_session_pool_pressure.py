@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from streamkv import LLM, SamplingParams
-from streamkv.errors import QueueFullError
 from tests.tiny_checkpoints import make_tiny_hf_checkpoint
 
 pytest.importorskip("transformers")
