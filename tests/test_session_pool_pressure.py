@@ -150,6 +150,24 @@ def _session_beside_requests(tmp_path, offload: bool):
     return llm, session, before
 
 
+def _one_ingested_session(tmp_path):
+    """A 40-block pool with one session that ingested one record. Returns (llm, session, its state)."""
+    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
+    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    session = llm.session("s", chat=False, retention_tokens=60)
+    session.push(["a record of some data"])
+    session.ingest()
+    return llm, session, llm.engine.sessions.get(session.id)
+
+
+def _step_until_idle(engine, limit: int) -> None:
+    """Step while there is work, at most ``limit`` steps (a livelock fails the caller's asserts)."""
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+
+
 def _requests_as_alone(llm) -> None:
     """r0 and r1 finish with the tokens they give alone (preempted, recomputed: the same)."""
     done = llm.engine.run_to_completion([f"r{i}" for i in range(len(REQUESTS))])
@@ -192,10 +210,7 @@ def test_a_push_to_an_offloaded_session_with_no_room_is_queued_once_and_ingested
     assert engine.sessions.push(session.id, ["one more record"])["data_version"] == version + 1
     assert (s.where, s.data.counters.records_pushed, len(s.data.queue)) == ("host", pushed + 1, 1)
     _requests_as_alone(llm)
-    for _ in range(100):
-        if not engine.has_unfinished():
-            break
-        engine.step()
+    _step_until_idle(engine, 100)
     assert (s.data.data_version, len(s.data.queue)) == (version + 1, 0)  # (idle since: maybe offloaded again)
     fresh = llm.session("s", chat=False, retention_tokens=60)
     fresh.push([f"record {i} of some data" for i in range(6)])
@@ -727,13 +742,8 @@ def test_a_ready_fork_waits_while_the_free_blocks_are_owed_to_a_stream_mid_inges
 def test_a_ready_fork_that_finds_no_free_block_is_not_work_to_step_for(tmp_path):
     # idle sessions filled the pool and their stale ready forks could get no block: the engine
     # counted them as work and stepped, doing nothing, for good (fuzz seed 12910)
-    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    llm, session, state = _one_ingested_session(tmp_path)
     engine, manager = llm.engine, llm.engine.sessions
-    session = llm.session("s", chat=False, retention_tokens=60)
-    session.push(["a record of some data"])
-    session.ingest()
-    state = manager.get(session.id)
     assert state.ready is not None and not engine.has_unfinished()
     manager.ready_forks.close(state)  # as when it could not be opened beside other streams' rows
     state.ready_version = -1
@@ -750,20 +760,12 @@ def test_a_flash_batch_due_after_its_ready_fork_was_closed_forks_the_stream(tmp_
     # the last-resort close under pressure keeps ready_version (a new ready fork waits for the
     # next version, so the close does not thrash): the flash batch due at that version waited for
     # a ready fork that never came, and the engine stepped, doing nothing, until the next push
-    path = make_tiny_hf_checkpoint(tmp_path / "m", "llama", max_position_embeddings=512)
-    llm = LLM(model=str(path), dtype="float32", num_blocks=40, block_size=4)
+    llm, session, state = _one_ingested_session(tmp_path)
     engine, manager = llm.engine, llm.engine.sessions
-    session = llm.session("s", chat=False, retention_tokens=60)
-    session.push(["a record of some data"])
-    session.ingest()
-    state = manager.get(session.id)
     manager.ready_forks.close(state)
     assert state.ready is None and not manager.ready_forks.stale(state)
     qid = session.register_flash("what?", max_tokens=4)
-    for _ in range(40):
-        if not engine.has_unfinished():
-            break
-        engine.step()
+    _step_until_idle(engine, 40)
     assert not engine.has_unfinished()
     answer = session.flash_answers()[qid]
     assert answer.data_version == state.data.data_version
