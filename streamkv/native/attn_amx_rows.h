@@ -8,11 +8,14 @@
  *   Q tile   A[r][p]     = q pair p of row r (32 dims = 16 pairs per tile, dim block h)
  *   Kt       B[p][key]   = dim pair p of 16 keys           (Kt + KS x + 16 h, 64-byte rows)
  *   scores   S[r][16 x + i] = sum over h of TDPBF16PS(Q_h, Kt_{x,h})      (unscaled; C tiles 0-3)
- *   softmax  per row, as super_block(): scale, mask, m' = max(m, block max), a = exp(m - m'),
- *            P = bf16(exp(s - m')) (zero where the row sees no key), l = l a + sum P
+ *   softmax  per row (amx_softmax(), this path's own: the scale folded into a base-2 exponent):
+ *            b = max of the row's unscaled visible scores, m' = max(m, b scale), a = exp(m - m'),
+ *            p = 2^(s c - m' log2 e) with c = scale log2 e (zero where the row sees no key),
+ *            P = bf16(p), l = l a + sum p
  *   P tile   A[r][kp]    = P pair kp of row r over a 32-key group t (keys 32 t .. 32 t + 31)
  *   Vp       B[kp][lane] = V pair kp of lane block j          (Vp + 16 t nv + j, nv-vector rows)
- *   P V      O[r][j] = o a, then += TDPBF16PS(P_t, Vp_{t,j}) over t in order  (C tiles 0-3)
+ *   P V      o = o a (skipped where a == 1: the same bits), then o += TDPBF16PS(P_t, Vp_{t,j}) over
+ *            t in order, the C tiles loaded from and stored to the rows' RowState.o in place
  *
  * Per element: scores are one chain of bf16 pair products over the dim pairs in order, P V one
  * chain over the key pairs in order starting from o a, as on the vector path; a row's tile row
@@ -45,14 +48,14 @@ static inline void tile_scores(int DB, int nb, const uint32_t (*qa)[64], const _
     if (nb > 3) _tile_stored(3, S[0] + 48, SB * 4);
 }
 
-/* O += P V over the ng 32-key groups for lane blocks [j0, j0 + nj), nj <= 4 (O: row r, lane
- * block j at O + 16 (nv r + j)); group t's V rows at vb[t] + j, nv vectors apart */
-static inline void tile_pv(int nv, int ng, int j0, int nj, uint16_t Pb[16][SB], const __m512i* const* vb, float* O) {
-    const int ld = 64 * nv;
-    _tile_loadd(0, O + 16 * j0, ld);
-    if (nj > 1) _tile_loadd(1, O + 16 * (j0 + 1), ld);
-    if (nj > 2) _tile_loadd(2, O + 16 * (j0 + 2), ld);
-    if (nj > 3) _tile_loadd(3, O + 16 * (j0 + 3), ld);
+/* o += P V over the ng 32-key groups for lane blocks [j0, j0 + nj), nj <= 4: row r's lane block j
+ * is st[r].o[j] (the C tiles' rows are RowStates apart); group t's V rows at vb[t] + j, nv vectors apart */
+static inline void tile_pv(int nv, int ng, int j0, int nj, uint16_t Pb[16][SB], const __m512i* const* vb, RowState* st) {
+    const int ld = 64 * nv, lo = (int)sizeof(RowState);
+    _tile_loadd(0, st->o + j0, lo);
+    if (nj > 1) _tile_loadd(1, st->o + j0 + 1, lo);
+    if (nj > 2) _tile_loadd(2, st->o + j0 + 2, lo);
+    if (nj > 3) _tile_loadd(3, st->o + j0 + 3, lo);
     for (int t = 0; t < ng; t++) {
         _tile_loadd(4, Pb[0] + 32 * t, SB * 2);
         _tile_loadd(5, vb[t] + j0, ld);
@@ -61,24 +64,87 @@ static inline void tile_pv(int nv, int ng, int j0, int nj, uint16_t Pb[16][SB], 
         if (nj > 2) { _tile_loadd(5, vb[t] + j0 + 2, ld); _tile_dpbf16ps(2, 4, 5); }
         if (nj > 3) { _tile_loadd(6, vb[t] + j0 + 3, ld); _tile_dpbf16ps(3, 4, 6); }
     }
-    _tile_stored(0, O + 16 * j0, ld);
-    if (nj > 1) _tile_stored(1, O + 16 * (j0 + 1), ld);
-    if (nj > 2) _tile_stored(2, O + 16 * (j0 + 2), ld);
-    if (nj > 3) _tile_stored(3, O + 16 * (j0 + 3), ld);
+    _tile_stored(0, st->o + j0, lo);
+    if (nj > 1) _tile_stored(1, st->o + j0 + 1, lo);
+    if (nj > 2) _tile_stored(2, st->o + j0 + 2, lo);
+    if (nj > 3) _tile_stored(3, st->o + j0 + 3, lo);
 }
 
-/* rows_softmax() of rows [0, rn) over their unscaled scores S (in place), writing P over the 32 ng
+/* 2^t, t <= 0 up to rounding (a lane past a row's keys may hold anything: it is masked after): a
+ * degree-5 fit on [-1/2, 1/2] (relative error 1.6e-7), scaled by 2^round(t) */
+static inline __m512 exp2_tile(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(0.001327531412243843f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675148874521255f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402212768793106f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The online-softmax update of rows [0, n) of a tile (the header's softmax line), over their
+ * unscaled scores S; lims[r] > 0 rows only (the others: a[r], P[r] unset). P[r] gets the row's
+ * visible blocks (bf16, zero past lims[r] within its last block). */
+static inline __attribute__((always_inline)) void amx_softmax(const int n, const int full, const float S[16][SB],
+                                                              const int* lims, float scale, uint16_t P[16][SB],
+                                                              float* a, RowState* st) {
+    const float LOG2E = 1.4426950408889634f, c = scale * LOG2E;
+    float d[16] = {0}, mn[16], ea[16], sums[16];
+    __m512 tot[16];
+    for (int r = 0; r < n; r++) {
+        tot[r] = _mm512_setzero_ps();
+        const int lim = full ? SB : lims[r];
+        if (lim == 0) continue;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int x = 0; x < (full ? NB : (lim + 15) / 16); x++) {
+            const int left = full ? 16 : lim - 16 * x;
+            const __m512 v = _mm512_load_ps(S[r] + 16 * x);
+            mx = left < 16 ? _mm512_mask_max_ps(mx, (__mmask16)((1u << left) - 1), mx, v) : _mm512_max_ps(mx, v);
+        }
+        const float bm = v_hmax(mx) * scale;
+        mn[r] = bm > st[r].m ? bm : st[r].m;
+        d[r] = st[r].m - mn[r];
+    }
+    v_store(ea, v_exp(v_load(d)));
+    for (int r = 0; r < n; r++) {
+        const int lim = full ? SB : lims[r];
+        if (lim == 0) continue;
+        a[r] = st[r].m == -INFINITY ? 0.f : ea[r];
+        const __m512 vc = _mm512_set1_ps(c), vk = _mm512_set1_ps(-mn[r] * LOG2E);
+        for (int x = 0; x < (full ? NB : (lim + 15) / 16); x++) {
+            const int left = full ? 16 : lim - 16 * x;
+            __m512 p = exp2_tile(_mm512_fmadd_ps(_mm512_load_ps(S[r] + 16 * x), vc, vk));
+            if (left < 16) p = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), p);
+            tot[r] = _mm512_add_ps(tot[r], p);
+            _mm256_store_si256((__m256i*)(P[r] + 16 * x), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+    }
+    int r = 0;
+    for (; r + 4 <= n; r += 4) v_hsum4(tot[r], tot[r + 1], tot[r + 2], tot[r + 3], sums + r);
+    for (; r < n; r++) sums[r] = v_hsum(tot[r]);
+    for (r = 0; r < n; r++) {
+        if (!full && lims[r] == 0) continue;
+        st[r].l = st[r].l * a[r] + sums[r];
+        st[r].m = mn[r];
+    }
+}
+
+/* amx_softmax() of rows [0, rn) over their unscaled scores S, writing P over the 32 ng
  * keys the tiles read (bf16, zero where a row sees no key, rows [rn, tr) all zero) and each row's
  * rescale factor a; lims[r]: keys of the super-block row r sees */
 static inline void tile_softmax(float scale, const int64_t* pos, int rn, int tr, int nk, int ng, float S[16][SB],
                                 uint16_t Pb[16][SB], float* a, int* lims, RowState* st) {
     for (int r = rn; r < tr; r++) memset(Pb[r], 0, sizeof(uint16_t) * 32 * ng);
+    int full = rn == 16 && nk == SB;
     for (int r = 0; r < rn; r++) {
         lims[r] = row_lim(pos[r], nk);
+        full &= lims[r] == SB;
         const int rb = (lims[r] + 15) / 16;
-        memset(Pb[r] + 16 * rb, 0, sizeof(uint16_t) * 16 * (2 * ng - rb));
+        if (rb < 2 * ng) memset(Pb[r] + 16 * rb, 0, sizeof(uint16_t) * 16 * (2 * ng - rb));
     }
-    rows_softmax(rn, (__m512 (*)[NB])S, lims, scale, (uint32_t (*)[NB][8])Pb, a, st);
+    if (full) amx_softmax(16, 1, (const float (*)[SB])S, lims, scale, Pb, a, st);   /* constant bounds: unrolled */
+    else amx_softmax(rn, 0, (const float (*)[SB])S, lims, scale, Pb, a, st);
 }
 
 /* Rows [0, rn) of one super-block on tiles of tr rows, rn <= tr <= 16 (qp rows 64 dwords, pairs
@@ -88,7 +154,6 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], int padded, 
     const int DB = (D + 31) / 32, nv = 2 * DB, nb = (nk + 15) / 16, ng = (nb + 1) / 2;
     float S[16][SB] __attribute__((aligned(64)));
     uint16_t Pb[16][SB] __attribute__((aligned(64)));
-    float O[16 * 16 * 2 * MAXDB] __attribute__((aligned(64)));   /* row r at O + 16 nv r */
     uint32_t qloc[16][64] __attribute__((aligned(64)));
     __m512i vtail[16 * 2 * MAXDB];
     const uint32_t (*qa)[64] = qp;
@@ -108,16 +173,26 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], int padded, 
         memset(vtail + 8 * nv, 0, sizeof(__m512i) * 8 * nv);
         vb[ng - 1] = vtail;
     }
-    for (int r = 0; r < tr; r++) {                /* o a; zeros for rows that take no part */
-        if (r < rn && lims[r] > 0)
-            for (int j = 0; j < nv; j++) _mm512_storeu_ps(O + 16 * (nv * r + j), _mm512_mul_ps(st[r].o[j], v_set1(a[r])));
-        else
-            memset(O + 16 * nv * r, 0, sizeof(float) * 16 * nv);
+    /* o a in place (a == 1: o, so skipped); a row that takes no part keeps its o: saved around the
+     * tiles (its P row is zero, but o + 0 is not o for o = -0). A partial tile (rn < tr) runs on a
+     * copy whose rows past rn are zeros: the tiles must not touch what lies past the item's rows. */
+    RowState pad[16], *so = st;
+    if (rn < tr) {
+        memcpy(pad, st, sizeof(RowState) * rn);
+        memset(pad + rn, 0, sizeof(RowState) * (tr - rn));
+        so = pad;
     }
-    for (int j0 = 0; j0 < nv; j0 += 4) tile_pv(nv, ng, j0, nv - j0 < 4 ? nv - j0 : 4, Pb, vb, O);
+    __m512 keep[16][2 * MAXDB];
+    for (int r = 0; r < rn; r++) {
+        if (lims[r] == 0) { for (int j = 0; j < nv; j++) keep[r][j] = so[r].o[j]; continue; }
+        if (a[r] != 1.f)
+            for (int j = 0; j < nv; j++) so[r].o[j] = _mm512_mul_ps(so[r].o[j], v_set1(a[r]));
+    }
+    for (int j0 = 0; j0 < nv; j0 += 4) tile_pv(nv, ng, j0, nv - j0 < 4 ? nv - j0 : 4, Pb, vb, so);
     for (int r = 0; r < rn; r++)
-        if (lims[r] > 0)
-            for (int j = 0; j < nv; j++) st[r].o[j] = _mm512_loadu_ps(O + 16 * (nv * r + j));
+        if (lims[r] == 0)
+            for (int j = 0; j < nv; j++) so[r].o[j] = keep[r][j];
+    if (so != st) memcpy(st, pad, sizeof(RowState) * rn);
 }
 
 /* super_block() on tiles of tr rows (tiles_begin()): rows [0, R) tr at a time */
@@ -145,9 +220,9 @@ static inline void rows_block(const Ctx* cx, const uint32_t (*qp)[64], int padde
 
 /* q pairs of one row (bf16, low half the even dim), zero past D/2 up to whole 32-dim blocks */
 static inline void q_pairs(const float* src, int D, int DB, uint32_t* qp) {
-    int p = 0;
-    for (; p < D / 2; p++) qp[p] = (uint32_t)f32_to_bf16(src[2 * p]) | (uint32_t)f32_to_bf16(src[2 * p + 1]) << 16;
-    for (; p < 16 * DB; p++) qp[p] = 0;
+    /* pair p's low half is dim 2p: in memory, the dims' bf16 in order (D is a multiple of 16) */
+    for (int i = 0; i < D / 16; i++) v_store_bf16((uint16_t*)qp + 16 * i, v_load(src + 16 * i));
+    for (int p = D / 2; p < 16 * DB; p++) qp[p] = 0;
 }
 
 /* an item's tile rows for R rows: whole 16-row tiles, or a few-row item's own count; configures
