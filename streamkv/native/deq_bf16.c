@@ -20,7 +20,9 @@
  *     (the lookups, as they come), B = x transposed into k pairs, C'[n][m]. TDPBF16PS adds, per
  *     element and k pair, the products a[2p] b[2p] and a[2p + 1] b[2p + 1] in a fixed order; both
  *     products are exact in float32 and equal whichever operand holds the weight, so C'[n][m] runs
- *     C[m][n]'s chain and gets its bits (tests/test_deq_gemm.py, on an AMX CPU);
+ *     C[m][n]'s chain and gets its bits (tests/test_deq_gemm.py, on an AMX CPU). A decode step (up
+ *     to 16 rows) runs four panels at once, four accumulations in flight (quad_1: 0.174 -> 0.155 ms
+ *     for one layer's four linears at one row, Intel Xeon, 2 threads);
  *   otherwise: every panel dequantized (lookups, then a 16 x 16 dword transpose into the VNNI
  *     rows) into the dense layout, and streamkv_inv_gemm itself runs over it.
  */
@@ -115,6 +117,28 @@ static void pair_##NB(const uint8_t* q, const float* dm, int G, const uint16_t* 
 }
 PAIR(1) PAIR(2)
 
+/* four panels, one block of x rows (decode steps): four independent accumulations in flight, C'
+ * tiles 0-3 (panel t + p stored at c + 512 p), x in tile 5, the A tiles rotating over 4, 6, 7; a
+ * holds two groups' A tiles (8 x 512) */
+static void quad_1(const uint8_t* q, const float* dm, int G, const uint16_t* xt, uint16_t* a, float* c,
+                   __m512i ctrl, v16 qv) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int g = 0; g < G; g++) {
+        uint16_t* ab = a + (g & 1) * 2048;
+        for (int p = 0; p < 4; p++) {
+            const int64_t at = (int64_t)p * G + g;
+            if (g + PF_AHEAD < G) prefetch_group(q + (at + PF_AHEAD) * 256, dm + (at + PF_AHEAD) * 32);
+            build_a(q + at * 256, dm + at * 32, ab + 512 * p, ctrl, qv);
+        }
+        _tile_loadd(5, xt + (int64_t)g * 512, 64);
+        _tile_loadd(4, ab, 64); _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, ab + 512, 64); _tile_dpbf16ps(1, 6, 5);
+        _tile_loadd(7, ab + 1024, 64); _tile_dpbf16ps(2, 7, 5);
+        _tile_loadd(4, ab + 1536, 64); _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, c, 64); _tile_stored(1, c + 512, 64); _tile_stored(2, c + 1024, 64); _tile_stored(3, c + 1536, 64);
+}
+
 /* one panel: C'[i] (16 columns x 16 rows of x, block i) over every group, then stored to c */
 #define PANEL(NB)                                                                                       \
 static void panel_##NB(const uint8_t* q, const float* dm, const uint16_t* xt, int G, uint16_t* a, float* c, \
@@ -160,16 +184,23 @@ static int few_rows_tiles(const uint16_t* x, int64_t M, int K, const uint8_t* q,
             xt[(((int64_t)(k / 32) * NB + m / 16) * 16 + (k % 32) / 2) * 32 + (m % 16) * 2 + k % 2] = x[m * K + k];
     #pragma omp parallel
     {
-        uint16_t a[4 * 512] __attribute__((aligned(64)));
-        float c[4 * 256] __attribute__((aligned(64)));
+        uint16_t a[8 * 512] __attribute__((aligned(64)));
+        float c[4 * 512] __attribute__((aligned(64)));
         const __m512i ctrl = nibble_ctrl();
         const v16 qv = q_values();
         amx_configure();
-        const int pairs = NB <= 2;  /* four C' tiles hold two panels' rows up to 32 */
-        const int units = pairs ? (T + 1) / 2 : T;
+        const int pairs = NB <= 2;  /* four C' tiles hold two panels' rows up to 32, four panels' up to 16 */
+        const int per = NB == 1 ? 4 : pairs ? 2 : 1, units = (T + per - 1) / per;
         #pragma omp for schedule(static)
         for (int u = 0; u < units; u++) {
-            const int t = pairs ? 2 * u : u, np = pairs && t + 1 < T ? 2 : 1;
+            const int t0 = per * u, left = T - t0 < per ? T - t0 : per;
+            if (left == 4) {
+                quad_1(q + (int64_t)t0 * G * 256, dm + (int64_t)t0 * G * 32, G, xt, a, c, ctrl, qv);
+                for (int p = 0; p < 4; p++) store_panel(c + 512 * p, M, N, t0 + p, out, out_bf16);
+                continue;
+            }
+            for (int t = t0; t < t0 + left; t += pairs ? 2 : 1) {
+            const int np = pairs && t + 1 < t0 + left ? 2 : 1;
             const uint8_t* qt = q + (int64_t)t * G * 256;
             const float* dmt = dm + (int64_t)t * G * 32;
             if (np == 2) {
@@ -185,6 +216,7 @@ static int few_rows_tiles(const uint16_t* x, int64_t M, int K, const uint8_t* q,
             }
             for (int p = 0; p < np; p++)
                 store_panel(c + (np == 2 ? 512 * p : 0), M, N, t + p, out, out_bf16);
+            }
         }
         _tile_release();
     }
