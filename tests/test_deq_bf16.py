@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamkv.models.deq_linear import pack_deq_bf16
+from streamkv.models.deq_linear import pack_deq8_bf16, pack_deq_bf16
 from streamkv.models.linear import pack_dense
 from streamkv.native import deq_gemm_bf16, invariant_gemm, invariant_gemm_bf16_path
 from streamkv.native.tuning import ModelShapes, pick_switched, runnable
@@ -124,3 +124,63 @@ def test_refusals_of_deq_say_what_it_needs(tiny_gguf):
     for kwargs in ({"dtype": "float32"}, {"dtype": "bfloat16", "numerics": "fast"}):
         with pytest.raises(ValueError, match="linear=deq needs a bfloat16 GGUF model with Q4_0/Q4_1 layers"):
             LLM(model=tiny_gguf, kernels="linear=deq", **kwargs)
+
+
+def _q8(n: int, k: int, g: torch.Generator):
+    """Q8_0-like blocks and the loader's bf16 weights: bf16(d * q), the product exact in float32."""
+    q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    return q, d, (d.repeat_interleave(32, 1) * q.float()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (600, 96), (200, 576)])
+def test_an_int8_head_gives_the_dense_bf16_gemms_bits(n, k, tiles):
+    """lm_head=deq: the Q8_0 head's int8 blocks, every row count (four panels at once, a partial
+    quad, row tiles, then the dense kernel over rebuilt panels): the dense bf16 GEMM's bits."""
+    g = torch.Generator().manual_seed(n * k)
+    q, d, w = _q8(n, k, g)
+    qp, dd = pack_deq8_bf16(q, d)
+    panels, gemm, deq = pack_dense(w), invariant_gemm(), deq_gemm_bf16()
+    for rows in (1, 3, 16, 17, 64, 65):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        for out in (torch.float32, torch.bfloat16):
+            assert torch.equal(deq(x, qp, dd, n, out, tiles), gemm(x, panels, n, out, tiles)), (rows, out)
+    with pytest.raises(ValueError, match="do not hold"):
+        deq(x, qp, dd, n + 16)
+
+
+def test_a_bf16_engine_gives_the_same_bits_with_the_int8_head_or_the_dense_one(tmp_path_factory, tmp_path, monkeypatch):
+    """A GGUF with a Q8_0 head: lm_head=deq forced (every step on the int8 blocks), measured (up to
+    8 rows, then dense) and lm_head=dense give the same tokens and logprobs, alone, batched,
+    chunked and preempted."""
+    import streamkv.native.kernel_bench as kernel_bench
+
+    hf = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama_deq_head"), "llama")
+    model = str(make_tiny_gguf(hf / "q8.gguf", hf, {"token_embd": "Q8_0", "output": "Q8_0"}))
+    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
+    rows = {"decode x1": 1, "decode x4": 4, "decode x8": 8, "decode x16": 16, "decode x32": 32}
+
+    def measure(kind, shapes, chosen):  # the int8 head faster up to 8 rows; every other kind a tie
+        if kind != "lm_head":
+            return {p: {"decode x1": 1.0} for p in runnable(shapes)[kind]}
+        return {"q8": {sh: 9.0 for sh in rows}, "dense": {sh: 1.0 for sh in rows},
+                "deq": {sh: 0.5 if r <= 8 else 2.0 for sh, r in rows.items()}}
+    monkeypatch.setattr(kernel_bench, "measure", measure)
+
+    def check(kernels):
+        def look(llm):
+            head = llm.engine.bundle.runner.model.lm_head
+            assert llm.engine.bundle.kernels.get("lm_head") == ("dense" if "lm_head=dense" in kernels else "deq")
+            assert (head.deq is None) == ("lm_head=dense" in kernels) and head.packed is None, kernels
+            if "lm_head" not in kernels:
+                assert head.deq.max_rows == 8 and head.deq.bits == 8
+        return look
+
+    results = [same_everywhere(model, "bfloat16", kernels, check=check(kernels))
+               for kernels in ("linear=dense,lm_head=deq", "linear=dense,lm_head=dense", "linear=dense")]
+    assert results[0] == results[1] == results[2]
+    from streamkv import LLM
+
+    with pytest.raises(ValueError, match="lm_head=deq needs a bfloat16 GGUF model with a Q8_0 LM head"):
+        LLM(model=model, dtype="float32", kernels="lm_head=deq")

@@ -86,9 +86,10 @@ def kernel_choice(config: EngineConfig, ckpt: LoadedCheckpoint, dtype: torch.dty
             raise ValueError(f"{asked} with numerics=invariant needs the native 4-bit kernel "
                              "(AVX512-BF16 CPUs for bfloat16; float32 on any CPU with a C compiler); "
                              "use numerics=fast or decode_weights=dense") from exc
-        if forced.get("linear") == "deq" and str(exc).startswith("kernels: linear=deq"):
-            raise ValueError("kernels linear=deq needs a bfloat16 GGUF model with Q4_0/Q4_1 layers, numerics=invariant "
-                             f"and a CPU with AVX512-BF16 and VBMI ({exc})") from exc
+        for kind, what in (("linear", "Q4_0/Q4_1 layers"), ("lm_head", "a Q8_0 LM head")):
+            if forced.get(kind) == "deq" and str(exc).startswith(f"kernels: {kind}=deq"):
+                raise ValueError(f"kernels {kind}=deq needs a bfloat16 GGUF model with {what}, numerics=invariant "
+                                 f"and a CPU with AVX512-BF16 and VBMI ({exc})") from exc
         if mode != "auto" and str(exc).startswith("kernels: linear="):  # the flag the user passed
             raise ValueError(str(exc).replace("kernels: linear=", "decode_weights=", 1)) from exc
         raise
@@ -104,7 +105,7 @@ def _packed_weights(kernels: KernelChoice, gguf: GGUFFile | None, arch: Any) -> 
     if kernels.get("linear") in ("q4", "deq"):
         out.update(read_q4_matrices(gguf, arch,
                                     permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM")))
-    if kernels.get("lm_head") == "q8":
+    if kernels.get("lm_head") in ("q8", "deq"):
         head = read_q8_lm_head(gguf, arch.tie_word_embeddings)
         if head is not None:
             out["lm_head.q8"] = head

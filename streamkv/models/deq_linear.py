@@ -17,6 +17,9 @@ stay batch-invariant. Decode reads 0.625 (4-bit) or 1.06 (8-bit) bytes per weigh
     pack_deq_bf16 (bf16 models: ``native/deq_bf16.c``, the dense bf16 GEMM's bits)
                 q [T, G, 16, 16] uint8   column c's 32 nibbles in the kernel's lookup order (_q4_order)
                 dm [T, G, 16, 2] float32 d, m of column c (float16 values)
+    pack_deq8_bf16 (a bf16 model's Q8_0 LM head, the same kernel)
+                q [T, G, 16, 32] int8    column c's 32 values along k
+                dm [T, G, 16] float32    d of column c (float16 values)
 """
 from __future__ import annotations
 
@@ -89,6 +92,12 @@ def pack_deq_bf16(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[to
     return packed.contiguous(), dm.float().contiguous()
 
 
+def pack_deq8_bf16(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, d [N, K / 32] (float16 values) -> the bf16 kernel's 8-bit layout above."""
+    qp = _groups(q, torch.int8).transpose(2, 3).contiguous()  # [T, G, 16 columns, 32 k]
+    return qp, _panels(_half(d, "a scale"), q.shape[0]).float().contiguous()
+
+
 def pack_deq8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] int8, d [N, K / 32] (float16 values) -> the 8-bit layout above."""
     qp = _groups(q, torch.int8).contiguous()
@@ -97,9 +106,9 @@ def pack_deq8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 class DeqWeights(nn.Module):
     """One GGUF matrix packed for ``deq_gemm.c`` (float32 models: x [M, K] float32 -> [M, N] with the
-    bits of the dense float32 GEMM over the loader's weights) or ``deq_bf16.c`` (bf16 models, 4-bit:
-    x [M, K] bf16 -> the bits of the dense bf16 GEMM, ``tiles`` alike); serves steps of at most
-    ``max_rows`` rows."""
+    bits of the dense float32 GEMM over the loader's weights) or ``deq_bf16.c`` (bf16 models, 4-bit
+    layers or the Q8_0 head: x [M, K] bf16 -> the bits of the dense bf16 GEMM, ``tiles`` alike);
+    serves steps of at most ``max_rows`` rows."""
 
     def __init__(self, packed: torch.Tensor, dm: torch.Tensor, out_features: int, max_rows: int,
                  bf16: bool = False, tiles: bool = False) -> None:
@@ -131,8 +140,9 @@ class DeqWeights(nn.Module):
         return cls(*pack(w.q, w.scale, w.m), w.q.shape[0], max_rows, bf16, tiles)
 
     @classmethod
-    def from_q8(cls, w: Q8Matrix, max_rows: int) -> DeqWeights:
-        return cls(*pack_deq8(w.q, w.d), w.q.shape[0], max_rows)
+    def from_q8(cls, w: Q8Matrix, max_rows: int, bf16: bool = False, tiles: bool = False) -> DeqWeights:
+        pack = pack_deq8_bf16 if bf16 else pack_deq8
+        return cls(*pack(w.q, w.d), w.q.shape[0], max_rows, bf16, tiles)
 
     def serves(self, rows: int) -> bool:
         return rows <= self.max_rows

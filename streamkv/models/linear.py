@@ -181,7 +181,9 @@ class LogitsHead(nn.Module):
     weight is multiplied in float32. A Q8_0 head from a GGUF (``q8``) is read as int8 by the
     native kernel (exact products, float32 sums and scales; every row in invariant mode, the
     decode rows in fast mode), or without it (fast mode) as two exact int4 halves through
-    torch's int4 kernel.
+    torch's int4 kernel. With ``head_deq_rows`` (a float32 model's exact ``lm_head=q8``, a bf16
+    model's ``lm_head=deq``) steps of at most that many rows read the int8 copy with the dense
+    head's bits (``models/deq_linear.py``), larger ones the dense weight.
     """
 
     def __init__(self, weight: torch.Tensor, q8: Q8Matrix | None, numerics: str,
@@ -192,9 +194,10 @@ class LogitsHead(nn.Module):
         self.numerics = numerics
         self.packed: nn.Module | None = None
         self.deq: DeqWeights | None = None
-        if q8 is not None and numerics == "invariant" and weight.dtype == torch.float32:
-            if options.head_deq_rows:  # float32 head: the int8 copy for small steps, the same bits
-                self.deq = DeqWeights.from_q8(q8, options.head_deq_rows)
+        if q8 is not None and numerics == "invariant" and (weight.dtype == torch.float32 or options.head_deq_rows):
+            if options.head_deq_rows:  # the int8 copy for small steps, the dense head's bits (bf16: lm_head=deq)
+                bf16 = weight.dtype == torch.bfloat16
+                self.deq = DeqWeights.from_q8(q8, options.head_deq_rows, bf16=bf16, tiles=bf16 and options.tiles)
         elif q8 is not None and q8_gemm() is not None:
             self.packed = PackedQ8(q8.q, q8.d)
         elif q8 is not None and numerics == "fast":
@@ -210,7 +213,7 @@ class LogitsHead(nn.Module):
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.deq is not None and self.deq.serves(x.shape[0]):
-            return self.deq.forward(x)
+            return self.deq.forward(x, torch.float32)
         if self.dense is not None:
             return self.dense.forward(x, torch.float32)
         return F.linear(x.float(), self.weight32)

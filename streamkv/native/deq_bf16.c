@@ -50,19 +50,37 @@ static inline __m512i col_weights(const uint8_t* p16, const float* dm, __m512i c
     return _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(ctrl, v), table);
 }
 
+/* the 32 bf16 weights of one column's 8-bit group: bf16(d q) (the product exact in float32, then
+ * rounded to nearest even as the loader's bf16 copy is) */
+static inline __m512i col_weights8(const int8_t* p32, float d) {
+    const __m512 dv = _mm512_set1_ps(d);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p32))), dv);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p32 + 16)))), dv);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* bytes of q and floats of dm per (panel, group): 4-bit [16][16] and [16][2], 8-bit [16][32] and [16] */
+#define QG(bits) ((bits) == 4 ? 256 : 512)
+#define DG(bits) ((bits) == 4 ? 32 : 16)
+
+/* column c of a (panel, group) block, either width */
+static inline __m512i col_w(int bits, const uint8_t* qg, const float* dmg, int c, __m512i ctrl, v16 qv) {
+    return bits == 4 ? col_weights(qg + 16 * c, dmg + 2 * c, ctrl, qv) : col_weights8((const int8_t*)qg + 32 * c, dmg[c]);
+}
+
 static inline v16 q_values(void) {
     return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
 /* the whole weight in inv_gemm.c's bf16 panel layout wp[t][k/2][16][2] */
-static void dense_panels(const uint8_t* q, const float* dm, int K, int T, uint16_t* wp) {
+static void dense_panels(int bits, const uint8_t* q, const float* dm, int K, int T, uint16_t* wp) {
     const int G = K / 32;
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < (int64_t)T * G; i++) {
         const __m512i ctrl = nibble_ctrl();
         const v16 qv = q_values();
         __m512i r[16];
-        for (int c = 0; c < 16; c++) r[c] = col_weights(q + i * 256 + 16 * c, dm + i * 32 + 2 * c, ctrl, qv);
+        for (int c = 0; c < 16; c++) r[c] = col_w(bits, q + i * QG(bits), dm + i * DG(bits), c, ctrl, qv);
         transpose16(r);  /* r[p]: dword c = (w[c][2p], w[c][2p + 1]) */
         const int64_t t = i / G, g = i % G;
         for (int p = 0; p < 16; p++) _mm512_storeu_si512((void*)(wp + ((t * K / 2 + 16 * g + p) * 32)), r[p]);
@@ -75,18 +93,18 @@ static void dense_panels(const uint8_t* q, const float* dm, int K, int T, uint16
  * that fill a buffer just before it may be dropped or moved past it (a's were: NaN outputs) */
 #define TILE_READS(p) __asm__ volatile("" : : "r"(p) : "memory")
 
-/* group g's packed bytes (256 of q, 128 of d and m) towards L1, a few groups ahead */
+/* group g's packed bytes (4-bit: 256 of q, 128 of d and m; 8-bit: 512 and 64) towards L1, a few
+ * groups ahead */
 #define PF_AHEAD 2
-static inline void prefetch_group(const uint8_t* q, const float* dm) {
-    for (int o = 0; o < 256; o += 64) __builtin_prefetch(q + o, 0, 3);
-    __builtin_prefetch(dm, 0, 3);
-    __builtin_prefetch(dm + 16, 0, 3);
+static inline void prefetch_group(int bits, const uint8_t* q, const float* dm) {
+    for (int o = 0; o < QG(bits); o += 64) __builtin_prefetch(q + o, 0, 3);
+    for (int o = 0; o < DG(bits); o += 16) __builtin_prefetch(dm + o, 0, 3);
 }
 
 /* A = a panel's 16 columns x 32 k of group g, as the lookups give them */
-static inline void build_a(const uint8_t* q, const float* dm, uint16_t* a, __m512i ctrl, v16 qv) {
+static inline __attribute__((always_inline)) void build_a(const int bits, const uint8_t* q, const float* dm, uint16_t* a, __m512i ctrl, v16 qv) {
     for (int col = 0; col < 16; col++)
-        _mm512_storeu_si512((void*)(a + 32 * col), col_weights(q + 16 * col, dm + 2 * col, ctrl, qv));
+        _mm512_storeu_si512((void*)(a + 32 * col), col_w(bits, q, dm, col, ctrl, qv));
     TILE_READS(a);
 }
 
@@ -94,19 +112,19 @@ static inline void build_a(const uint8_t* q, const float* dm, uint16_t* a, __m51
  * product runs): C' tiles 0, 1 (panel t, row blocks 0 and 1) and 2, 3 (panel t + 1); A tiles 4, 6
  * double-buffered by group; x blocks in 5, 7. Stored to c: panel t at c, panel t + 1 at c + 512. */
 #define PAIR(NB)                                                                                        \
-static void pair_##NB(const uint8_t* q, const float* dm, int G, const uint16_t* xt, uint16_t* a, float* c, \
+static inline __attribute__((always_inline)) void pair_##NB(const int bits, const uint8_t* q, const float* dm, int G, const uint16_t* xt, uint16_t* a, float* c, \
                       __m512i ctrl, v16 qv) {                                                           \
-    const uint8_t* q1 = q + (int64_t)G * 256;                                                           \
-    const float* dm1 = dm + (int64_t)G * 32;                                                            \
+    const uint8_t* q1 = q + (int64_t)G * QG(bits);                                                           \
+    const float* dm1 = dm + (int64_t)G * DG(bits);                                                            \
     _tile_zero(0); _tile_zero(2); if (NB > 1) { _tile_zero(1); _tile_zero(3); }                         \
     for (int g = 0; g < G; g++) {                                                                       \
         uint16_t* a0 = a + (g & 1) * 1024;                                                              \
         if (g + PF_AHEAD < G) {                                                                         \
-            prefetch_group(q + (int64_t)(g + PF_AHEAD) * 256, dm + (int64_t)(g + PF_AHEAD) * 32);       \
-            prefetch_group(q1 + (int64_t)(g + PF_AHEAD) * 256, dm1 + (int64_t)(g + PF_AHEAD) * 32);     \
+            prefetch_group(bits, q + (int64_t)(g + PF_AHEAD) * QG(bits), dm + (int64_t)(g + PF_AHEAD) * DG(bits));       \
+            prefetch_group(bits, q1 + (int64_t)(g + PF_AHEAD) * QG(bits), dm1 + (int64_t)(g + PF_AHEAD) * DG(bits));     \
         }                                                                                               \
-        build_a(q + (int64_t)g * 256, dm + (int64_t)g * 32, a0, ctrl, qv);                              \
-        build_a(q1 + (int64_t)g * 256, dm1 + (int64_t)g * 32, a0 + 512, ctrl, qv);                      \
+        build_a(bits, q + (int64_t)g * QG(bits), dm + (int64_t)g * DG(bits), a0, ctrl, qv);                              \
+        build_a(bits, q1 + (int64_t)g * QG(bits), dm1 + (int64_t)g * DG(bits), a0 + 512, ctrl, qv);                      \
         const uint16_t* b = xt + (int64_t)g * NB * 512;                                                 \
         _tile_loadd(4, a0, 64); _tile_loadd(6, a0 + 512, 64); _tile_loadd(5, b, 64);                    \
         _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(2, 6, 5);                                               \
@@ -120,15 +138,15 @@ PAIR(1) PAIR(2)
 /* four panels, one block of x rows (decode steps): four independent accumulations in flight, C'
  * tiles 0-3 (panel t + p stored at c + 512 p), x in tile 5, the A tiles rotating over 4, 6, 7; a
  * holds two groups' A tiles (8 x 512) */
-static void quad_1(const uint8_t* q, const float* dm, int G, const uint16_t* xt, uint16_t* a, float* c,
+static inline __attribute__((always_inline)) void quad_1(const int bits, const uint8_t* q, const float* dm, int G, const uint16_t* xt, uint16_t* a, float* c,
                    __m512i ctrl, v16 qv) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int g = 0; g < G; g++) {
         uint16_t* ab = a + (g & 1) * 2048;
         for (int p = 0; p < 4; p++) {
             const int64_t at = (int64_t)p * G + g;
-            if (g + PF_AHEAD < G) prefetch_group(q + (at + PF_AHEAD) * 256, dm + (at + PF_AHEAD) * 32);
-            build_a(q + at * 256, dm + at * 32, ab + 512 * p, ctrl, qv);
+            if (g + PF_AHEAD < G) prefetch_group(bits, q + (at + PF_AHEAD) * QG(bits), dm + (at + PF_AHEAD) * DG(bits));
+            build_a(bits, q + at * QG(bits), dm + at * DG(bits), ab + 512 * p, ctrl, qv);
         }
         _tile_loadd(5, xt + (int64_t)g * 512, 64);
         _tile_loadd(4, ab, 64); _tile_dpbf16ps(0, 4, 5);
@@ -141,12 +159,12 @@ static void quad_1(const uint8_t* q, const float* dm, int G, const uint16_t* xt,
 
 /* one panel: C'[i] (16 columns x 16 rows of x, block i) over every group, then stored to c */
 #define PANEL(NB)                                                                                       \
-static void panel_##NB(const uint8_t* q, const float* dm, const uint16_t* xt, int G, uint16_t* a, float* c, \
+static inline __attribute__((always_inline)) void panel_##NB(const int bits, const uint8_t* q, const float* dm, const uint16_t* xt, int G, uint16_t* a, float* c, \
                        __m512i ctrl, v16 qv) {                                                          \
     _tile_zero(0); if (NB > 1) _tile_zero(1); if (NB > 2) _tile_zero(2); if (NB > 3) _tile_zero(3);     \
     for (int g = 0; g < G; g++) {                                                                       \
-        if (g + PF_AHEAD < G) prefetch_group(q + (int64_t)(g + PF_AHEAD) * 256, dm + (int64_t)(g + PF_AHEAD) * 32); \
-        build_a(q + (int64_t)g * 256, dm + (int64_t)g * 32, a, ctrl, qv);                               \
+        if (g + PF_AHEAD < G) prefetch_group(bits, q + (int64_t)(g + PF_AHEAD) * QG(bits), dm + (int64_t)(g + PF_AHEAD) * DG(bits)); \
+        build_a(bits, q + (int64_t)g * QG(bits), dm + (int64_t)g * DG(bits), a, ctrl, qv);                               \
         _tile_loadd(4, a, 64);                                                                          \
         const uint16_t* b = xt + (int64_t)g * NB * 512;                                                 \
         _tile_loadd(5, b, 64); _tile_dpbf16ps(0, 4, 5);                                                 \
@@ -172,8 +190,60 @@ static void store_panel(const float* c, int64_t M, int N, int t, void* out, int 
         }
 }
 
+/* The panels of one thread (an orphaned omp for: called inside few_rows_tiles()'s parallel region),
+ * a row-tile config set: T panels of the packed weights (bits wide, a constant in each caller below,
+ * so the per-column width branch folds away) against the NB 16-row blocks of xt; a, c the thread's
+ * A tiles and C' buffers. */
+static inline __attribute__((always_inline)) void tile_units(const int bits, const uint8_t* q, const float* dm,
+                                                              int G, int T, int NB, int64_t M, int N,
+                                                              const uint16_t* xt, void* out, int out_bf16) {
+    uint16_t a[8 * 512] __attribute__((aligned(64)));
+    float c[4 * 512] __attribute__((aligned(64)));
+    const __m512i ctrl = nibble_ctrl();
+    const v16 qv = q_values();
+    const int pairs = NB <= 2;  /* four C' tiles hold two panels' rows up to 32, four panels' up to 16 */
+    const int per = NB == 1 ? 4 : pairs ? 2 : 1, units = (T + per - 1) / per;
+    #pragma omp for schedule(static)
+    for (int u = 0; u < units; u++) {
+        const int t0 = per * u, left = T - t0 < per ? T - t0 : per;
+        if (left == 4) {
+            quad_1(bits, q + (int64_t)t0 * G * QG(bits), dm + (int64_t)t0 * G * DG(bits), G, xt, a, c, ctrl, qv);
+            for (int p = 0; p < 4; p++) store_panel(c + 512 * p, M, N, t0 + p, out, out_bf16);
+            continue;
+        }
+        for (int t = t0; t < t0 + left; t += pairs ? 2 : 1) {
+            const int np = pairs && t + 1 < t0 + left ? 2 : 1;
+            const uint8_t* qt = q + (int64_t)t * G * QG(bits);
+            const float* dmt = dm + (int64_t)t * G * DG(bits);
+            if (np == 2) {
+                if (NB == 1) pair_1(bits, qt, dmt, G, xt, a, c, ctrl, qv);
+                else pair_2(bits, qt, dmt, G, xt, a, c, ctrl, qv);
+            } else {
+                switch (NB) {
+                    case 1: panel_1(bits, qt, dmt, xt, G, a, c, ctrl, qv); break;
+                    case 2: panel_2(bits, qt, dmt, xt, G, a, c, ctrl, qv); break;
+                    case 3: panel_3(bits, qt, dmt, xt, G, a, c, ctrl, qv); break;
+                    default: panel_4(bits, qt, dmt, xt, G, a, c, ctrl, qv); break;
+                }
+            }
+            for (int p = 0; p < np; p++)
+                store_panel(c + (np == 2 ? 512 * p : 0), M, N, t + p, out, out_bf16);
+        }
+    }
+}
+
+static void tile_units4(const uint8_t* q, const float* dm, int G, int T, int NB, int64_t M, int N,
+                        const uint16_t* xt, void* out, int out_bf16) {
+    tile_units(4, q, dm, G, T, NB, M, N, xt, out, out_bf16);
+}
+
+static void tile_units8(const uint8_t* q, const float* dm, int G, int T, int NB, int64_t M, int N,
+                        const uint16_t* xt, void* out, int out_bf16) {
+    tile_units(8, q, dm, G, T, NB, M, N, xt, out, out_bf16);
+}
+
 /* M <= TILE_ROWS rows on tiles; 2: no memory */
-static int few_rows_tiles(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int N,
+static int few_rows_tiles(const uint16_t* x, int64_t M, int K, int bits, const uint8_t* q, const float* dm, int N,
                           void* out, int out_bf16) {
     const int G = K / 32, T = (N + 15) / 16, NB = (int)((M + 15) / 16);
     /* x in B's layout, per group and block of 16 rows: xt[g][i][p][r][e] = x[16i + r][32g + 2p + e] */
@@ -184,40 +254,9 @@ static int few_rows_tiles(const uint16_t* x, int64_t M, int K, const uint8_t* q,
             xt[(((int64_t)(k / 32) * NB + m / 16) * 16 + (k % 32) / 2) * 32 + (m % 16) * 2 + k % 2] = x[m * K + k];
     #pragma omp parallel
     {
-        uint16_t a[8 * 512] __attribute__((aligned(64)));
-        float c[4 * 512] __attribute__((aligned(64)));
-        const __m512i ctrl = nibble_ctrl();
-        const v16 qv = q_values();
         amx_configure();
-        const int pairs = NB <= 2;  /* four C' tiles hold two panels' rows up to 32, four panels' up to 16 */
-        const int per = NB == 1 ? 4 : pairs ? 2 : 1, units = (T + per - 1) / per;
-        #pragma omp for schedule(static)
-        for (int u = 0; u < units; u++) {
-            const int t0 = per * u, left = T - t0 < per ? T - t0 : per;
-            if (left == 4) {
-                quad_1(q + (int64_t)t0 * G * 256, dm + (int64_t)t0 * G * 32, G, xt, a, c, ctrl, qv);
-                for (int p = 0; p < 4; p++) store_panel(c + 512 * p, M, N, t0 + p, out, out_bf16);
-                continue;
-            }
-            for (int t = t0; t < t0 + left; t += pairs ? 2 : 1) {
-            const int np = pairs && t + 1 < t0 + left ? 2 : 1;
-            const uint8_t* qt = q + (int64_t)t * G * 256;
-            const float* dmt = dm + (int64_t)t * G * 32;
-            if (np == 2) {
-                if (NB == 1) pair_1(qt, dmt, G, xt, a, c, ctrl, qv);
-                else pair_2(qt, dmt, G, xt, a, c, ctrl, qv);
-            } else {
-                switch (NB) {
-                    case 1: panel_1(qt, dmt, xt, G, a, c, ctrl, qv); break;
-                    case 2: panel_2(qt, dmt, xt, G, a, c, ctrl, qv); break;
-                    case 3: panel_3(qt, dmt, xt, G, a, c, ctrl, qv); break;
-                    default: panel_4(qt, dmt, xt, G, a, c, ctrl, qv); break;
-                }
-            }
-            for (int p = 0; p < np; p++)
-                store_panel(c + (np == 2 ? 512 * p : 0), M, N, t + p, out, out_bf16);
-            }
-        }
+        if (bits == 4) tile_units4(q, dm, G, T, NB, M, N, xt, out, out_bf16);
+        else tile_units8(q, dm, G, T, NB, M, N, xt, out, out_bf16);
         _tile_release();
     }
     free(xt);
@@ -225,18 +264,19 @@ static int few_rows_tiles(const uint16_t* x, int64_t M, int K, const uint8_t* q,
 }
 #endif
 
-/* x [M, K] bf16 @ the packed [N, K] weights -> out [M, N] (float32, or bf16 when out_bf16), the bits
- * of streamkv_inv_gemm over the dense weights with the same use_tiles. 1: bad shapes, 2: no memory. */
-int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int N,
+/* x [M, K] bf16 @ the packed [N, K] weights (bits 4: q, dm as above; 8: q [T][G][16][32] int8, column
+ * c's 32 values along k, dm [T][G][16] float32 d) -> out [M, N] (float32, or bf16 when out_bf16), the
+ * bits of streamkv_inv_gemm over the dense weights with the same use_tiles. 1: bad shapes, 2: no memory. */
+int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
                            void* out, int out_bf16, int use_tiles) {
-    if (M <= 0 || K <= 0 || K % 32 || N <= 0) return 1;
+    if (M <= 0 || K <= 0 || K % 32 || N <= 0 || (bits != 4 && bits != 8)) return 1;
     const int T = (N + 15) / 16;
 #ifdef AMX
-    if (use_tiles && M <= TILE_ROWS && amx_enabled()) return few_rows_tiles(x, M, K, q, dm, N, out, out_bf16);
+    if (use_tiles && M <= TILE_ROWS && amx_enabled()) return few_rows_tiles(x, M, K, bits, q, dm, N, out, out_bf16);
 #endif
     uint16_t* wp = malloc(sizeof(uint16_t) * (size_t)T * 16 * K);
     if (!wp) return 2;
-    dense_panels(q, dm, K, T, wp);
+    dense_panels(bits, q, dm, K, T, wp);
     const int rc = streamkv_inv_gemm(x, M, K, wp, 1, N, out, out_bf16, use_tiles);
     free(wp);
     return rc;
@@ -244,9 +284,9 @@ int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q
 
 int streamkv_deq_bf16_available(void) { return 1; }
 #else
-int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int N,
+int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
                            void* out, int out_bf16, int use_tiles) {
-    (void)x; (void)M; (void)K; (void)q; (void)dm; (void)N; (void)out; (void)out_bf16; (void)use_tiles;
+    (void)x; (void)M; (void)K; (void)q; (void)dm; (void)bits; (void)N; (void)out; (void)out_bf16; (void)use_tiles;
     return 3;  /* needs AVX512-BF16 and VBMI */
 }
 

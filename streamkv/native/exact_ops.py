@@ -164,8 +164,8 @@ def _deq_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: torch.
 
 
 def deq_gemm_bf16() -> Callable[..., torch.Tensor] | None:
-    """The bf16 GEMM over packed 4-bit GGUF weights with the dense bf16 GEMM's bits (``deq_bf16.c``;
-    AVX512-BF16 CPUs with VBMI), or None where it cannot run."""
+    """The bf16 GEMM over packed 4-bit / 8-bit GGUF weights with the dense bf16 GEMM's bits
+    (``deq_bf16.c``; AVX512-BF16 CPUs with VBMI), or None where it cannot run."""
     lib = loader._library()
     if lib is None or not lib.streamkv_deq_bf16_available():
         return None
@@ -174,22 +174,26 @@ def deq_gemm_bf16() -> Callable[..., torch.Tensor] | None:
 
 def _deq_gemm_bf16(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor, n: int,
                    out_dtype: torch.dtype = torch.bfloat16, tiles: bool = False) -> torch.Tensor:
-    """x [M, K] bf16 @ the packed [n, K] weight (``models/deq_linear.py: pack_deq_bf16``) -> [M, n] in
-    ``out_dtype``, the bits of ``invariant_gemm`` over the dense bf16 weights (``tiles`` alike)."""
+    """x [M, K] bf16 @ the packed [n, K] weight (``models/deq_linear.py``: ``pack_deq_bf16``, 4-bit when q
+    is uint8; ``pack_deq8_bf16``, 8-bit when int8) -> [M, n] in ``out_dtype``, the bits of
+    ``invariant_gemm`` over the dense bf16 weights (``tiles`` alike)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise TypeError(f"bf16 deq GEMM needs a 2-D bfloat16 input, got {x.dtype} {tuple(x.shape)}")
-    if q.dtype != torch.uint8 or dm.dtype != torch.float32 or not (q.is_contiguous() and dm.is_contiguous()):
-        raise TypeError(f"bf16 deq GEMM needs contiguous uint8 values and float32 scales, got {q.dtype}, {dm.dtype}")
+    if q.dtype not in (torch.uint8, torch.int8) or dm.dtype != torch.float32 or not (q.is_contiguous()
+                                                                                       and dm.is_contiguous()):
+        raise TypeError(f"bf16 deq GEMM needs contiguous uint8 / int8 values and float32 scales, got {q.dtype}, {dm.dtype}")
     x, out = _gemm_out(x, n, out_dtype, "bf16 deq GEMM")
     m, k = x.shape
     t, g = -(-n // 16), k // 32
-    if k % 32 or q.shape != (t, g, 16, 16) or dm.shape != (t, g, 16, 2):  # the kernel reads what these say
+    bits = 4 if q.dtype == torch.uint8 else 8
+    want = ((t, g, 16, 16), (t, g, 16, 2)) if bits == 4 else ((t, g, 16, 32), (t, g, 16))
+    if k % 32 or (tuple(q.shape), tuple(dm.shape)) != want:  # the kernel reads what these say
         raise ValueError(f"bf16 deq GEMM: packed weights {tuple(q.shape)} / {tuple(dm.shape)} do not hold "
-                         f"[{n}, {k}] (expected ({t}, {g}, 16, 16) / ({t}, {g}, 16, 2))")
+                         f"[{n}, {k}] (expected {want[0]} / {want[1]})")
     if m == 0:
         return out
-    rc = fn(x.data_ptr(), m, k, q.data_ptr(), dm.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
-            int(tiles))
+    rc = fn(x.data_ptr(), m, k, q.data_ptr(), dm.data_ptr(), bits, n, out.data_ptr(),
+            int(out_dtype == torch.bfloat16), int(tiles))
     if rc != 0:
         raise ValueError(f"bf16 deq GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
     return out

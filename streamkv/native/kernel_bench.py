@@ -194,7 +194,8 @@ def _lm_head_f32(s) -> dict[str, dict[str, float]]:
 
 
 def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
-    from streamkv.native import invariant_gemm, q8_gemm
+    from streamkv.models.deq_linear import pack_deq8_bf16
+    from streamkv.native import deq_gemm_bf16, invariant_gemm, q8_gemm
 
     if not s.bf16:
         return _lm_head_f32(s)
@@ -205,11 +206,19 @@ def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     wp = (torch.randn(t, k // 2, 16, 2) * 0.02).to(torch.bfloat16)
     q8k, dense = q8_gemm(), invariant_gemm()
     tiles = chosen.get("gemm") == "amx"
-    out: dict[str, dict[str, float]] = {"q8": {}, "dense": {}}
-    for label, m in list(ROWS.items())[:3]:  # sampled rows: one per sequence
+    # lm_head=deq (the dense bits from the int8 head) switches with dense by row count: finer rows.
+    # A candidate only on tiles, as linear=deq (kernel_bench._linear)
+    deq = deq_gemm_bf16() if s.numerics == "invariant" and tiles else None
+    qd, dd = pack_deq8_bf16(torch.randint(-128, 128, (n, k), dtype=torch.int8),
+                            (torch.rand(n, k // 32) * 0.01).half().float()) if deq else (None, None)
+    out: dict[str, dict[str, float]] = {"q8": {}, "dense": {}, **({"deq": {}} if deq else {})}
+    # sampled rows: one per sequence (and its drafts)
+    for label, m in list(EXACT_ROWS.items())[:6] if deq else list(ROWS.items())[:3]:
         x = torch.randn(m, k).to(torch.bfloat16)
-        t = _best_each({"q8": lambda: q8k(x, w8, d8, n), "dense": lambda: dense(x, wp, n, torch.float32, tiles)})
-        out["q8"][label], out["dense"][label] = t["q8"], t["dense"]
+        t = _best_each({"q8": lambda: q8k(x, w8, d8, n), "dense": lambda: dense(x, wp, n, torch.float32, tiles),
+                        **({"deq": lambda: deq(x, qd, dd, n, torch.float32, tiles)} if deq else {})})
+        for path in out:
+            out[path][label] = t[path]
     return out
 
 

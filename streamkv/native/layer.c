@@ -37,7 +37,7 @@ int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const ui
                      int bf16_out);
 int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uint16_t* dm, int bits, int N,
                       void* out, int out_bf16);
-int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int N,
+int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
                            void* out, int out_bf16, int use_tiles);
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
                       const int64_t* slots, int H, int Hk, int D, float scale, float* out);
@@ -137,7 +137,7 @@ static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
                                              (const uint16_t*)l->sz, l->N, out, 0)
            : l->deq && T <= l->deq_rows
                ? (l->wbf16 ? streamkv_deq_gemm_bf16((const uint16_t*)x, T, l->K, (const uint8_t*)l->deq,
-                                                    (const float*)(const void*)l->deq_dm, l->N, out, 0, l->tiles)
+                                                    (const float*)(const void*)l->deq_dm, 4, l->N, out, 0, l->tiles)
                            : streamkv_deq_gemm((const float*)x, T, l->K, l->deq, l->deq_dm, 4, l->N, out, 0))
                : streamkv_inv_gemm(x, T, l->K, l->w, l->wbf16, l->N, out, 0, l->tiles);
     if (rc == 0 && l->bias)

@@ -48,7 +48,7 @@ def declare(lib: ctypes.CDLL) -> None:
     fn = lib.streamkv_deq_gemm_bf16
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.streamkv_deq_bf16_available.restype = ctypes.c_int
     lib.streamkv_inv_gemm_bf16_dot.restype = ctypes.c_int
     lib.streamkv_inv_gemm_bf16_path.restype = ctypes.c_char_p

@@ -7,7 +7,8 @@ Kinds and their paths (a kind only exists where more than one path can run):
     linear             q4 | dense | deq GGUF 4-bit layers: the 4-bit kernel, dense weights, or (bf16) both
                                         with the dense bits: 4-bit blocks for small steps (deq_bf16.c)
     gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on the vector units (AMX CPUs only)
-    lm_head            q8 | dense       a Q8_0 LM head read as int8, or dense
+    lm_head            q8 | dense | deq a Q8_0 LM head read as int8, dense, or (bf16) both with the dense
+                                        bits: the int8 blocks for small steps (deq_bf16.c)
     attention          bf16 | f32 | amx invariant attention: bf16 dot products, float32, or bf16 on AMX tiles
     prefill_attention  native | sdpa    fast numerics: the paged prefill kernel or torch's SDPA
 
@@ -22,8 +23,8 @@ Float32 models are the exception: their packed 4-bit layers and int8 head give t
 weights' bits (``native/deq_gemm.c``), so ``linear`` and ``lm_head`` are *exact* kinds there: no
 single path is chosen, a step takes the packed weights when it has at most ``rows[kind]`` rows
 (the largest row count, from 1 up, at which they measured faster) and the dense ones above.
-bf16 models get the same through ``linear=deq`` (``native/deq_bf16.c`` rebuilds the dense bf16
-weights from the 4-bit blocks on the fly): it is scored as one path with ``dense`` (a step takes
+bf16 models get the same through ``linear=deq`` and ``lm_head=deq`` (``native/deq_bf16.c`` rebuilds
+the dense bf16 weights from the 4-bit blocks / the int8 head on the fly): each is scored as one path with ``dense`` (a step takes
 whichever its row count measured faster, so the path's time at a shape is that one's), the row
 threshold set as for the exact kinds, and when the dense bits win the near-tie rule is not needed
 between the two (switching changes no bit): ``deq`` whenever its threshold is above 0.
@@ -59,15 +60,16 @@ log = logging.getLogger(__name__)
 KINDS: dict[str, tuple[str, ...]] = {
     "linear": ("q4", "dense", "deq"),
     "gemm": ("amx", "avx512"),
-    "lm_head": ("q8", "dense"),
+    "lm_head": ("q8", "dense", "deq"),
     "attention": ("bf16", "f32", "amx"),
     "prefill_attention": ("native", "sdpa"),
 }
-CACHE_VERSION = 4  # 2: the near-tie rule (MARGIN); 3: float32 models' exact kinds and their row thresholds; 4: linear=deq
+CACHE_VERSION = 5  # 2: the near-tie rule (MARGIN); 3: float32 models' exact kinds and their row thresholds; 4: linear=deq;
+# 5: lm_head=deq
 MARGIN = 1.10  # another path displaces the preferred one only with a score more than 10% lower
 EXACT_PACKED = {"linear": "q4", "lm_head": "q8"}  # exact kinds (float32 models) and their packed path
 ALL_ROWS = 2 ** 31 - 1  # an exact kind forced to its packed path takes it at every row count
-SWITCHED = {"linear": "deq"}  # bf16 paths that switch by row count between packed and dense, same bits
+SWITCHED = {"linear": "deq", "lm_head": "deq"}  # bf16 paths that switch by row count between packed and dense, same bits
 
 
 def parse_kernels(spec: str) -> dict[str, str]:
@@ -154,6 +156,7 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
         ("gemm", "avx512"): True,
         ("lm_head", "q8"): s.q8_head and (exact or s.bf16 and (fast or native.q8_gemm() is not None)),
         ("lm_head", "dense"): True,
+        ("lm_head", "deq"): s.q8_head and s.bf16 and not fast and native.deq_gemm_bf16() is not None,
         ("attention", "bf16"): not fast and fits and native.invariant_attention_bf16() is not None,
         ("attention", "f32"): not fast,
         ("attention", "amx"): not fast and fits and native.invariant_attention_amx() is not None,
