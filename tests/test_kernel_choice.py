@@ -67,7 +67,7 @@ def test_a_rebuild_keeps_the_machines_choice_through_near_ties(tmp_path, monkeyp
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
     shapes = ModelShapes(**{**TINY.__dict__, "hidden": 96})  # a key of its own
     kind = "lm_head"
-    if runnable(shapes).get(kind) != ["q8", "dense"]:
+    if not {"q8", "dense"} <= set(runnable(shapes).get(kind, [])):  # (deq, where built, is not timed here)
         pytest.skip("the int8 LM head kernel is not built on this CPU: lm_head has one path")
     timings = {"q8": {"decode x1": 1.0, "decode x8": 1.0}, "dense": {"decode x1": 0.5, "decode x8": 0.5}}
     monkeypatch.setattr(kernel_bench, "measure", lambda k, s, chosen: timings if k == kind else {})

@@ -162,6 +162,7 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], int padded, 
         for (int r = 0; r < rn; r++) memcpy(qloc[r], qp[r], sizeof(uint32_t) * 16 * DB);
         qa = (const uint32_t (*)[64])qloc;
     }
+    __asm__ volatile("" : : "r"(qa) : "memory");  /* qloc's copy before the tile loads read it (above) */
     tile_scores(DB, nb, qa, Kt, S);
     float a[16];
     int lims[16];
@@ -188,6 +189,9 @@ static void tile_rows(int D, float scale, const uint32_t (*qp)[64], int padded, 
         if (a[r] != 1.f)
             for (int j = 0; j < nv; j++) so[r].o[j] = _mm512_mul_ps(so[r].o[j], v_set1(a[r]));
     }
+    /* gcc's _tile_loadd does not say it reads memory: the stores above (o a, the pad copy) and the
+     * softmax's P must not move past the tile loads */
+    __asm__ volatile("" : : "r"(so), "r"(Pb) : "memory");
     for (int j0 = 0; j0 < nv; j0 += 4) tile_pv(nv, ng, j0, nv - j0 < 4 ? nv - j0 : 4, Pb, vb, so);
     for (int r = 0; r < rn; r++)
         if (lims[r] == 0)
