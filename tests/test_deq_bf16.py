@@ -67,20 +67,27 @@ def tiny_gguf(tmp_path_factory):
     return str(make_tiny_gguf(path / "q4.gguf", path, Q4_LINEARS))
 
 
-def test_a_bf16_engine_gives_the_same_bits_deq_dense_or_switching(tiny_gguf, tmp_path, monkeypatch):
-    """linear=deq (4-bit blocks at every step), linear=dense, and a measured switch at 8 rows: the
-    same tokens and logprobs, alone, batched, chunked and preempted."""
+def _deq_wins_up_to_8_rows(monkeypatch, tmp_path, kind: str, other: str, rows: dict[str, int]) -> None:
+    """A fresh kernel cache whose measurement finds ``kind``'s deq faster than dense up to 8 rows
+    (``other``, its own-bits path, far slower); every other kind a tie (its default)."""
     import streamkv.native.kernel_bench as kernel_bench
 
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
-    rows = {"decode x1": 1, "decode x8": 8, "decode x16": 16, "decode x32": 32, "prompt x256": 256}
 
-    def measure(kind, shapes, chosen):  # deq faster up to 8 rows; every other kind a tie (its default)
-        if kind != "linear":
-            return {p: {"decode x1": 1.0} for p in runnable(shapes)[kind]}
-        return {"q4": {sh: 9.0 for sh in rows}, "dense": {sh: 1.0 for sh in rows},
+    def measure(k, shapes, chosen):
+        if k != kind:
+            return {p: {"decode x1": 1.0} for p in runnable(shapes)[k]}
+        return {other: {sh: 9.0 for sh in rows}, "dense": {sh: 1.0 for sh in rows},
                 "deq": {sh: 0.5 if r <= 8 else 2.0 for sh, r in rows.items()}}
     monkeypatch.setattr(kernel_bench, "measure", measure)
+
+
+def test_a_bf16_engine_gives_the_same_bits_deq_dense_or_switching(tiny_gguf, tmp_path, monkeypatch):
+    """linear=deq (4-bit blocks at every step), linear=dense, and a measured switch at 8 rows: the
+    same tokens and logprobs, alone, batched, chunked and preempted."""
+    _deq_wins_up_to_8_rows(monkeypatch, tmp_path, "linear", "q4",
+                           {"decode x1": 1, "decode x8": 8, "decode x16": 16, "decode x32": 32, "prompt x256": 256})
+
     def check(kernels):
         def look(llm):
             layer = llm.engine.bundle.runner.model.layers[0].qkv
@@ -154,19 +161,10 @@ def test_a_bf16_engine_gives_the_same_bits_with_the_int8_head_or_the_dense_one(t
     """A GGUF with a Q8_0 head: lm_head=deq forced (every step on the int8 blocks), measured (up to
     8 rows, then dense) and lm_head=dense give the same tokens and logprobs, alone, batched,
     chunked and preempted."""
-    import streamkv.native.kernel_bench as kernel_bench
-
     hf = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("llama_deq_head"), "llama")
     model = str(make_tiny_gguf(hf / "q8.gguf", hf, {"token_embd": "Q8_0", "output": "Q8_0"}))
-    monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
-    rows = {"decode x1": 1, "decode x4": 4, "decode x8": 8, "decode x16": 16, "decode x32": 32}
-
-    def measure(kind, shapes, chosen):  # the int8 head faster up to 8 rows; every other kind a tie
-        if kind != "lm_head":
-            return {p: {"decode x1": 1.0} for p in runnable(shapes)[kind]}
-        return {"q8": {sh: 9.0 for sh in rows}, "dense": {sh: 1.0 for sh in rows},
-                "deq": {sh: 0.5 if r <= 8 else 2.0 for sh, r in rows.items()}}
-    monkeypatch.setattr(kernel_bench, "measure", measure)
+    _deq_wins_up_to_8_rows(monkeypatch, tmp_path, "lm_head", "q8",
+                           {"decode x1": 1, "decode x4": 4, "decode x8": 8, "decode x16": 16, "decode x32": 32})
 
     def check(kernels):
         def look(llm):
