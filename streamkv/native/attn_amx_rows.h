@@ -8,7 +8,7 @@
  *   Q tile   A[r][p]     = q pair p of row r (32 dims = 16 pairs per tile, dim block h)
  *   Kt       B[p][key]   = dim pair p of 16 keys           (Kt + KS x + 16 h, 64-byte rows)
  *   scores   S[r][16 x + i] = sum over h of TDPBF16PS(Q_h, Kt_{x,h})      (unscaled; C tiles 0-3)
- *   softmax  per row (amx_softmax(), this path's own: the scale folded into a base-2 exponent):
+ *   softmax  per row (softmax_rows() with tile = 1, this path's own: the scale folded into a base-2 exponent):
  *            b = max of the row's unscaled visible scores, m' = max(m, b scale), a = exp(m - m'),
  *            p = 2^(s c - m' log2 e) with c = scale log2 e (zero where the row sees no key),
  *            P = bf16(p), l = l a + sum p
@@ -70,67 +70,7 @@ static inline void tile_pv(int nv, int ng, int j0, int nj, uint16_t Pb[16][SB], 
     if (nj > 3) _tile_stored(3, st->o + j0 + 3, lo);
 }
 
-/* 2^t, t <= 0 up to rounding (a lane past a row's keys may hold anything: it is masked after): a
- * degree-5 fit on [-1/2, 1/2] (relative error 1.6e-7), scaled by 2^round(t) */
-static inline __m512 exp2_tile(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(0.001327531412243843f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675148874521255f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402212768793106f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* The online-softmax update of rows [0, n) of a tile (the header's softmax line), over their
- * unscaled scores S; lims[r] > 0 rows only (the others: a[r], P[r] unset). P[r] gets the row's
- * visible blocks (bf16, zero past lims[r] within its last block). */
-static inline __attribute__((always_inline)) void amx_softmax(const int n, const int full, const float S[16][SB],
-                                                              const int* lims, float scale, uint16_t P[16][SB],
-                                                              float* a, RowState* st) {
-    const float LOG2E = 1.4426950408889634f, c = scale * LOG2E;
-    float d[16] = {0}, mn[16], ea[16], sums[16];
-    __m512 tot[16];
-    for (int r = 0; r < n; r++) {
-        tot[r] = _mm512_setzero_ps();
-        const int lim = full ? SB : lims[r];
-        if (lim == 0) continue;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int x = 0; x < (full ? NB : (lim + 15) / 16); x++) {
-            const int left = full ? 16 : lim - 16 * x;
-            const __m512 v = _mm512_load_ps(S[r] + 16 * x);
-            mx = left < 16 ? _mm512_mask_max_ps(mx, (__mmask16)((1u << left) - 1), mx, v) : _mm512_max_ps(mx, v);
-        }
-        const float bm = v_hmax(mx) * scale;
-        mn[r] = bm > st[r].m ? bm : st[r].m;
-        d[r] = st[r].m - mn[r];
-    }
-    v_store(ea, v_exp(v_load(d)));
-    for (int r = 0; r < n; r++) {
-        const int lim = full ? SB : lims[r];
-        if (lim == 0) continue;
-        a[r] = st[r].m == -INFINITY ? 0.f : ea[r];
-        const __m512 vc = _mm512_set1_ps(c), vk = _mm512_set1_ps(-mn[r] * LOG2E);
-        for (int x = 0; x < (full ? NB : (lim + 15) / 16); x++) {
-            const int left = full ? 16 : lim - 16 * x;
-            __m512 p = exp2_tile(_mm512_fmadd_ps(_mm512_load_ps(S[r] + 16 * x), vc, vk));
-            if (left < 16) p = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), p);
-            tot[r] = _mm512_add_ps(tot[r], p);
-            _mm256_store_si256((__m256i*)(P[r] + 16 * x), (__m256i)_mm512_cvtneps_pbh(p));
-        }
-    }
-    int r = 0;
-    for (; r + 4 <= n; r += 4) v_hsum4(tot[r], tot[r + 1], tot[r + 2], tot[r + 3], sums + r);
-    for (; r < n; r++) sums[r] = v_hsum(tot[r]);
-    for (r = 0; r < n; r++) {
-        if (!full && lims[r] == 0) continue;
-        st[r].l = st[r].l * a[r] + sums[r];
-        st[r].m = mn[r];
-    }
-}
-
-/* amx_softmax() of rows [0, rn) over their unscaled scores S, writing P over the 32 ng
+/* softmax_rows() (tile = 1) of rows [0, rn) over their unscaled scores S, writing P over the 32 ng
  * keys the tiles read (bf16, zero where a row sees no key, rows [rn, tr) all zero) and each row's
  * rescale factor a; lims[r]: keys of the super-block row r sees */
 static inline void tile_softmax(float scale, const int64_t* pos, int rn, int tr, int nk, int ng, float S[16][SB],
@@ -143,8 +83,10 @@ static inline void tile_softmax(float scale, const int64_t* pos, int rn, int tr,
         const int rb = (lims[r] + 15) / 16;
         if (rb < 2 * ng) memset(Pb[r] + 16 * rb, 0, sizeof(uint16_t) * 16 * (2 * ng - rb));
     }
-    if (full) amx_softmax(16, 1, (const float (*)[SB])S, lims, scale, Pb, a, st);   /* constant bounds: unrolled */
-    else amx_softmax(rn, 0, (const float (*)[SB])S, lims, scale, Pb, a, st);
+    __m512 (*sv)[NB] = (__m512 (*)[NB])S;
+    uint32_t (*pv)[NB][8] = (uint32_t (*)[NB][8])Pb;
+    if (full) softmax_rows(16, 1, 1, sv, lims, scale, pv, a, st);   /* constant bounds: unrolled */
+    else softmax_rows(rn, 1, 0, sv, lims, scale, pv, a, st);
 }
 
 /* Rows [0, rn) of one super-block on tiles of tr rows, rn <= tr <= 16 (qp rows 64 dwords, pairs

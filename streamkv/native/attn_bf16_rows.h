@@ -23,44 +23,70 @@ typedef struct {
 /* keys of a super-block of nk keys that a row at context index pos (relative to its first key) sees */
 static inline int row_lim(int64_t pos, int nk) { return pos + 1 <= 0 ? 0 : pos + 1 < nk ? (int)(pos + 1) : nk; }
 
+/* 2^t, t <= 0 up to rounding (a lane past a row's keys may hold anything: it is masked after): a
+ * degree-5 fit on [-1/2, 1/2] (relative error 1.6e-7), scaled by 2^round(t). The tile path's exp. */
+static inline __m512 exp2_tile(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(0.001327531412243843f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675148874521255f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402212768793106f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* The online-softmax update of rows [0, n), n <= 16: the one definition for every row grouping of
- * super_block() and few_rows() and for the tile path's tile_softmax(). Per row r with lims[r] > 0:
+ * super_block() and few_rows() (tile = 0) and for the tile path's tile_softmax() (tile = 1, its own
+ * numerics). Per row r with lims[r] > 0:
  *
- *   s[r][x]  row r's unscaled scores of key block x: scaled, -inf past lims[r] (in place)
- *   m' = max(m, block max), a[r] = exp(m - m') (0 on the row's first block; every row's in one
- *   v_exp, lane r of which equals s_exp of lane r's value), p = exp(s - m') (0 past lims[r]),
- *   P[r][x] = bf16(p) (16 keys per block x), l = l a + hsum(p), m = m'
+ *   s[r][x]  row r's unscaled scores of key block x
+ *   tile 0:  s scaled, -inf past lims[r] (in place); b = block max; p = exp(s - m')
+ *   tile 1:  b = max of the unscaled visible scores, times scale; p = 2^(s c - m' log2 e), c =
+ *            scale log2 e (the scale folded into the exponent: ~40% fewer vector operations)
+ *   m' = max(m, b), a[r] = exp(m - m') (0 on the row's first block; every row's in one v_exp, lane
+ *   r of which equals s_exp of lane r's value), p = 0 past lims[r], P[r][x] = bf16(p) (16 keys per
+ *   block x), l = l a + hsum(p), m = m'
  *
- * Rows with lims[r] == 0 are left alone (a[r], P[r] unset). v_hsum4 == v_hsum per row. */
-static inline __attribute__((always_inline)) void rows_softmax(const int n, __m512 (*s)[NB], const int* lims,
-                                                               float scale, uint32_t (*P)[NB][8], float* a,
-                                                               RowState* st) {
-    const __m512 vscale = v_set1(scale);
+ * Rows with lims[r] == 0 are left alone (a[r], P[r] unset). v_hsum4 == v_hsum per row. ``full``
+ * (tile only, n = 16): every row sees all NB blocks, constant bounds (the same operations). */
+static inline __attribute__((always_inline)) void softmax_rows(const int n, const int tile, const int full,
+                                                               __m512 (*s)[NB], const int* lims, float scale,
+                                                               uint32_t (*P)[NB][8], float* a, RowState* st) {
+    const float LOG2E = 1.4426950408889634f;
+    const __m512 vscale = v_set1(scale), vc = v_set1(scale * LOG2E);
     float d[16] = {0}, mn[16], ea[16], sums[16];
     __m512 tot[16];
     for (int r = 0; r < n; r++) {
         tot[r] = _mm512_setzero_ps();
-        const int lim = lims[r];
+        const int lim = full ? SB : lims[r];
         if (lim == 0) continue;
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int x = 0; x < (lim + 15) / 16; x++) {
-            const int left = lim - 16 * x;
+        for (int x = 0; x < (full ? NB : (lim + 15) / 16); x++) {
+            const int left = full ? 16 : lim - 16 * x;
+            const __mmask16 seen = (__mmask16)((1u << (left < 16 ? left : 0)) - 1);
+            if (tile) {
+                mx = left < 16 ? _mm512_mask_max_ps(mx, seen, mx, s[r][x]) : _mm512_max_ps(mx, s[r][x]);
+                continue;
+            }
             s[r][x] = _mm512_mul_ps(s[r][x], vscale);
-            if (left < 16) s[r][x] = _mm512_mask_blend_ps((__mmask16)((1u << left) - 1), _mm512_set1_ps(-INFINITY), s[r][x]);
+            if (left < 16) s[r][x] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), s[r][x]);
             mx = _mm512_max_ps(mx, s[r][x]);
         }
-        const float bm = v_hmax(mx);
+        const float bm = tile ? v_hmax(mx) * scale : v_hmax(mx);
         mn[r] = bm > st[r].m ? bm : st[r].m;
         d[r] = st[r].m - mn[r];
     }
     v_store(ea, v_exp(v_load(d)));
     for (int r = 0; r < n; r++) {
-        const int lim = lims[r];
+        const int lim = full ? SB : lims[r];
         if (lim == 0) continue;
         a[r] = st[r].m == -INFINITY ? 0.f : ea[r];
-        for (int x = 0; x < (lim + 15) / 16; x++) {
-            const int left = lim - 16 * x;
-            __m512 pr = v_exp(_mm512_sub_ps(s[r][x], _mm512_set1_ps(mn[r])));
+        const __m512 vk = _mm512_set1_ps(-mn[r] * LOG2E);
+        for (int x = 0; x < (full ? NB : (lim + 15) / 16); x++) {
+            const int left = full ? 16 : lim - 16 * x;
+            __m512 pr = tile ? exp2_tile(_mm512_fmadd_ps(s[r][x], vc, vk))
+                             : v_exp(_mm512_sub_ps(s[r][x], _mm512_set1_ps(mn[r])));
             if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
             tot[r] = _mm512_add_ps(tot[r], pr);
             _mm256_storeu_si256((__m256i*)P[r][x], (__m256i)_mm512_cvtneps_pbh(pr));
@@ -70,10 +96,17 @@ static inline __attribute__((always_inline)) void rows_softmax(const int n, __m5
     for (; r + 4 <= n; r += 4) v_hsum4(tot[r], tot[r + 1], tot[r + 2], tot[r + 3], sums + r);
     for (; r < n; r++) sums[r] = v_hsum(tot[r]);
     for (r = 0; r < n; r++) {
-        if (lims[r] == 0) continue;
+        if (!full && lims[r] == 0) continue;
         st[r].l = st[r].l * a[r] + sums[r];
         st[r].m = mn[r];
     }
+}
+
+/* the vector path's update (tile = 0) */
+static inline __attribute__((always_inline)) void rows_softmax(const int n, __m512 (*s)[NB], const int* lims,
+                                                               float scale, uint32_t (*P)[NB][8], float* a,
+                                                               RowState* st) {
+    softmax_rows(n, 0, 0, s, lims, scale, P, a, st);
 }
 
 /* P V of rows [0, NR) over the nb whole 16-key blocks of a super-block, interleaved: element j of
