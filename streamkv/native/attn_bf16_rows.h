@@ -24,16 +24,52 @@ typedef struct {
 static inline int row_lim(int64_t pos, int nk) { return pos + 1 <= 0 ? 0 : pos + 1 < nk ? (int)(pos + 1) : nk; }
 
 /* 2^t, t <= 0 up to rounding (a lane past a row's keys may hold anything: it is masked after): a
- * degree-5 fit on [-1/2, 1/2] (relative error 1.6e-7), scaled by 2^round(t). The tile path's exp. */
+ * degree-4 fit of 2^f on [0, 1), f = t - floor(t) (relative error 2.7e-6, far below P's bf16
+ * rounding), scaled by 2^floor(t) (vscalefps floors its exponent itself). The tile path's exp. */
 static inline __m512 exp2_tile(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(0.001327531412243843f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675148874521255f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713464617729f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402212768793106f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
-    return _mm512_scalef_ps(p, n);
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);   /* t - floor(t) */
+    __m512 p = _mm512_set1_ps(0.013534167781472206f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.052011460065841675f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2414427548646927f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6930038332939148f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+    return _mm512_scalef_ps(p, t);
+}
+
+/* The tile path's p and P of one row over its nx key blocks (lim keys visible): p = 2^(s c + k),
+ * zero past lim; two blocks' P converted and stored together (the same rounding as one at a time) */
+static inline __attribute__((always_inline)) void tile_exp_row(const int nx, const int lim, const __m512* s,
+                                                               __m512 vc, __m512 vk, uint32_t (*P)[8],
+                                                               __m512* tot) {
+    for (int x = 0; x < nx; x += 2) {
+        __m512 p[2];
+        for (int i = 0; i < 2 && x + i < nx; i++) {
+            const int left = lim - 16 * (x + i);
+            p[i] = exp2_tile(_mm512_fmadd_ps(s[x + i], vc, vk));
+            if (left < 16) p[i] = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), p[i]);
+            *tot = _mm512_add_ps(*tot, p[i]);
+        }
+        if (x + 1 < nx) _mm512_storeu_si512((void*)P[x], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        else _mm256_storeu_si256((__m256i*)P[x], (__m256i)_mm512_cvtneps_pbh(p[0]));
+    }
+}
+
+/* lane r = the largest lane of v[r], r < 16: a tree of shuffles over all 16 rows at once (4 steps
+ * of 16 -> 8 -> 4 -> 2 -> 1 partials per row, then one permute; a max is exact in any order) */
+static inline __m512 v_hmax16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)                   /* 256-bit half h of w[i]: row 2i + h */
+        w[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)                   /* 128-bit lane q of x[i]: row 4i + q */
+        x[i] = _mm512_max_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)                   /* lane q, elements 2e + (0, 1): row 4 (2i + e) + q */
+        y[i] = _mm512_max_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    /* lane q, element e: row 4e + q */
+    const __m512 z = _mm512_max_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
 /* The online-softmax update of rows [0, n), n <= 16: the one definition for every row grouping of
@@ -55,38 +91,42 @@ static inline __attribute__((always_inline)) void softmax_rows(const int n, cons
                                                                uint32_t (*P)[NB][8], float* a, RowState* st) {
     const float LOG2E = 1.4426950408889634f;
     const __m512 vscale = v_set1(scale), vc = v_set1(scale * LOG2E);
-    float d[16] = {0}, mn[16], ea[16], sums[16];
-    __m512 tot[16];
+    float mo[16], mn[16], ea[16], sums[16];
+    __m512 tot[16], mx[16];
+    for (int r = 0; r < 16; r++) mx[r] = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < n; r++) {
         tot[r] = _mm512_setzero_ps();
+        mo[r] = st[r].m;
         const int lim = full ? SB : lims[r];
         if (lim == 0) continue;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int x = 0; x < (full ? NB : (lim + 15) / 16); x++) {
             const int left = full ? 16 : lim - 16 * x;
             const __mmask16 seen = (__mmask16)((1u << (left < 16 ? left : 0)) - 1);
             if (tile) {
-                mx = left < 16 ? _mm512_mask_max_ps(mx, seen, mx, s[r][x]) : _mm512_max_ps(mx, s[r][x]);
+                mx[r] = left < 16 ? _mm512_mask_max_ps(mx[r], seen, mx[r], s[r][x]) : _mm512_max_ps(mx[r], s[r][x]);
                 continue;
             }
             s[r][x] = _mm512_mul_ps(s[r][x], vscale);
             if (left < 16) s[r][x] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), s[r][x]);
-            mx = _mm512_max_ps(mx, s[r][x]);
+            mx[r] = _mm512_max_ps(mx[r], s[r][x]);
         }
-        const float bm = tile ? v_hmax(mx) * scale : v_hmax(mx);
-        mn[r] = bm > st[r].m ? bm : st[r].m;
-        d[r] = st[r].m - mn[r];
     }
-    v_store(ea, v_exp(v_load(d)));
+    for (int r = n; r < 16; r++) mo[r] = -INFINITY;
+    /* every row's block max at once (lane r: row r; a max is exact in any order), then m', a */
+    __m512 bm = v_hmax16(mx), m = v_load(mo);
+    if (tile) bm = _mm512_mul_ps(bm, vscale);
+    const __m512 mnv = _mm512_max_ps(bm, m);      /* bm > m ? bm : m */
+    v_store(mn, mnv);
+    v_store(ea, v_exp(_mm512_sub_ps(m, mnv)));
     for (int r = 0; r < n; r++) {
         const int lim = full ? SB : lims[r];
         if (lim == 0) continue;
         a[r] = st[r].m == -INFINITY ? 0.f : ea[r];
-        const __m512 vk = _mm512_set1_ps(-mn[r] * LOG2E);
-        for (int x = 0; x < (full ? NB : (lim + 15) / 16); x++) {
-            const int left = full ? 16 : lim - 16 * x;
-            __m512 pr = tile ? exp2_tile(_mm512_fmadd_ps(s[r][x], vc, vk))
-                             : v_exp(_mm512_sub_ps(s[r][x], _mm512_set1_ps(mn[r])));
+        const int nx = full ? NB : (lim + 15) / 16;
+        if (tile) { tile_exp_row(nx, lim, s[r], vc, _mm512_set1_ps(-mn[r] * LOG2E), P[r], &tot[r]); continue; }
+        for (int x = 0; x < nx; x++) {
+            const int left = lim - 16 * x;
+            __m512 pr = v_exp(_mm512_sub_ps(s[r][x], _mm512_set1_ps(mn[r])));
             if (left < 16) pr = _mm512_maskz_mov_ps((__mmask16)((1u << left) - 1), pr);
             tot[r] = _mm512_add_ps(tot[r], pr);
             _mm256_storeu_si256((__m256i*)P[r][x], (__m256i)_mm512_cvtneps_pbh(pr));
