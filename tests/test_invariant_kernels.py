@@ -229,6 +229,23 @@ def test_attention_does_not_depend_on_chunking_or_neighbours(kernel):
     assert torch.equal(out[1:71], whole)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_where_the_keys_live_in_the_pool_changes_no_bit(kernel):
+    """Decodes (split items) over the same keys, once scattered over the pool and once in one run
+    of slots, with one 16-key block moved away: a super-block whose slots are one run is read in
+    place, the others through the staging copy; the bits must not care."""
+    fn, dtype, _ = kernel
+    shapes = [(1, 1700), (1, 700), (3, 900)]
+    q, kc, vc, seqs, slots = _step(shapes, 9, 3, 64, dtype, seed=9)
+    scattered = fn(q, kc, vc, seqs, slots, 0.125)
+    n, spare = len(slots), torch.arange(len(slots), len(slots) + 16)
+    kc2, vc2 = torch.cat([kc, kc[:16]]), torch.cat([vc, vc[:16]])       # room for the moved block
+    run = torch.arange(n)
+    run[320:336] = spare                                                # one block elsewhere
+    kc2[run], vc2[run] = kc[slots], vc[slots]
+    assert torch.equal(fn(q, kc2, vc2, seqs, run, 0.125), scattered)
+
+
 @pytest.mark.skipif(attn_bf16 is None, reason="no AVX512-BF16: the bf16 kernel is not built on this CPU")
 def test_bf16_attention_rejects_what_it_cannot_serve():
     q, kc, vc, seqs, slots = _step([(2, 4)], 4, 2, 160, torch.bfloat16, seed=8)
