@@ -111,6 +111,41 @@ def test_gemm_on_amx_tiles_is_correct_and_row_invariant():
             assert torch.equal(gemm(x[i:i + m], wp, 300, torch.float32, True), full[i:i + m])
 
 
+def _gate_up_two_ways(x: torch.Tensor, wp: torch.Tensor, inter: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(rc, fused, two-pass) act [M, inter] bf16: streamkv_inv_gemm_silu, and the GEMM on tiles
+    followed by streamkv_silu_mul (layer.c's two passes)."""
+    from streamkv.native import loader
+
+    lib, m, k = loader._library(), x.shape[0], x.shape[1]
+    gu = gemm(x, wp, 2 * inter, torch.float32, True)
+    two = torch.empty(m, inter, dtype=torch.bfloat16)
+    assert lib.streamkv_silu_mul(gu.data_ptr(), m, inter, two.data_ptr(), 1) == 0
+    fused = torch.full((m, inter), float("nan"), dtype=torch.bfloat16)
+    rc = lib.streamkv_inv_gemm_silu(x.data_ptr(), m, k, wp.data_ptr(), inter, fused.data_ptr())
+    return rc, fused, two
+
+
+@pytest.mark.skipif(invariant_gemm_bf16_path() != "amx", reason="no AMX on this CPU: the tile path is not compiled")
+def test_the_fused_gate_up_on_tiles_gives_the_two_pass_bits():
+    """layer.c runs a bf16 dense gate_up on tiles as one GEMM whose epilogue applies silu(g) * u (g
+    panel t beside u panel t + I/16): the bits of the GEMM plus the separate pass, at row counts with
+    partial row tiles and past the 512 rows where the row blocks change."""
+    inter = 160
+    wp = pack_dense((torch.randn(2 * inter, 96, generator=_gen(6)) * 0.1).bfloat16())
+    for m in (1, 5, 16, 33, 130, 600):
+        x = torch.randn(m, 96, generator=_gen(7 + m)).bfloat16()
+        rc, fused, two = _gate_up_two_ways(x, wp, inter)
+        assert rc == 0 and torch.equal(fused, two), f"{m} rows"
+
+
+def test_the_fused_gate_up_declines_what_it_cannot_run():
+    """K not a multiple of 32 (or no AMX here): nonzero, nothing written, so layer.c takes the two
+    passes instead."""
+    wp = pack_dense(torch.randn(64, 48, generator=_gen(8)).bfloat16())
+    rc, fused, _ = _gate_up_two_ways(torch.randn(3, 48, generator=_gen(9)).bfloat16(), wp, 32)
+    assert rc != 0 and torch.isnan(fused.float()).all()
+
+
 def test_the_amx_tile_path_compiles_for_an_amx_cpu(tmp_path):
     """Built for an AMX CPU (-march=sapphirerapids, the library's own flags otherwise), every kernel
     source compiles and the GEMM emits tile instructions: the path this machine cannot run (or

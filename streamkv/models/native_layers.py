@@ -49,6 +49,7 @@ class SkModel(ctypes.Structure):
 
 ATTENTION_MODES = {"f32": 0, "bf16": 1, "amx": 2}  # SkModel.attn_bf16 (native/layer.c)
 PHASES = ("norm", "gemm", "rope_kv", "attention", "silu", "residual", "select")  # native/layer.c's timed phases
+# ("silu" is 0 where the gate_up GEMM applies it itself: bf16 dense weights on AMX tiles, in "gemm")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -119,6 +119,7 @@ typedef struct {
     int K, N, wbf16, out_bf16;
     const void* wp;
     void* out;
+    int silu_I;         /* the fused gate_up on tiles (streamkv_inv_gemm_silu): I; else 0 */
 } Gemm;
 
 /* R rows starting at row m against panels [t0, t0 + P) */
@@ -169,16 +170,18 @@ static void unit(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
 
 
 #ifdef AMX
-/* C[32 x 32] (at c, row stride ldc bytes) = rows x[0..32) (row stride ldx bytes) against panels
- * wp[0], wp[1]; nr row tiles and np panels (1 or 2 each) are used. */
+/* C[32 x 32] (at c, row stride ldc bytes) = rows x[0..32) (row stride ldx bytes) against the panels
+ * wp and wq (the next one, or the fused gate_up's u panel); nr row tiles and np panels (1 or 2 each)
+ * are used. */
 #define AMX_BLOCK(NR, NP)                                                                        \
-static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, int K, float* c, int64_t ldc) { \
+static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* wq, int K, float* c, \
+                         int64_t ldc) { \
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                                  \
     for (int k = 0; k < K; k += 32) {                                                            \
         _tile_loadd(4, x + k, ldx);                                                              \
         if (NR == 2) _tile_loadd(5, (const char*)(x + k) + 16 * ldx, ldx);                       \
         _tile_loadd(6, wp + (int64_t)k * 16, 64);                                                \
-        if (NP == 2) _tile_loadd(7, wp + (int64_t)K * 16 + (int64_t)k * 16, 64);                 \
+        if (NP == 2) _tile_loadd(7, wq + (int64_t)k * 16, 64);                                   \
         _tile_dpbf16ps(0, 4, 6);                                                                 \
         if (NP == 2) _tile_dpbf16ps(1, 4, 7);                                                    \
         if (NR == 2) _tile_dpbf16ps(2, 5, 6);                                                    \
@@ -191,10 +194,12 @@ static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, int
 }
 AMX_BLOCK(1, 1) AMX_BLOCK(1, 2) AMX_BLOCK(2, 1) AMX_BLOCK(2, 2)
 
-/* rows [m0, m1) x panels [t0, t1) on tiles; a last partial row tile reads a zero-padded copy */
+/* rows [m0, m1) x panels [t0, t1) on tiles; a last partial row tile reads a zero-padded copy. With
+ * g->silu_I (the fused gate_up, streamkv_inv_gemm_silu), panel t is a g panel: it runs beside its u
+ * panel t + I/16 and the 32 x (16 + 16) products leave as act = silu(g) * u in bf16. */
 static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
-    const int K = g->K;
-    float cbuf[32 * 32];
+    const int K = g->K, I = g->silu_I, step = I ? 1 : 2;
+    float cbuf[32 * 32] __attribute__((aligned(64)));
     uint16_t* pad = NULL;
     amx_configure();
     for (int64_t m = m0; m < m1; m += 32) {
@@ -208,16 +213,23 @@ static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
             __asm__ volatile("" : : "r"(pad) : "memory");  /* _tile_loadd's asm does not say it reads pad */
             x = pad;
         }
-        for (int t = t0; t < t1; t += 2) {
-            const int np = t1 - t >= 2 ? 2 : 1;
+        for (int t = t0; t < t1; t += step) {
+            const int np = I || t1 - t >= 2 ? 2 : 1;
             const uint16_t* wp = (const uint16_t*)g->wp + (int64_t)t * K * 16;
+            const uint16_t* wq = wp + (int64_t)(I ? I : 16) * K;   /* u panel t + I/16, or panel t + 1 */
             /* whole tiles of float32 output go straight to it; the rest through cbuf */
-            const int direct = !g->out_bf16 && rows % 16 == 0 && 16 * (t + np) <= g->N;
+            const int direct = !I && !g->out_bf16 && rows % 16 == 0 && 16 * (t + np) <= g->N;
             float* c = direct ? (float*)g->out + m * g->N + 16 * t : cbuf;
             const int64_t ldc = direct ? (int64_t)g->N * 4 : 128;
-            if (nr == 2) { if (np == 2) amx_22(x, ldx, wp, K, c, ldc); else amx_21(x, ldx, wp, K, c, ldc); }
-            else { if (np == 2) amx_12(x, ldx, wp, K, c, ldc); else amx_11(x, ldx, wp, K, c, ldc); }
+            if (nr == 2) { if (np == 2) amx_22(x, ldx, wp, wq, K, c, ldc); else amx_21(x, ldx, wp, wq, K, c, ldc); }
+            else { if (np == 2) amx_12(x, ldx, wp, wq, K, c, ldc); else amx_11(x, ldx, wp, wq, K, c, ldc); }
             if (direct) continue;
+            if (I) {                              /* row r: g in cbuf[32 r, +16), u in cbuf[32 r + 16, +16) */
+                for (int r = 0; r < rows; r++)
+                    v_store_bf16((uint16_t*)g->out + (m + r) * I + 16 * t,
+                                 v_silu_mul(v_load(cbuf + r * 32), v_load(cbuf + r * 32 + 16)));
+                continue;
+            }
             for (int r = 0; r < rows; r++)
                 for (int p = 0; p < np; p++) {
                     int col = 16 * (t + p), ncols = g->N - col < 16 ? g->N - col : 16;
@@ -235,7 +247,7 @@ static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
 int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
                       int use_tiles) {
     if (M <= 0 || K <= 0 || N <= 0 || (wbf16 && K % 2 != 0)) return 1;
-    Gemm g = {x, K, N, wbf16, out_bf16, wp, out};
+    Gemm g = {x, K, N, wbf16, out_bf16, wp, out, 0};
     float* wide = NULL;
 #ifndef BF16_DOT
     if (wbf16) {
@@ -267,6 +279,31 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
     }
     free(wide);
     return 0;
+}
+
+/* act [M, I] bf16 = silu(x Wg^T) * (x Wu^T) for a gate_up weight packed as one bf16 GEMM of N = 2I
+ * columns (g panels [0, I/16), u panels [I/16, I/8)), on AMX tiles: each g panel runs beside its u
+ * panel, so the float32 [M, 2I] products never reach memory. The bits of streamkv_inv_gemm(..., tiles
+ * = 1) followed by streamkv_silu_mul (layer.c): the same chains, the same v_silu_mul. Returns 0, or
+ * nonzero where it cannot run here (no AMX, K not a multiple of 32, I not of 16): the caller then
+ * takes that two-pass path. */
+int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act) {
+#ifdef AMX
+    if (M <= 0 || K % 32 != 0 || I <= 0 || I % 16 != 0 || !amx_enabled()) return 1;
+    Gemm g = {x, K, 2 * I, 1, 1, wp, act, I};
+    const int T = I / 16, U = (T + UP - 1) / UP;
+    const int64_t mb = M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < NMB * U; i++) {
+        const int64_t m0 = i / U * mb, m1 = m0 + mb < M ? m0 + mb : M;
+        const int u = (int)(i % U), t1 = (u + 1) * UP < T ? (u + 1) * UP : T;
+        unit_amx(&g, m0, m1, u * UP, t1);
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)wp; (void)I; (void)act;
+    return 1;
+#endif
 }
 
 /* what bf16 weights can run on: "amx" (tiles available, K a multiple of 32), else "avx512bf16" or "fma" */

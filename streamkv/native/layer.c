@@ -10,7 +10,8 @@
  *   a   = attention(q, cache)                float32 [T, H, D] (inv_attn or inv_attn_bf16)
  *   x  += act(a) @ Wo (+ bias)
  *   gu  = rms_norm(x, mlp_norm) @ Wgu        float32 [T, 2I]
- *   x  += act(silu(g) * u) @ Wdown
+ *   x  += act(silu(g) * u) @ Wdown           (bf16 dense Wgu on AMX tiles: one GEMM whose epilogue
+ *                                             writes act, streamkv_inv_gemm_silu: the same bits)
  *
  * Invariance: every op is either one of the batch-invariant kernels (inv_gemm.c, q4_gemm.c,
  * inv_attn*.c; deq_gemm.c gives inv_gemm.c's bits, so which of the two a step takes never matters) or works on one row alone in a fixed order (the norm's sum of squares: lane l
@@ -37,6 +38,7 @@ int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const ui
                      int bf16_out);
 int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uint16_t* dm, int bits, int N,
                       void* out, int out_bf16);
+int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act);
 int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
                            void* out, int out_bf16, int use_tiles);
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
@@ -146,16 +148,17 @@ static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
 }
 
 /* Workspace of a step of T rows (bytes): act [T, max(d, H D, I)], f32 [T, max(qkv, 2I, d)],
- * q and attention output [T, H, D] each. */
+ * q and attention output [T, H, D] each, and with bf16 activations act2 [T, I] (the fused gate_up's
+ * output: its input, act, is still being read while it writes). */
 size_t streamkv_fwd_workspace(const SkModel* m, int64_t T) {
     const int64_t hd = (int64_t)m->H * m->D, nqkv = (int64_t)(m->H + 2 * m->Hk) * m->D;
     int64_t a = m->d > hd ? m->d : hd, f = nqkv > 2 * (int64_t)m->inter ? nqkv : 2 * (int64_t)m->inter;
     if (m->inter > a) a = m->inter;
     if (m->d > f) f = m->d;
-    return (size_t)T * (size_t)(a * (m->act_bf16 ? 2 : 4) + 4 * f + 8 * hd) + 64;
+    return (size_t)T * (size_t)(a * (m->act_bf16 ? 2 : 4) + 4 * f + 8 * hd + (m->act_bf16 ? 2 * m->inter : 0)) + 128;
 }
 
-typedef struct { void* act; float* f; float* q; float* attn; } Work;
+typedef struct { void* act; float* f; float* q; float* attn; void* act2; } Work;
 
 static Work carve(const SkModel* m, int64_t T, void* ws) {
     const int64_t hd = (int64_t)m->H * m->D, nqkv = (int64_t)(m->H + 2 * m->Hk) * m->D;
@@ -167,7 +170,8 @@ static Work carve(const SkModel* m, int64_t T, void* ws) {
     w.f = (float*)p; p += T * f * 4;
     w.q = (float*)p; p += T * hd * 4;
     w.attn = (float*)p; p += T * hd * 4;
-    w.act = p;
+    w.act = p; p += T * a * (m->act_bf16 ? 2 : 4);
+    w.act2 = (void*)(((uintptr_t)p + 63) & ~(uintptr_t)63);
     return w;
 }
 
@@ -236,23 +240,20 @@ static void residual(float* x, const float* y, int64_t T, int n) {
         }
 }
 
-/* act[t] = silu(g) * u in the act dtype, gu [T, 2I] = [g | u] per row; silu(g) = g * sigmoid(g)
- * with sigmoid from exp(-|g|) (the exp of vec16.h) */
-static void silu_mul(const float* gu, int64_t T, int I, void* act, int bf16) {
+/* act[t] = silu(g) * u in the act dtype, gu [T, 2I] = [g | u] per row (v_silu_mul of vec16.h) */
+int streamkv_silu_mul(const float* gu, int64_t T, int I, void* act, int bf16) {
+    if (T <= 0 || I <= 0) return 1;
     #pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
     for (int64_t t = 0; t < T; t++) {
         float y[16];
         for (int i = 0; i < I; i += 16) {
             const int k = I - i < 16 ? I - i : 16;
-            const v16 g = load_n(gu + t * 2 * I + i, k), u = load_n(gu + t * 2 * I + I + i, k);
-            const v16 e = v_exp(v_neg_select(g, g, v_sub(v_zero(), g)));        /* exp(-|g|) */
-            const v16 one = v_set1(1.f);
-            const v16 sig = v_div(v_neg_select(g, e, one), v_add(one, e));
-            const v16 out = v_mul(v_mul(g, sig), u);
+            const v16 out = v_silu_mul(load_n(gu + t * 2 * I + i, k), load_n(gu + t * 2 * I + I + i, k));
             if (k == 16 && bf16) v_store_bf16((uint16_t*)act + t * I + i, out);
             else { v_store(y, out); store_act(act, bf16, t * I + i, y, k); }
         }
     }
+    return 0;
 }
 
 int streamkv_fwd_post(const SkModel* m, int layer, float* x, int64_t T, const float* attn, void* ws) {
@@ -270,12 +271,19 @@ int streamkv_fwd_post(const SkModel* m, int layer, float* x, int64_t T, const fl
     TOC(m, P_RESID);
     rc = streamkv_rms_norm(x, T, m->d, L->mlp_norm, m->eps, w.act, m->act_bf16);
     TOC(m, P_NORM);
-    if (rc == 0) rc = linear(&L->gate_up, w.act, T, w.f);
-    TOC(m, P_GEMM);
-    if (rc != 0) return rc;
-    silu_mul(w.f, T, I, w.act, m->act_bf16);
-    TOC(m, P_SILU);
-    rc = linear(&L->down, w.act, T, w.f);
+    /* bf16 dense gate_up rows on tiles: the GEMM applies silu(g) * u itself (same bits, and the
+     * float32 [T, 2I] never goes through memory); else the GEMM, then the pass over its output */
+    const SkLinear* gu = &L->gate_up;
+    const int fused = rc == 0 && m->act_bf16 && gu->kind == 0 && gu->wbf16 && gu->tiles && !gu->bias && !(gu->deq && T <= gu->deq_rows)
+                      && streamkv_inv_gemm_silu((const uint16_t*)w.act, T, gu->K, gu->w, I, (uint16_t*)w.act2) == 0;
+    if (!fused) {
+        if (rc == 0) rc = linear(gu, w.act, T, w.f);
+        TOC(m, P_GEMM);
+        if (rc != 0) return rc;
+        streamkv_silu_mul(w.f, T, I, w.act, m->act_bf16);
+    }
+    TOC(m, fused ? P_GEMM : P_SILU);
+    rc = linear(&L->down, fused ? w.act2 : w.act, T, w.f);
     TOC(m, P_GEMM);
     if (rc != 0) return rc;
     residual(x, w.f, T, m->d);

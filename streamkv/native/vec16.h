@@ -190,6 +190,15 @@ static inline v16 v_exp(v16 x) {
     return v_ldexp(p, n);
 }
 
+/* silu(g) * u, silu(g) = g * sigmoid(g) with sigmoid from exp(-|g|): the one definition for
+ * layer.c's pass over a gate_up output and inv_gemm.c's fused epilogue (the same bits) */
+static inline v16 v_silu_mul(v16 g, v16 u) {
+    const v16 e = v_exp(v_neg_select(g, g, v_sub(v_zero(), g)));        /* exp(-|g|) */
+    const v16 one = v_set1(1.f);
+    const v16 sig = v_div(v_neg_select(g, e, one), v_add(one, e));
+    return v_mul(v_mul(g, sig), u);
+}
+
 /* 16 lanes rounded to bf16 exactly as f32_to_bf16 does (nearest even; NaN stays NaN). */
 #if defined(__AVX512F__)
 static inline void v_store_bf16(uint16_t* p, v16 a) {
