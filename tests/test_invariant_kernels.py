@@ -139,11 +139,12 @@ def test_the_fused_gate_up_on_tiles_gives_the_two_pass_bits():
 
 
 def test_the_fused_gate_up_declines_what_it_cannot_run():
-    """K not a multiple of 32 (or no AMX here): nonzero, nothing written, so layer.c takes the two
-    passes instead."""
-    wp = pack_dense(torch.randn(64, 48, generator=_gen(8)).bfloat16())
-    rc, fused, _ = _gate_up_two_ways(torch.randn(3, 48, generator=_gen(9)).bfloat16(), wp, 32)
-    assert rc != 0 and torch.isnan(fused.float()).all()
+    """K not a multiple of 32, or I not of 16 (u panel t + I/16 would not start a panel), or no AMX
+    here: nonzero, nothing written, so layer.c takes the two passes instead."""
+    for k, inter in ((48, 32), (64, 40)):
+        wp = pack_dense(torch.randn(2 * inter, k, generator=_gen(8)).bfloat16())
+        rc, fused, _ = _gate_up_two_ways(torch.randn(3, k, generator=_gen(9)).bfloat16(), wp, inter)
+        assert rc != 0 and torch.isnan(fused.float()).all(), (k, inter)
 
 
 def test_the_amx_tile_path_compiles_for_an_amx_cpu(tmp_path):
