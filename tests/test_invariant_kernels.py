@@ -111,40 +111,49 @@ def test_gemm_on_amx_tiles_is_correct_and_row_invariant():
             assert torch.equal(gemm(x[i:i + m], wp, 300, torch.float32, True), full[i:i + m])
 
 
-def _gate_up_two_ways(x: torch.Tensor, wp: torch.Tensor, inter: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(rc, fused, two-pass) act [M, inter] bf16: streamkv_inv_gemm_silu, and the GEMM on tiles
-    followed by streamkv_silu_mul (layer.c's two passes)."""
+def _gate_up_two_ways(x: torch.Tensor, wp: torch.Tensor, inter: int,
+                     tiles: bool) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(rc, fused, two-pass) act [M, inter] bf16: streamkv_inv_gemm_silu, and the GEMM (on tiles
+    where asked and possible) followed by streamkv_silu_mul (layer.c's two passes)."""
     from streamkv.native import loader
 
     lib, m, k = loader._library(), x.shape[0], x.shape[1]
-    gu = gemm(x, wp, 2 * inter, torch.float32, True)
+    gu = gemm(x, wp, 2 * inter, torch.float32, tiles)
     two = torch.empty(m, inter, dtype=torch.bfloat16)
     assert lib.streamkv_silu_mul(gu.data_ptr(), m, inter, two.data_ptr(), 1) == 0
     fused = torch.full((m, inter), float("nan"), dtype=torch.bfloat16)
-    rc = lib.streamkv_inv_gemm_silu(x.data_ptr(), m, k, wp.data_ptr(), inter, fused.data_ptr())
+    rc = lib.streamkv_inv_gemm_silu(x.data_ptr(), m, k, wp.data_ptr(), inter, fused.data_ptr(), int(tiles))
     return rc, fused, two
 
 
-@pytest.mark.skipif(invariant_gemm_bf16_path() != "amx", reason="no AMX on this CPU: the tile path is not compiled")
-def test_the_fused_gate_up_on_tiles_gives_the_two_pass_bits():
-    """layer.c runs a bf16 dense gate_up on tiles as one GEMM whose epilogue applies silu(g) * u (g
-    panel t beside u panel t + I/16): the bits of the GEMM plus the separate pass, at row counts with
-    partial row tiles and past the 512 rows where the row blocks change."""
+@pytest.mark.skipif(invariant_gemm_bf16_path() == "fma", reason="no bf16 dot products on this CPU: the fused "
+                                                                "gate_up declines (tested below)")
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "vector"])
+def test_the_fused_gate_up_gives_the_two_pass_bits(tiles):
+    """layer.c runs a bf16 dense gate_up as one GEMM whose epilogue applies silu(g) * u (g panel t
+    beside u panel t + I/16), on AMX tiles or with vdpbf16ps: the bits of the GEMM plus the separate
+    pass, at row counts with partial row tiles and past the 512 rows where the tiles' row blocks
+    change, with K a multiple of 32 and not (tiles asked for but not possible: the vector path, as
+    the plain GEMM)."""
     inter = 160
-    wp = pack_dense((torch.randn(2 * inter, 96, generator=_gen(6)) * 0.1).bfloat16())
-    for m in (1, 5, 16, 33, 130, 600):
-        x = torch.randn(m, 96, generator=_gen(7 + m)).bfloat16()
-        rc, fused, two = _gate_up_two_ways(x, wp, inter)
-        assert rc == 0 and torch.equal(fused, two), f"{m} rows"
+    for k in (96, 80):
+        wp = pack_dense((torch.randn(2 * inter, k, generator=_gen(6)) * 0.1).bfloat16())
+        for m in (1, 5, 16, 33, 130, 600):
+            x = torch.randn(m, k, generator=_gen(7 + m)).bfloat16()
+            rc, fused, two = _gate_up_two_ways(x, wp, inter, tiles)
+            assert rc == 0 and torch.equal(fused, two), f"{m} rows, K {k}"
 
 
 def test_the_fused_gate_up_declines_what_it_cannot_run():
-    """K not a multiple of 32, or I not of 16 (u panel t + I/16 would not start a panel), or no AMX
+    """I not a multiple of 16 (u panel t + I/16 would not start a panel), or no bf16 dot products
     here: nonzero, nothing written, so layer.c takes the two passes instead."""
-    for k, inter in ((48, 32), (64, 40)):
+    cases = [(64, 40, True), (64, 40, False)]
+    if invariant_gemm_bf16_path() == "fma":
+        cases += [(64, 32, True), (64, 32, False)]
+    for k, inter, tiles in cases:
         wp = pack_dense(torch.randn(2 * inter, k, generator=_gen(8)).bfloat16())
-        rc, fused, _ = _gate_up_two_ways(torch.randn(3, k, generator=_gen(9)).bfloat16(), wp, inter)
-        assert rc != 0 and torch.isnan(fused.float()).all(), (k, inter)
+        rc, fused, _ = _gate_up_two_ways(torch.randn(3, k, generator=_gen(9)).bfloat16(), wp, inter, tiles)
+        assert rc != 0 and torch.isnan(fused.float()).all(), (k, inter, tiles)
 
 
 def test_the_amx_tile_path_compiles_for_an_amx_cpu(tmp_path):

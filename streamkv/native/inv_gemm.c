@@ -119,13 +119,28 @@ typedef struct {
     int K, N, wbf16, out_bf16;
     const void* wp;
     void* out;
-    int silu_I;         /* the fused gate_up on tiles (streamkv_inv_gemm_silu): I; else 0 */
+    int silu_I;         /* the fused gate_up (streamkv_inv_gemm_silu): I; else 0 */
 } Gemm;
 
-/* R rows starting at row m against panels [t0, t0 + P) */
+/* R rows starting at row m against panels [t0, t0 + P); with g->silu_I (the fused gate_up, bf16 dot
+ * products only), g panels [t0, t0 + P), then their u panels t0 + I/16 .., each the same chains as
+ * unfused, leaving as act = silu(g) * u in bf16 */
 static inline __attribute__((always_inline)) void block(const Gemm* g, const int R, const int P, int64_t m, int t0) {
     v16 acc[6][8];
     const int K = g->K;
+#ifdef BF16_DOT
+    if (g->silu_I) {
+        const int I = g->silu_I;
+        const uint16_t *x = (const uint16_t*)g->x + m * K, *wp = (const uint16_t*)g->wp + (int64_t)t0 * K * 16;
+        v16 accu[6][8];
+        mk_bf16(R, P, x, K, wp, acc);
+        mk_bf16(R, P, x, K, wp + (int64_t)I * K, accu);
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++)
+                v_store_bf16((uint16_t*)g->out + (m + r) * I + 16 * (t0 + p), v_silu_mul(acc[r][p], accu[r][p]));
+        return;
+    }
+#endif
     if (g->wbf16) {
 #ifdef BF16_DOT
         mk_bf16(R, P, (const uint16_t*)g->x + m * K, K, (const uint16_t*)g->wp + (int64_t)t0 * K * 16, acc);
@@ -282,28 +297,37 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
 }
 
 /* act [M, I] bf16 = silu(x Wg^T) * (x Wu^T) for a gate_up weight packed as one bf16 GEMM of N = 2I
- * columns (g panels [0, I/16), u panels [I/16, I/8)), on AMX tiles: each g panel runs beside its u
- * panel, so the float32 [M, 2I] products never reach memory. The bits of streamkv_inv_gemm(..., tiles
- * = 1) followed by streamkv_silu_mul (layer.c): the same chains, the same v_silu_mul. Returns 0, or
- * nonzero where it cannot run here (no AMX, K not a multiple of 32, I not of 16): the caller then
- * takes that two-pass path. */
-int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act) {
+ * columns (g panels [0, I/16), u panels [I/16, I/8)): each g panel runs beside its u panel, so the
+ * float32 [M, 2I] products never reach memory. On AMX tiles (use_tiles, where streamkv_inv_gemm
+ * would take them) or with bf16 dot products; the bits of streamkv_inv_gemm(..., use_tiles)
+ * followed by streamkv_silu_mul (layer.c): the same chains, the same v_silu_mul, the same work
+ * split. Returns 0, or nonzero where it cannot run here (I not a multiple of 16, no bf16 dot
+ * products): the caller then takes those two passes. */
+int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act,
+                           int use_tiles) {
+    if (M <= 0 || K <= 0 || K % 2 != 0 || I <= 0 || I % 16 != 0) return 1;
+    int tiles = 0;
 #ifdef AMX
-    if (M <= 0 || K % 32 != 0 || I <= 0 || I % 16 != 0 || !amx_enabled()) return 1;
+    tiles = use_tiles && K % 32 == 0 && amx_enabled();
+#else
+    (void)use_tiles;
+#endif
+#ifndef BF16_DOT
+    if (!tiles) return 1;
+#endif
     Gemm g = {x, K, 2 * I, 1, 1, wp, act, I};
     const int T = I / 16, U = (T + UP - 1) / UP;
-    const int64_t mb = M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;
+    const int64_t mb = tiles && M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < NMB * U; i++) {
         const int64_t m0 = i / U * mb, m1 = m0 + mb < M ? m0 + mb : M;
         const int u = (int)(i % U), t1 = (u + 1) * UP < T ? (u + 1) * UP : T;
-        unit_amx(&g, m0, m1, u * UP, t1);
+#ifdef AMX
+        if (tiles) { unit_amx(&g, m0, m1, u * UP, t1); continue; }
+#endif
+        unit(&g, m0, m1, u * UP, t1);
     }
     return 0;
-#else
-    (void)x; (void)M; (void)K; (void)wp; (void)I; (void)act;
-    return 1;
-#endif
 }
 
 /* what bf16 weights can run on: "amx" (tiles available, K a multiple of 32), else "avx512bf16" or "fma" */

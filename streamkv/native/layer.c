@@ -10,8 +10,8 @@
  *   a   = attention(q, cache)                float32 [T, H, D] (inv_attn or inv_attn_bf16)
  *   x  += act(a) @ Wo (+ bias)
  *   gu  = rms_norm(x, mlp_norm) @ Wgu        float32 [T, 2I]
- *   x  += act(silu(g) * u) @ Wdown           (bf16 dense Wgu on AMX tiles: one GEMM whose epilogue
- *                                             writes act, streamkv_inv_gemm_silu: the same bits)
+ *   x  += act(silu(g) * u) @ Wdown           (bf16 dense Wgu: one GEMM whose epilogue writes act,
+ *                                             streamkv_inv_gemm_silu: the same bits)
  *
  * Invariance: every op is either one of the batch-invariant kernels (inv_gemm.c, q4_gemm.c,
  * inv_attn*.c; deq_gemm.c gives inv_gemm.c's bits, so which of the two a step takes never matters) or works on one row alone in a fixed order (the norm's sum of squares: lane l
@@ -38,7 +38,8 @@ int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const ui
                      int bf16_out);
 int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uint16_t* dm, int bits, int N,
                       void* out, int out_bf16);
-int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act);
+int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act,
+                           int use_tiles);
 int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
                            void* out, int out_bf16, int use_tiles);
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
@@ -271,11 +272,12 @@ int streamkv_fwd_post(const SkModel* m, int layer, float* x, int64_t T, const fl
     TOC(m, P_RESID);
     rc = streamkv_rms_norm(x, T, m->d, L->mlp_norm, m->eps, w.act, m->act_bf16);
     TOC(m, P_NORM);
-    /* bf16 dense gate_up rows on tiles: the GEMM applies silu(g) * u itself (same bits, and the
+    /* bf16 dense gate_up rows: the GEMM applies silu(g) * u itself where it can (same bits, and the
      * float32 [T, 2I] never goes through memory); else the GEMM, then the pass over its output */
     const SkLinear* gu = &L->gate_up;
-    const int fused = rc == 0 && m->act_bf16 && gu->kind == 0 && gu->wbf16 && gu->tiles && !gu->bias && !(gu->deq && T <= gu->deq_rows)
-                      && streamkv_inv_gemm_silu((const uint16_t*)w.act, T, gu->K, gu->w, I, (uint16_t*)w.act2) == 0;
+    const int fused = rc == 0 && m->act_bf16 && gu->kind == 0 && gu->wbf16 && !gu->bias && !(gu->deq && T <= gu->deq_rows)
+                      && streamkv_inv_gemm_silu((const uint16_t*)w.act, T, gu->K, gu->w, I, (uint16_t*)w.act2,
+                                                gu->tiles) == 0;
     if (!fused) {
         if (rc == 0) rc = linear(gu, w.act, T, w.f);
         TOC(m, P_GEMM);

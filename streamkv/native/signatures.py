@@ -72,7 +72,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "streamkv_fwd_post": [p, i32, p, i64, p, p],
         "streamkv_rms_norm": [p, i64, i32, p, ctypes.c_float, p, i32],
         "streamkv_silu_mul": [p, i64, i32, p, i32],
-        "streamkv_inv_gemm_silu": [p, i64, i32, p, i32, p],
+        "streamkv_inv_gemm_silu": [p, i64, i32, p, i32, p, i32],
     }
     for name, args in signatures.items():
         getattr(lib, name).argtypes = args
