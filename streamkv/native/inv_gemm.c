@@ -257,6 +257,24 @@ static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
 }
 #endif
 
+/* One parallel loop over (row block, unit of UP panels of the T), row block outer: a thread's items
+ * run row block by row block, so its x rows stay in L2 while its units' panels pass; with few units
+ * (N = 576: 5) a loop per row block left one of two threads idle a third of the time. Only the work
+ * split: every element keeps its chain. */
+static void run_units(const Gemm* g, int64_t M, int T, int tiles) {
+    const int U = (T + UP - 1) / UP;
+    const int64_t mb = tiles && M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;  /* >= 2 row blocks */
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < NMB * U; i++) {
+        const int64_t m0 = i / U * mb, m1 = m0 + mb < M ? m0 + mb : M;
+        const int u = (int)(i % U), t1 = (u + 1) * UP < T ? (u + 1) * UP : T;
+#ifdef AMX
+        if (tiles) { unit_amx(g, m0, m1, u * UP, t1); continue; }
+#endif
+        unit(g, m0, m1, u * UP, t1);
+    }
+}
+
 /* x [M, K] (float32, or bf16 when wbf16) -> out [M, N] (float32, or bf16 when out_bf16); with
  * use_tiles, bf16 weights with K a multiple of 32 run on AMX tiles where the CPU has them. */
 int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
@@ -272,26 +290,13 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
         g.x = wide;
     }
 #endif
-    const int T = (N + 15) / 16, U = (T + UP - 1) / UP;
     int tiles = 0;
 #ifdef AMX
     tiles = use_tiles && wbf16 && K % 32 == 0 && amx_enabled();
 #else
     (void)use_tiles;
 #endif
-    /* one parallel loop over (row block, panel unit), row block outer: a thread's items run row
-     * block by row block, so its x rows stay in L2 while its units' panels pass; with few units
-     * (N = 576: 5) a loop per row block left one of two threads idle a third of the time */
-    const int64_t mb = tiles && M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;  /* >= 2 row blocks */
-    #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < NMB * U; i++) {
-        const int64_t m0 = i / U * mb, m1 = m0 + mb < M ? m0 + mb : M;
-        const int u = (int)(i % U), t1 = (u + 1) * UP < T ? (u + 1) * UP : T;
-#ifdef AMX
-        if (tiles) { unit_amx(&g, m0, m1, u * UP, t1); continue; }
-#endif
-        unit(&g, m0, m1, u * UP, t1);
-    }
+    run_units(&g, M, (N + 15) / 16, tiles);
     free(wide);
     return 0;
 }
@@ -316,17 +321,7 @@ int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, 
     if (!tiles) return 1;
 #endif
     Gemm g = {x, K, 2 * I, 1, 1, wp, act, I};
-    const int T = I / 16, U = (T + UP - 1) / UP;
-    const int64_t mb = tiles && M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;
-    #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < NMB * U; i++) {
-        const int64_t m0 = i / U * mb, m1 = m0 + mb < M ? m0 + mb : M;
-        const int u = (int)(i % U), t1 = (u + 1) * UP < T ? (u + 1) * UP : T;
-#ifdef AMX
-        if (tiles) { unit_amx(&g, m0, m1, u * UP, t1); continue; }
-#endif
-        unit(&g, m0, m1, u * UP, t1);
-    }
+    run_units(&g, M, I / 16, tiles);                  /* the g panels, each with its u panel */
     return 0;
 }
 
