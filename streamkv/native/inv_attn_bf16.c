@@ -263,8 +263,8 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
         for (int i = 0; i < nv; i++) st[r].o[i] = v_zero();
     }
     for (int i = 0; i < SB; i++) iota[i] = i;
-    Ctx sc = *cx;                                     /* the staged rows: slot i = the block's key i */
-    sc.kc = stage; sc.vc = stage + (size_t)SB * w; sc.Hk = h1 - h0;
+    Ctx sc = *cx;                  /* the block's rows, slot i = its key i: kc/vc set per super-block */
+    sc.Hk = h1 - h0;
     const int64_t c0 = (int64_t)it->c0 * CHUNK, c1 = c0 + CHUNK < L ? c0 + CHUNK : L;
     const int KS = 16 * cx->DB;
     __m512i Kt[NB * 16 * MAXDB], Vp[NB * 16 * MAXDB];

@@ -148,30 +148,39 @@ static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
     return rc;
 }
 
-/* Workspace of a step of T rows (bytes): act [T, max(d, H D, I)], f32 [T, max(qkv, 2I, d)],
- * q and attention output [T, H, D] each, and with bf16 activations act2 [T, I] (the fused gate_up's
- * output: its input, act, is still being read while it writes). */
+/* Workspace of a step of T rows, carved in this order (64-byte aligned start, 128 bytes of slack):
+ *
+ *   f    float [T, max(qkv, 2I, d)]       q    float [T, H D]       attn  float [T, H D]
+ *   act  [T, max(d, H D, I)] (bf16 or float by act_bf16)
+ *   act2 bf16 [T, I], with bf16 activations only (the fused gate_up's output: its input, act, is
+ *        still being read while it writes)
+ *
+ * WsDims holds the row widths both the size and the carving read, so they cannot drift. */
+typedef struct { int64_t a, f, hd, ab; } WsDims;  /* act width, f width, H D, act bytes per value */
+
+static WsDims ws_dims(const SkModel* m) {
+    const int64_t hd = (int64_t)m->H * m->D, nqkv = (int64_t)(m->H + 2 * m->Hk) * m->D, i2 = 2 * (int64_t)m->inter;
+    WsDims d = {m->d > hd ? m->d : hd, nqkv > i2 ? nqkv : i2, hd, m->act_bf16 ? 2 : 4};
+    if (m->inter > d.a) d.a = m->inter;
+    if (m->d > d.f) d.f = m->d;
+    return d;
+}
+
 size_t streamkv_fwd_workspace(const SkModel* m, int64_t T) {
-    const int64_t hd = (int64_t)m->H * m->D, nqkv = (int64_t)(m->H + 2 * m->Hk) * m->D;
-    int64_t a = m->d > hd ? m->d : hd, f = nqkv > 2 * (int64_t)m->inter ? nqkv : 2 * (int64_t)m->inter;
-    if (m->inter > a) a = m->inter;
-    if (m->d > f) f = m->d;
-    return (size_t)T * (size_t)(a * (m->act_bf16 ? 2 : 4) + 4 * f + 8 * hd + (m->act_bf16 ? 2 * m->inter : 0)) + 128;
+    const WsDims d = ws_dims(m);
+    return (size_t)T * (size_t)(4 * d.f + 8 * d.hd + d.a * d.ab + (m->act_bf16 ? 2 * m->inter : 0)) + 128;
 }
 
 typedef struct { void* act; float* f; float* q; float* attn; void* act2; } Work;
 
 static Work carve(const SkModel* m, int64_t T, void* ws) {
-    const int64_t hd = (int64_t)m->H * m->D, nqkv = (int64_t)(m->H + 2 * m->Hk) * m->D;
-    int64_t a = m->d > hd ? m->d : hd, f = nqkv > 2 * (int64_t)m->inter ? nqkv : 2 * (int64_t)m->inter;
-    if (m->inter > a) a = m->inter;
-    if (m->d > f) f = m->d;
+    const WsDims d = ws_dims(m);
     char* p = (char*)(((uintptr_t)ws + 63) & ~(uintptr_t)63);
     Work w;
-    w.f = (float*)p; p += T * f * 4;
-    w.q = (float*)p; p += T * hd * 4;
-    w.attn = (float*)p; p += T * hd * 4;
-    w.act = p; p += T * a * (m->act_bf16 ? 2 : 4);
+    w.f = (float*)p; p += T * d.f * 4;
+    w.q = (float*)p; p += T * d.hd * 4;
+    w.attn = (float*)p; p += T * d.hd * 4;
+    w.act = p; p += T * d.a * d.ab;
     w.act2 = (void*)(((uintptr_t)p + 63) & ~(uintptr_t)63);
     return w;
 }
