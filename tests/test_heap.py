@@ -55,9 +55,9 @@ def test_freezing_moves_the_live_heap_out_of_full_collections(unfrozen):
     kept = [[i] for i in range(20_000)]  # tracked objects that outlive the freeze
     assert gc.get_freeze_count() == 0
     frozen = heap.freeze_loaded_heap()
-    # not frozen == get_freeze_count(): a frozen object freed by refcount meanwhile (another
-    # test's leftover thread dropping its last reference) leaves the permanent generation; the
-    # suite once read 1,362,438 then 1,362,427
+    # not frozen == get_freeze_count(): a frozen object freed by refcount between the two reads
+    # leaves the permanent generation (which one was not identified; the suite, with other
+    # tests' threads alive, once read 1,362,438 then 1,362,427)
     assert frozen >= len(kept) and gc.get_freeze_count() >= len(kept)
     assert not any(kept[0] is o for o in gc.get_objects())  # the permanent generation is never scanned
     later = [[1]]  # allocated after the freeze: tracked and collected as usual
