@@ -185,3 +185,21 @@ def test_input_routes_forget_closed_lost_and_expired_streams():
     assert len(routes) == 0 and list(routes.closed) == ["d", "c"]  # the latest 2 closed ids
     with pytest.raises(ValueError):
         InputRoutes(ttl_s=0)
+
+
+def test_a_replica_is_found_by_its_process_title_idle_or_busy(monkeypatch):
+    """Ray titles an actor ``ray::<class>`` when idle and ``ray::<class>.<method>()`` while it
+    runs a task; the kill tests missed a busy replica-0 when only the idle form matched."""
+    from streamkv.cluster import serve_app
+
+    procs = [
+        (10, b"ray::ServeReplica:streamkv:replica-10\0"),
+        (11, b"ray::ServeReplica:streamkv:replica-1.handle_request_with_rejection()\0"),
+        (12, b"ray::ServeReplica:streamkv:replica-0\0\0\0"),
+        (13, b"python\0-c\0ray::ServeReplica:streamkv:replica-2\0"),
+    ]
+    monkeypatch.setattr(serve_app, "_processes", lambda: iter(procs))
+    assert serve_app.local_replica_pid("replica-1") == 11
+    assert serve_app.local_replica_pid("replica-0") == 12
+    assert serve_app.local_replica_pid("replica-2") is None  # an argument, not the title
+    assert serve_app.local_replica_pid("replica-0", app="other") is None

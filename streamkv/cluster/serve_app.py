@@ -177,10 +177,18 @@ def _processes() -> Iterator[tuple[int, bytes]]:
 
 
 def local_replica_pid(name: str, app: str = APP_NAME) -> int | None:
-    """The pid of replica ``name`` if it runs on this node (Ray names the process
-    ``ray::ServeReplica:<app>:<name>``), for operators and the kill tests."""
+    """The pid of replica ``name`` if it runs on this node, for operators and the kill tests.
+
+    Ray titles an idle actor process ``ray::ServeReplica:<app>:<name>`` and, while it runs a
+    task, ``ray::ServeReplica:<app>:<name>.<method>()``; both are matched (the busy form made
+    the lookup miss a replica caught mid-task)."""
     title = f"ray::ServeReplica:{app}:{name}".encode()
-    return next((pid for pid, cmd in _processes() if cmd.split(b"\0")[0] == title), None)
+
+    def is_replica(cmd: bytes) -> bool:
+        head = cmd.split(b"\0")[0]
+        return head == title or head.startswith(title + b".")
+
+    return next((pid for pid, cmd in _processes() if is_replica(cmd)), None)
 
 
 def app_builder(args: dict[str, Any]) -> Any:
