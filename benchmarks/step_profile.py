@@ -8,7 +8,8 @@ of a 2048-token prefill.
 Per step (20th percentile over the measured steps, repeated --repeat times): the whole ``Engine.step``, the runner's ``execute``,
 the model's forward and, inside it with the native layers, native/layer.c's own phases (GEMMs,
 attention, norms, RoPE + KV writes, SiLU, residual adds; timed in C), the LM head with its norm,
-and the sampler. "overhead" = step - GEMMs - attention - LM head: what is neither a kernel
+and the sampler. "overhead" = step - GEMMs - attention - page selection (kv_read quest) - LM head:
+what is neither a kernel
 doing the model's arithmetic nor reading its weights (Python, dispatch, scheduling, glue).
 Prints the CPU model and flags. Speculation is off unless --engine-kwargs turns it on (a step is
 then one forward per sequence).
@@ -63,7 +64,8 @@ class _TimedCall:
         return getattr(self.inner, name)
 
 
-def profile(llm, prompts: list[list[int]], max_tokens: int, native_ok: bool) -> dict[str, float]:
+def profile(llm, prompts: list[list[int]], max_tokens: int, native_ok: bool,
+            kv_read: dict | None = None) -> dict[str, float]:
     """Run the prompts together; returns median ms per step of every recorded part, over the
     steps where every sequence decodes (or the prefill's last step when max_tokens == 1)."""
     from streamkv import SamplingParams
@@ -81,13 +83,15 @@ def profile(llm, prompts: list[list[int]], max_tokens: int, native_ok: bool) -> 
     native = getattr(runner.model, "native", None) if native_ok else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
-        engine.add_request(f"p{i}-{time.monotonic_ns()}", p, params)
-    steps, phases = [], []
+        engine.add_request(f"p{i}-{time.monotonic_ns()}", p, params, kv_read=kv_read)
+    steps, phases, parts = [], [], []  # parts: per step, each wrapped call's summed time
     while engine.has_unfinished():
         timings = native.profile(True) if native is not None else None
+        seen = {k: len(v) for k, v in timer.t.items()}
         t0 = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - t0)
+        parts.append({k: sum(v[seen.get(k, 0):]) for k, v in timer.t.items()})
         phases.append(timings.clone() if timings is not None else None)
         if native is not None:
             native.profile(False)
@@ -99,10 +103,8 @@ def profile(llm, prompts: list[list[int]], max_tokens: int, native_ok: bool) -> 
     # the fast steps are the ones that show what the code costs
     med = lambda xs: 1000 * statistics.quantiles(xs, n=5)[0] if len(xs) > 1 else 1000 * xs[0]  # noqa: E731
     out = {"step": med([steps[i] for i in keep])}
-    offset = n - len(timer.t.get("execute", []))
-    for key, vals in timer.t.items():
-        if len(vals) == n - offset:
-            out[key] = med([vals[i - offset] for i in keep if i - offset >= 0])
+    for key in timer.t:
+        out[key] = med([parts[i].get(key, 0.0) for i in keep])
     if native is not None:
         from streamkv.models.native_layers import PHASES
 
@@ -112,18 +114,17 @@ def profile(llm, prompts: list[list[int]], max_tokens: int, native_ok: bool) -> 
         # different steps went negative (decode x1: step 184.19 - gemm 134.50 - attention 49.03 - head 10.30)
         from streamkv.models.native_layers import PHASES
 
-        gemm, attention, head = PHASES.index("gemm"), PHASES.index("attention"), timer.t.get("lm_head", [])
+        arithmetic = [PHASES.index(p) for p in ("gemm", "attention", "select")]
 
         def kernels(i: int) -> float:
-            h = head[i - offset] if len(head) == n - offset and i - offset >= 0 else 0.0
-            return float(phases[i][gemm]) + float(phases[i][attention]) + h
+            return sum(float(phases[i][j]) for j in arithmetic) + parts[i].get("lm_head", 0.0)
         out["overhead"] = med([steps[i] - kernels(i) for i in keep])
     return out
 
 
-def _best(llm, prompts: list[list[int]], max_tokens: int, repeat: int) -> dict[str, float]:
+def _best(llm, prompts: list[list[int]], max_tokens: int, repeat: int, kv_read: dict | None = None) -> dict[str, float]:
     """Each key's lowest value over ``repeat`` runs (fresh prompts each time)."""
-    runs = [profile(llm, [[t + 1 + r for t in p] for p in prompts], max_tokens, True) for r in range(repeat)]
+    runs = [profile(llm, [[t + 1 + r for t in p] for p in prompts], max_tokens, True, kv_read) for r in range(repeat)]
     return {k: min(run[k] for run in runs if k in run) for k in runs[0]}
 
 
@@ -133,6 +134,8 @@ def main() -> int:
     ap.add_argument("--torch-layers", action="store_true", help="run the layers as torch ops (no native/layer.c)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each case (steps of all runs pooled)")
+    ap.add_argument("--long-context", type=int, default=6000,
+                    help="also decode batch 1 after this many prompt tokens, exact and with kv_read quest(1024) (0: skip)")
     args = ap.parse_args()
     from streamkv import LLM
 
@@ -153,9 +156,13 @@ def main() -> int:
     profile(llm, [prompt(64)], 4, True)  # warm-up
     cases = {"decode b1 (ctx 512)": ([prompt(512)], 64), "decode b32 (ctx 128)": ([prompt(128) for _ in range(32)], 32),
              "prefill 2048, last chunk": ([prompt(2048)], 1)}
+    if args.long_context:  # issue 15's decode: what exact and quest steps spend beside the attention
+        quest = {"policy": "quest", "budget_tokens": 1024}
+        cases |= {f"decode b1 (ctx {args.long_context})": ([prompt(args.long_context)], 24),
+                  f"quest b1 (ctx {args.long_context})": ([prompt(args.long_context)], 24, quest)}
     rows, keys = {}, []
-    for name, (prompts, n) in cases.items():
-        rows[name] = _best(llm, prompts, n, args.repeat)
+    for name, (prompts, n, *kv) in cases.items():
+        rows[name] = _best(llm, prompts, n, args.repeat, *kv)
         keys += [k for k in rows[name] if k not in keys]
     print()
     print(common.md_table(["ms per step"] + list(cases),
