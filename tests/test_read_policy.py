@@ -321,9 +321,11 @@ def test_reused_picks_follow_blocks_that_moved():
     torch.testing.assert_close(out.double(), _reference(q, cache, 0, expect, 32 ** -0.5), atol=2e-2, rtol=2e-2)
 
 
-def test_the_fused_selecting_step_equals_the_per_layer_path(monkeypatch):
+@pytest.mark.parametrize("rescore", [True, False])
+def test_the_fused_selecting_step_equals_the_per_layer_path(monkeypatch, rescore):
     """A request's Quest decode rows re-score every layer inside one native call
-    (``streamkv_fwd_sel``); the same rows through the per-layer Python path give the same bits,
+    (``streamkv_fwd_sel``), or (rescore false) read there the pages their first answer row
+    picked per layer; the same rows through the per-layer Python path give the same bits,
     and the same report: the steps that sample the attention recall stay fused (the native loop
     hands back the sampled layer's queries) and measure what the per-layer path measures."""
     from streamkv import LLM, SamplingParams
@@ -332,7 +334,7 @@ def test_the_fused_selecting_step_equals_the_per_layer_path(monkeypatch):
     llm = LLM(max_num_batched_tokens=512)
     prompt = " ".join(f"note {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} coins." for i in range(80))
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
-    quest = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 16, "recent_tokens": 64}
+    quest = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 16, "recent_tokens": 64, "rescore": rescore}
     fused = LayerSelector.fused
     calls = []
 
@@ -345,13 +347,18 @@ def test_the_fused_selecting_step_equals_the_per_layer_path(monkeypatch):
     a = llm.generate([prompt, "Say hi."], params, kv_read=quest)
     steps = [c for c in calls if c is not None]
     assert len(steps) >= 30 and sum(c.recall_layer >= 0 for c in steps) >= 2  # recall samples fused too
+    reused = [c for c in steps if any(e[3] is not None for e in c.entries)]
+    assert len(reused) == (0 if rescore else len(steps))  # (the row that picks runs the per-layer path)
     assert a[0].kv["attention_recall"] is not None
     monkeypatch.setattr(LayerSelector, "fused", lambda self: None)
     b = llm.generate([prompt, "Say hi."], params, kv_read=quest)
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids
         assert [lp.logprob for lp in x.logprobs] == [lp.logprob for lp in y.logprobs]
-    assert a[0].kv == b[0].kv and a[0].kv["pages_picked"] < a[0].kv["pages_scored"]
+    assert a[0].kv == b[0].kv
+    if not rescore:
+        return
+    assert a[0].kv["pages_picked"] < a[0].kv["pages_scored"]
     # pages scored are pages ranked: none for `recent` (it picks no page; 2,250 were reported),
     # and for quest without rescoring only the first answer row's, which later rows reuse
     short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

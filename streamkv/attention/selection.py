@@ -55,14 +55,17 @@ class _Choice:
 
 @dataclass(frozen=True)
 class FusedSelection:
-    """A step whose selecting spans are all decode rows that re-score every layer, laid out for
-    ``native/layer.c``'s ``streamkv_fwd_sel``: context lengths are known before the layers run
-    (sinks + ``keep`` pages + tail), so one flat slot buffer serves every layer; each selecting
-    span's region of it is rewritten per layer by the C selection (``entries``)."""
+    """A step whose selecting spans are all decode rows that re-score every layer or reuse the
+    pages they picked for every layer, laid out for ``native/layer.c``'s ``streamkv_fwd_sel``:
+    context lengths are known before the layers run (sinks + ``keep`` pages + tail), so one flat
+    slot buffer serves every layer; each selecting span's region of it is rewritten per layer by
+    the C selection, or from the reused sinks + pages slots (``entries``)."""
 
     seqs: torch.Tensor                      # [B, 4] int64 (row0, q_len, offset, compacted ctx_len)
     slots: torch.Tensor                     # [sum ctx_len] int64 (selecting regions filled per layer)
-    entries: list[tuple[int, _Choice, int]]  # (q row, choice, offset of its region in ``slots``)
+    # (q row, choice, offset of its region in ``slots``, reused sinks + pages slots [layers,
+    # sink_len + keep * block_size] or None: re-scored)
+    entries: list[tuple[int, _Choice, int, torch.Tensor | None]]
     recall_layer: int = -1                  # the layer whose queries the step hands back (-1: none)
     sampled: list[_Choice] = field(default_factory=list)  # the rows measuring their recall there
 
@@ -128,11 +131,11 @@ class LayerSelector:
 
     def fused(self) -> FusedSelection | None:
         """The whole step for the C layer loop, or None when a span needs this Python path (it
-        reuses remembered picks, picks no page or is a prompt chunk; or two rows sample their
+        fills its picks this step, picks no page or is a prompt chunk; or two rows sample their
         recall in different layers). A row sampling its recall stays fused: the C loop hands
         back that layer's queries, and :meth:`fused_recall` measures it after the step."""
-        if any(c.picks is not None or c.plan.keep <= 0 or not self.spans[c.index].is_decode
-               or is_question(self.spans[c.index]) for c in self.choices):
+        if any((c.picks is not None and not self._reuses(c)) or c.plan.keep <= 0
+               or not self.spans[c.index].is_decode or is_question(self.spans[c.index]) for c in self.choices):
             return None
         recall = {c.index: self._recall_layer(self.spans[c.index]) for c in self.choices}
         sampled = [c for c in self.choices if recall[c.index] is not None]
@@ -150,8 +153,9 @@ class LayerSelector:
             else:
                 length = c.slots.sink_len + c.plan.keep * bs + s.numel() - c.slots.tail_from
                 flat.append(torch.empty(length, dtype=torch.int64))
-                entries.append((span.q_start, c, offset))
-                self._count_fused(span.seq_id, c, length)
+                heads = self._reused_heads(c) if c.picks is not None else None
+                entries.append((span.q_start, c, offset, heads))
+                self._count_fused(span.seq_id, c, length, scored=heads is None)
             rows.append((span.q_start, span.q_len, offset, length))
             offset += length
         return FusedSelection(torch.tensor(rows, dtype=torch.int64), torch.cat(flat), entries,
@@ -165,15 +169,31 @@ class LayerSelector:
             span = self.spans[c.index]
             count = self.counts.get(span.seq_id)
             if count is not None:
-                compact, _ = self._pick(fused.recall_layer, q, span, c)
+                if c.picks is not None:  # reused: the pages that layer read
+                    compact = torch.cat([c.picks.heads[fused.recall_layer], c.slots.full[c.slots.tail_from:]])
+                else:
+                    compact, _ = self._pick(fused.recall_layer, q, span, c)
                 self._add_recall(count, fused.recall_layer, q, span, c, compact)
 
-    def _count_fused(self, seq_id: int, c: _Choice, length: int) -> None:
+    def _reuses(self, c: _Choice) -> bool:
+        """Whether a span's remembered picks cover every layer (taken by an earlier step)."""
+        return len(c.picks.layers) == self.layers
+
+    def _reused_heads(self, c: _Choice) -> torch.Tensor:
+        """[layers, sink_len + keep * block_size]: each layer's sinks + reused pages slots, as
+        :meth:`for_layer` resolves them (once per block table: ``Picks.heads``)."""
+        heads = c.picks.heads
+        for layer in range(self.layers):
+            if layer not in heads:
+                heads[layer] = c.slots.head(c.picks.layers[layer])
+        return torch.stack([heads[layer] for layer in range(self.layers)])
+
+    def _count_fused(self, seq_id: int, c: _Choice, length: int, scored: bool) -> None:
         count = self.counts.get(seq_id)
         if count is not None:
             count.layer_rows += length * self.layers
             count.layers += self.layers
-            count.pages_scored += c.candidates.numel() * self.layers
+            count.pages_scored += c.candidates.numel() * self.layers if scored else 0
             count.pages_picked += c.plan.keep * self.layers
 
     def for_layer(self, layer: int, q: torch.Tensor) -> tuple[list[SeqSpan], list[torch.Tensor]]:

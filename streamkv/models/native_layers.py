@@ -37,7 +37,8 @@ class SkLayer(ctypes.Structure):
 class SkSelect(ctypes.Structure):
     _fields_ = [("q_row", ctypes.c_int64), ("cand", ctypes.c_void_p), ("P", ctypes.c_int), ("keep", ctypes.c_int),
                 ("full", ctypes.c_void_p), ("sink_len", ctypes.c_int64), ("tail_from", ctypes.c_int64),
-                ("ctx_len", ctypes.c_int64), ("out_off", ctypes.c_int64), ("pos", ctypes.c_void_p)]
+                ("ctx_len", ctypes.c_int64), ("out_off", ctypes.c_int64), ("pos", ctypes.c_void_p),
+                ("heads", ctypes.c_void_p)]
 
 
 class SkModel(ctypes.Structure):
@@ -154,15 +155,17 @@ class NativeLayers:
 
     def _forward_selecting(self, x: torch.Tensor, positions: torch.Tensor, meta: Any, fused: Any, cache: Any,
                            ws: int) -> torch.Tensor:
-        """Every layer in one call, each re-scoring the pages of the step's selecting decode rows
-        (``streamkv_fwd_sel``: the per-layer path's functions, in its order)."""
+        """Every layer in one call, each re-scoring the pages of the step's selecting decode rows,
+        or reading the pages a row reuses (``streamkv_fwd_sel``: the per-layer path's functions,
+        in its order)."""
         keep = []  # everything the C structs point at
         entries = (SkSelect * len(fused.entries))()
-        for j, (q_row, c, offset) in enumerate(fused.entries):
+        for j, (q_row, c, offset, heads) in enumerate(fused.entries):
             pos = torch.empty(c.plan.keep, dtype=torch.int64)
-            keep += [pos, c.candidates, c.slots.full]
+            keep += [pos, c.candidates, c.slots.full, heads]
             entries[j] = SkSelect(q_row, _ptr(c.candidates), c.candidates.numel(), c.plan.keep, _ptr(c.slots.full),
-                                  c.slots.sink_len, c.slots.tail_from, c.slots.full.numel(), offset, _ptr(pos))
+                                  c.slots.sink_len, c.slots.tail_from, c.slots.full.numel(), offset, _ptr(pos),
+                                  _ptr(heads))
         bounds = cache.bounds.data
         q = torch.empty(x.shape[0], self.heads, self.head_dim, dtype=torch.float32) if fused.recall_layer >= 0 else None
         rc = self.lib.streamkv_fwd_sel(ctypes.addressof(self.model), _ptr(x), x.shape[0], _ptr(positions),
