@@ -106,6 +106,24 @@ def test_native_selection_equals_the_torch_definition(rows, kv_heads, group, dim
     assert torch.equal(picked, ref) and torch.equal(compact, slots.gather(ref))
 
 
+@pytest.mark.skipif(page_select() is None, reason="no C compiler: native page selection not built")
+def test_native_selection_breaks_ties_toward_the_earlier_page():
+    """Pages whose bounds are equal score equal bits; the kernel keeps the earlier ones (a rule,
+    so a pick never depends on how the scan met them)."""
+    g = torch.Generator().manual_seed(5)
+    one = _bounds(1, 3, 64, g)
+    q = torch.randn(1, 3, 3, 64, generator=g).bfloat16()
+    candidates = torch.arange(200)
+    same = one.expand(200, -1, -1).contiguous()                          # every page alike
+    assert torch.equal(QuestPolicy().select(q, same, candidates, 40, 0.125), torch.arange(40))
+    high = torch.cat([one[:, :, :64] + 4, one[:, :, 64:] - 4], dim=-1)  # wider bounds: a higher score
+    mixed = same.clone()
+    best = torch.randperm(200, generator=g)[:70]
+    mixed[best] = high
+    picked = QuestPolicy().select(q, mixed, candidates, 40, 0.125)
+    assert torch.equal(picked, best.sort().values[:40])
+
+
 def _page_scorers(tmp_path, builds: dict[str, list[str]]) -> dict:
     """``page_select.c`` alone, built (in parallel) with the native flags plus each build's
     flags, as scorers like ``native.page_select()``."""

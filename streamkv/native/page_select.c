@@ -77,32 +77,38 @@ static inline float exp_le0(float x) {
     return p * scale;
 }
 
+/* A page's rank key: larger is better; the score's order (as float >, -0 == +0) in the high
+ * half, then the earlier page first (ties go to the earlier page); unique per page. */
+static inline uint64_t rank_key(float s, int i) {
+    uint32_t b;
+    if (s == 0.f) s = 0.f;                            /* -0 ranks as +0 */
+    memcpy(&b, &s, sizeof b);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);   /* float order as unsigned order */
+    return ((uint64_t)b << 32) | (uint32_t)(0xffffffffu - (uint32_t)i);
+}
+
+/* The keep best of the n pages (score desc, then the earlier page), ascending in out: the keep-th
+ * largest key by quickselect (keys are unique), then one pass in page order. */
 static void top_keep(const float *score, int n, int keep, int64_t *out) {
-    int *idx = malloc(sizeof(int) * (size_t)n);
-    for (int i = 0; i < n; i++) idx[i] = i;
-    /* quickselect: the keep best (ties to the earlier page) end up in idx[0..keep) */
-    int lo = 0, hi = n - 1;
+    uint64_t stack_keys[1024], *key = n <= 1024 ? stack_keys : malloc(sizeof(uint64_t) * (size_t)n);
+    for (int i = 0; i < n; i++) key[i] = rank_key(score[i], i);
+    int lo = 0, hi = n - 1, k = keep - 1;             /* key[k] of the descending order */
     while (lo < hi) {
-        int mid = lo + (hi - lo) / 2;
-        float pv = score[idx[mid]];
-        int pi = idx[mid];
+        const uint64_t pv = key[lo + (hi - lo) / 2];
         int i = lo, j = hi;
         while (i <= j) {
-            while (score[idx[i]] > pv || (score[idx[i]] == pv && idx[i] < pi)) i++;
-            while (score[idx[j]] < pv || (score[idx[j]] == pv && idx[j] > pi)) j--;
-            if (i <= j) { int t = idx[i]; idx[i] = idx[j]; idx[j] = t; i++; j--; }
+            while (key[i] > pv) i++;
+            while (key[j] < pv) j--;
+            if (i <= j) { uint64_t t = key[i]; key[i] = key[j]; key[j] = t; i++; j--; }
         }
-        if (keep - 1 <= j) hi = j;
-        else if (keep - 1 >= i) lo = i;
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
         else break;
     }
-    for (int a = 1; a < keep; a++) {  /* ascending page order */
-        int v = idx[a], b = a - 1;
-        while (b >= 0 && idx[b] > v) { idx[b + 1] = idx[b]; b--; }
-        idx[b + 1] = v;
-    }
-    for (int a = 0; a < keep; a++) out[a] = idx[a];
-    free(idx);
+    const uint64_t kth = key[k];
+    for (int i = 0, o = 0; i < n && o < keep; i++)
+        if (rank_key(score[i], i) >= kth) out[o++] = i;
+    if (key != stack_keys) free(key);
 }
 
 /* One tile: ub[pp][lane] for PT pages (block ids c[0..PT)) and the LANES rows of qt. */
