@@ -81,8 +81,8 @@ static inline float exp_le0(float x) {
  * half, then the earlier page first (ties go to the earlier page); unique per page. */
 static inline uint64_t rank_key(float s, int i) {
     uint32_t b;
-    if (s == 0.f) s = 0.f;                            /* -0 ranks as +0 */
     memcpy(&b, &s, sizeof b);
+    if ((b & 0x7fffffffu) == 0) b = 0;                /* -0 ranks as +0 (in bits: -ffast-math) */
     b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);   /* float order as unsigned order */
     return ((uint64_t)b << 32) | (uint32_t)(0xffffffffu - (uint32_t)i);
 }
