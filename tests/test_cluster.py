@@ -169,6 +169,7 @@ def test_a_killed_replica_loses_no_acknowledged_record(cluster):
         from streamkv.cluster.serve_app import local_replica_pid
 
         pid = local_replica_pid("replica-0")
+        assert pid is not None, "no process titled as replica-0 on this node"
         os.kill(pid, signal.SIGKILL)
         statuses = [c.http.post("/v1/completions", json=COMPLETION).status_code for _ in range(3)]
         assert statuses == [200, 200, 200]  # refused connections are retried on replica-1
@@ -193,7 +194,9 @@ def test_a_replica_killed_mid_stream_ends_the_stream_with_a_retryable_error(clus
             lines = resp.iter_lines()
             first = next(x for x in lines if x.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["text"] is not None
-            os.kill(local_replica_pid(resp.headers["x-streamkv-replica"]), signal.SIGKILL)
+            pid = local_replica_pid(resp.headers["x-streamkv-replica"])
+            assert pid is not None, f"no process titled as {resp.headers['x-streamkv-replica']} on this node"
+            os.kill(pid, signal.SIGKILL)
             rest = list(lines)
         assert "data: [DONE]" not in rest
         error = json.loads(next(x for x in rest if x.startswith("data: {\"error\"")).removeprefix("data: "))
