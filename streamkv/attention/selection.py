@@ -59,12 +59,12 @@ class FusedSelection:
     pages they picked for every layer, laid out for ``native/layer.c``'s ``streamkv_fwd_sel``:
     context lengths are known before the layers run (sinks + ``keep`` pages + tail), so one flat
     slot buffer serves every layer; each selecting span's region of it is rewritten per layer by
-    the C selection, or from the reused sinks + pages slots (``entries``)."""
+    the C selection, or from the reused page positions (``entries``)."""
 
     seqs: torch.Tensor                      # [B, 4] int64 (row0, q_len, offset, compacted ctx_len)
     slots: torch.Tensor                     # [sum ctx_len] int64 (selecting regions filled per layer)
-    # (q row, choice, offset of its region in ``slots``, reused sinks + pages slots [layers,
-    # sink_len + keep * block_size] or None: re-scored)
+    # (q row, choice, offset of its region in ``slots``, reused page positions [layers, keep]
+    # or None: re-scored)
     entries: list[tuple[int, _Choice, int, torch.Tensor | None]]
     recall_layer: int = -1                  # the layer whose queries the step hands back (-1: none)
     sampled: list[_Choice] = field(default_factory=list)  # the rows measuring their recall there
@@ -153,9 +153,9 @@ class LayerSelector:
             else:
                 length = c.slots.sink_len + c.plan.keep * bs + s.numel() - c.slots.tail_from
                 flat.append(torch.empty(length, dtype=torch.int64))
-                heads = self._reused_heads(c) if c.picks is not None else None
-                entries.append((span.q_start, c, offset, heads))
-                self._count_fused(span.seq_id, c, length, scored=heads is None)
+                picked = torch.stack([c.picks.layers[i] for i in range(self.layers)]) if c.picks is not None else None
+                entries.append((span.q_start, c, offset, picked))
+                self._count_fused(span.seq_id, c, length, scored=picked is None)
             rows.append((span.q_start, span.q_len, offset, length))
             offset += length
         return FusedSelection(torch.tensor(rows, dtype=torch.int64), torch.cat(flat), entries,
@@ -170,7 +170,7 @@ class LayerSelector:
             count = self.counts.get(span.seq_id)
             if count is not None:
                 if c.picks is not None:  # reused: the pages that layer read
-                    compact = torch.cat([c.picks.heads[fused.recall_layer], c.slots.full[c.slots.tail_from:]])
+                    compact = c.slots.gather(c.picks.layers[fused.recall_layer])
                 else:
                     compact, _ = self._pick(fused.recall_layer, q, span, c)
                 self._add_recall(count, fused.recall_layer, q, span, c, compact)
@@ -178,15 +178,6 @@ class LayerSelector:
     def _reuses(self, c: _Choice) -> bool:
         """Whether a span's remembered picks cover every layer (taken by an earlier step)."""
         return len(c.picks.layers) == self.layers
-
-    def _reused_heads(self, c: _Choice) -> torch.Tensor:
-        """[layers, sink_len + keep * block_size]: each layer's sinks + reused pages slots, as
-        :meth:`for_layer` resolves them (once per block table: ``Picks.heads``)."""
-        heads = c.picks.heads
-        for layer in range(self.layers):
-            if layer not in heads:
-                heads[layer] = c.slots.head(c.picks.layers[layer])
-        return torch.stack([heads[layer] for layer in range(self.layers)])
 
     def _count_fused(self, seq_id: int, c: _Choice, length: int, scored: bool) -> None:
         count = self.counts.get(seq_id)

@@ -38,7 +38,7 @@ class SkSelect(ctypes.Structure):
     _fields_ = [("q_row", ctypes.c_int64), ("cand", ctypes.c_void_p), ("P", ctypes.c_int), ("keep", ctypes.c_int),
                 ("full", ctypes.c_void_p), ("sink_len", ctypes.c_int64), ("tail_from", ctypes.c_int64),
                 ("ctx_len", ctypes.c_int64), ("out_off", ctypes.c_int64), ("pos", ctypes.c_void_p),
-                ("heads", ctypes.c_void_p)]
+                ("picked", ctypes.c_void_p)]
 
 
 class SkModel(ctypes.Structure):
@@ -160,12 +160,12 @@ class NativeLayers:
         in its order)."""
         keep = []  # everything the C structs point at
         entries = (SkSelect * len(fused.entries))()
-        for j, (q_row, c, offset, heads) in enumerate(fused.entries):
+        for j, (q_row, c, offset, picked) in enumerate(fused.entries):
             pos = torch.empty(c.plan.keep, dtype=torch.int64)
-            keep += [pos, c.candidates, c.slots.full, heads]
+            keep += [pos, c.candidates, c.slots.full, picked]
             entries[j] = SkSelect(q_row, _ptr(c.candidates), c.candidates.numel(), c.plan.keep, _ptr(c.slots.full),
                                   c.slots.sink_len, c.slots.tail_from, c.slots.full.numel(), offset, _ptr(pos),
-                                  _ptr(heads))
+                                  _ptr(picked))
         bounds = cache.bounds.data
         q = torch.empty(x.shape[0], self.heads, self.head_dim, dtype=torch.float32) if fused.recall_layer >= 0 else None
         rc = self.lib.streamkv_fwd_sel(ctypes.addressof(self.model), _ptr(x), x.shape[0], _ptr(positions),

@@ -308,10 +308,10 @@ int streamkv_page_select(const void* q, int q_bf16, int R, int kvh, int g, int D
 
 /* A decode row that reads `keep` pages per layer (Quest, streamkv_fwd_sel) and writes its
  * compacted context slots (sinks, the pages, the tail of `full`) at slots + out_off each layer:
- *   heads == NULL: with the layer's query of row q_row it ranks the P candidate pages by their
+ *   picked == NULL: with the layer's query of row q_row it ranks the P candidate pages by their
  *                  key bounds and keeps the `keep` best (rescore);
- *   heads != NULL: the pages it took before (a row reusing its remembered picks): heads
- *                  [layers][sink_len + keep bs] holds each layer's sinks + pages slots. */
+ *   picked != NULL: the pages it took before (a row reusing its remembered picks): picked
+ *                  [layers][keep] holds each layer's page positions (ascending). */
 typedef struct {
     int64_t q_row;
     const int64_t* cand;
@@ -319,15 +319,11 @@ typedef struct {
     const int64_t* full;
     int64_t sink_len, tail_from, ctx_len, out_off;
     int64_t* pos;  /* [keep] scratch */
-    const int64_t* heads;
+    const int64_t* picked;
 } SkSelect;
 
-/* a reusing row's compacted slots for layer l: its sinks + pages, then the tail */
-static void reuse_pages(const SkSelect* e, int l, int bs, int64_t* slots) {
-    const int64_t head = e->sink_len + (int64_t)e->keep * bs;
-    memcpy(slots + e->out_off, e->heads + l * head, sizeof(int64_t) * (size_t)head);
-    memcpy(slots + e->out_off + head, e->full + e->tail_from, sizeof(int64_t) * (size_t)(e->ctx_len - e->tail_from));
-}
+void streamkv_compact_slots(const int64_t* full, int64_t sink_len, const int64_t* pos, int keep, int bs,
+                            int64_t tail_from, int64_t ctx_len, int64_t* slots);
 
 /* streamkv_fwd with page selection inside the layer loop: the same functions in the same order
  * as the per-layer calls with a Python selector between them (so the same bits), without a
@@ -346,7 +342,11 @@ int streamkv_fwd_sel(const SkModel* m, float* x, int64_t T, const int64_t* pos, 
         TIC(m);
         for (int s = 0; s < nsel && rc == 0; s++) {
             const SkSelect* e = sel + s;
-            if (e->heads) { reuse_pages(e, l, bs, slots); continue; }
+            if (e->picked) {
+                streamkv_compact_slots(e->full, e->sink_len, e->picked + (int64_t)l * e->keep, e->keep, bs,
+                                       e->tail_from, e->ctx_len, slots + e->out_off);
+                continue;
+            }
             rc = streamkv_page_select(w.q + e->q_row * hd, 0, 1, m->Hk, m->H / m->Hk, m->D, bounds + l * stride,
                                       e->cand, e->P, e->keep, m->scale, e->pos, e->full, e->sink_len, e->tail_from,
                                       e->ctx_len, bs, slots + e->out_off);

@@ -358,6 +358,16 @@ static int64_t *padded(const int64_t *cand, int P, int Pp) {  /* candidates padd
     return cp;
 }
 
+/* The compacted context slots of one row: full[0, sink_len) + the pages at positions pos[0, keep)
+ * (page p = full[sink_len + p * bs, + bs)) + full[tail_from, ctx_len). */
+void streamkv_compact_slots(const int64_t *full, int64_t sink_len, const int64_t *pos, int keep, int bs,
+                            int64_t tail_from, int64_t ctx_len, int64_t *slots) {
+    int64_t o = sink_len;
+    memcpy(slots, full, sizeof(int64_t) * (size_t)sink_len);
+    for (int k = 0; k < keep; k++, o += bs) memcpy(slots + o, full + sink_len + pos[k] * bs, sizeof(int64_t) * bs);
+    memcpy(slots + o, full + tail_from, sizeof(int64_t) * (size_t)(ctx_len - tail_from));
+}
+
 /* With full != NULL, also writes the compacted context slots: full[0, sink_len) + the
  * picked pages' slots (page p = full[sink_len + p * bs, + bs)) + full[tail_from, ctx_len). */
 int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D, const uint16_t *bounds,
@@ -383,12 +393,7 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
         }
     }
     top_keep(score, P, keep, pos);
-    if (full) {
-        int64_t o = sink_len;
-        memcpy(slots, full, sizeof(int64_t) * (size_t)sink_len);
-        for (int k = 0; k < keep; k++, o += bs) memcpy(slots + o, full + sink_len + pos[k] * bs, sizeof(int64_t) * bs);
-        memcpy(slots + o, full + tail_from, sizeof(int64_t) * (size_t)(ctx_len - tail_from));
-    }
+    if (full) streamkv_compact_slots(full, sink_len, pos, keep, bs, tail_from, ctx_len, slots);
     free(score);
     free(ub);
     free(qt);
