@@ -433,11 +433,8 @@ int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D
             int64_t *mine = pos + (size_t)r * keep;
             top_keep(out + (size_t)r * P, P, keep, mine);
             if (!full) continue;
-            memcpy(slots + o, full, sizeof(int64_t) * (size_t)sink_len);
-            o += sink_len;
-            for (int k = 0; k < keep; k++, o += bs) memcpy(slots + o, full + sink_len + mine[k] * bs, sizeof(int64_t) * bs);
-            memcpy(slots + o, full + tail_from, sizeof(int64_t) * (size_t)(first + r));
-            o += first + r;
+            streamkv_compact_slots(full, sink_len, mine, keep, bs, tail_from, tail_from + first + r, slots + o);
+            o += sink_len + (int64_t)keep * bs + first + r;
         }
     }
     free(ub);
