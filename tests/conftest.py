@@ -9,6 +9,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The suite's kernel choices, native builds and preemption cost profiles live in a cache of their
+# own (processes it starts inherit it): a measurement made beside the suite's own load (servers,
+# Ray replicas) must not become what `make serve` or a benchmark on this machine runs.
+os.environ.setdefault("STREAMKV_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "streamkv-tests"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -389,7 +389,7 @@ def test_info_prints_the_machine_and_the_choice(tiny_gguf, capsys):
     assert "CPU:" in text and "kernel choice:" in text and "linear             dense   (forced)" in text
     assert cli_main(["info", "--model", tiny_gguf, "--json", "--kernels", "linear=dense"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["kernels"]["linear"] == {"path": "dense", "how": "forced", "packed_rows": 0}
+    assert report["kernels"]["linear"] == {"path": "dense", "how": "forced", "packed_rows": 0, "busy_others": None}
     assert report["flags"] is not None
 
 

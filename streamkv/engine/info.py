@@ -30,7 +30,8 @@ def machine_and_kernels(config: EngineConfig, retune: bool = False) -> dict[str,
                    "bf16 GEMM on": native.invariant_gemm_bf16_path(), "build": native.build_tag()},
         "model": os.path.basename(ckpt.source), "dtype": str(dtype).replace("torch.", ""),
         "numerics": config.runtime.numerics,
-        "kernels": {k: {"path": v, "how": choice.source.get(k), "packed_rows": choice.packed_rows(k)}
+        "kernels": {k: {"path": v, "how": choice.source.get(k), "packed_rows": choice.packed_rows(k),
+                        "busy_others": choice.busy.get(k)}
                     for k, v in choice.paths.items()},
         "timings_ms": choice.timings,
     }
@@ -45,7 +46,9 @@ def render(r: dict[str, Any]) -> str:
     for kind, c in r["kernels"].items():
         rows = c.get("packed_rows") or 0
         upto = "" if not rows else ", every step" if rows >= ALL_ROWS else f", steps of <= {rows} rows (then dense)"
-        lines.append(f"  {kind:18s} {c['path']:7s} ({c['how']}{upto})")
+        busy = c.get("busy_others")
+        beside = "" if busy is None else f"; measured beside other load: {busy:.0%} of the CPUs, --retune when quiet"
+        lines.append(f"  {kind:18s} {c['path']:7s} ({c['how']}{upto}{beside})")
     for kind, paths in r["timings_ms"].items():
         shapes = list(next(iter(paths.values())))
         lines += ["", f"{kind} (ms; lower is better):", "  " + f"{'path':8s}" + "".join(f"{sh:>20s}" for sh in shapes)]

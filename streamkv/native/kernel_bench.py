@@ -10,6 +10,7 @@ the candidates of a kind measured in turn (`_best_each`) so a passing load slows
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Callable
 
@@ -25,9 +26,12 @@ EXACT_ROWS = {"decode x1": 1, "decode x4": 4, "decode x8": 8, "decode x16": 16, 
 
 def _best_each(fns: dict[str, Callable[[], object]], budget_s: float = 0.03, tries: int = 3) -> dict[str, float]:
     """Milliseconds per call of each candidate: the best of ``tries`` runs of about ``budget_s``
-    each, the candidates' runs interleaved (A B, B A, A B): a load that comes and goes while a
-    busy machine measures slows them alike, instead of whichever ran during it (a first start
-    beside other jobs once timed the dense LM head faster than the int8 one and cached that)."""
+    each, a run's time the median of its calls, the candidates' runs interleaved (A B, B A, A B):
+    a load that comes and goes while a busy machine measures slows them alike, instead of
+    whichever ran during it (a first start beside other jobs once timed the dense LM head faster
+    than the int8 one and cached that), and the calls that a descheduled thread held up (an OpenMP
+    team waits for it at every barrier) do not move the median. A load that lasts is the
+    caller's to see (``native/contention.py``)."""
     reps = {}
     for name, fn in fns.items():
         fn()
@@ -38,11 +42,12 @@ def _best_each(fns: dict[str, Callable[[], object]], budget_s: float = 0.03, tri
     names = list(fns)
     for i in range(tries):
         for name in names if i % 2 == 0 else names[::-1]:
-            fn, n = fns[name], reps[name]
-            t0 = time.perf_counter()
-            for _ in range(n):
+            fn, calls = fns[name], []
+            for _ in range(reps[name]):
+                t0 = time.perf_counter()
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / n)
+                calls.append(time.perf_counter() - t0)
+            best[name] = min(best[name], statistics.median(calls))
     return {name: t * 1e3 for name, t in best.items()}
 
 

@@ -35,6 +35,13 @@ flags, torch's version and threads, the kernels' sources and the model's shapes;
 starting meanwhile waits for the first one's measurement (a file lock), so all of them run the
 same kernels. A cached choice that names a path which cannot run here (a damaged file) is measured
 again; a cache folder that cannot be written (a read-only image) costs the cache, not the start.
+A measurement watches what other processes use of its CPUs (``native/contention.py``): where they
+keep more than ``contention.BUSY`` of them busy (a look before, a second look a second later, and
+during the measurement), the kind is timed on one thread instead (an OpenMP team beside a busy
+job times its barriers); such a choice is cached with that share
+(``busy``), warned about at every start that reads it and shown by ``streamkv info``, but not
+measured again by itself (a later start with other kernels would give other bits than the
+processes already running): ``streamkv info --retune`` on a quiet machine does that.
 Which paths can run follows the model's dtype, the KV cache's dtype (the bf16 attention kernels read
 bf16 caches only) and, under fast numerics, the attention backend (``prefill_attention`` is the
 native backend's). ``streamkv info`` prints the machine, the timings and the choice.
@@ -51,9 +58,11 @@ import time
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+
+from streamkv.native.contention import BUSY, timed_quietly
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +73,8 @@ KINDS: dict[str, tuple[str, ...]] = {
     "attention": ("bf16", "f32", "amx"),
     "prefill_attention": ("native", "sdpa"),
 }
-CACHE_VERSION = 5  # 2: the near-tie rule (MARGIN); 3: float32 models' exact kinds and their row thresholds; 4: linear=deq;
-# 5: lm_head=deq
+CACHE_VERSION = 6  # 2: the near-tie rule (MARGIN); 3: float32 models' exact kinds and their row thresholds; 4: linear=deq;
+# 5: lm_head=deq; 6: measurements watch other processes' load (an older choice may have been made beside a busy job)
 MARGIN = 1.10  # another path displaces the preferred one only with a score more than 10% lower
 EXACT_PACKED = {"linear": "q4", "lm_head": "q8"}  # exact kinds (float32 models) and their packed path
 ALL_ROWS = 2 ** 31 - 1  # an exact kind forced to its packed path takes it at every row count
@@ -124,6 +133,9 @@ class KernelChoice:
     timings: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)  # kind -> measured | cached | forced
     rows: dict[str, int] = field(default_factory=dict)
+    # kind -> the share of this process's CPUs that other processes used while it was measured,
+    # where that was above contention.BUSY in every try (the choice may be the load's, not the CPU's)
+    busy: dict[str, float] = field(default_factory=dict)
 
     def get(self, kind: str, default: str | None = None) -> str | None:
         return self.paths.get(kind, default)
@@ -136,7 +148,8 @@ class KernelChoice:
         def one(k: str, v: str) -> str:
             rows = self.packed_rows(k)
             upto = "" if not rows else " at every step" if rows == ALL_ROWS else f" up to {rows} rows, then dense"
-            return f"{k}={v}{upto} ({self.source.get(k, '?')})"
+            beside = f", measured beside other load: {self.busy[k]:.0%} of the CPUs" if k in self.busy else ""
+            return f"{k}={v}{upto} ({self.source.get(k, '?')}{beside})"
         return ", ".join(one(k, v) for k, v in self.paths.items()) or "no choices here"
 
 
@@ -269,6 +282,10 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         cached = None if retune else _read(path)
         have = _still_valid(cached, s, kinds, allowed)
         choice = _subset(cached, have) if cached is not None else KernelChoice()
+        if choice.busy:
+            log.warning("the cached kernel choice %s was measured while other processes used the CPUs (%s): it may "
+                        "be slow here; `streamkv info --retune` on a quiet machine measures it again", path,
+                        ", ".join(f"{k} {v:.0%}" for k, v in choice.busy.items()))
         if len(have) == len(kinds):
             return choice
         if cached is not None and any(k in cached.paths for k in kinds if k not in have):
@@ -279,8 +296,13 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         last_path = _cache_dir() / f"last-{_cache_key(s, {}, build=False)}.json"
         last = _read(last_path)
         for kind in (k for k in kinds if k not in have):  # gemm first: the others' dense candidates use it
-            choice.timings[kind] = measure(kind, s, {**forced, **choice.paths})
+            choice.timings[kind], share = _watched(lambda: measure(kind, s, {**forced, **choice.paths}))
             choice.source[kind] = "measured"
+            if share is not None and share > BUSY:
+                choice.busy[kind] = round(share, 3)
+                log.warning("kernels: %s measured while other processes used %.0f%% of this process's CPUs "
+                            "(timed on one thread); the choice may be slow here (`streamkv info --retune` on a "
+                            "quiet machine measures it again)", kind, 100 * share)
             if is_exact(s, kind):  # same bits either way: switch by row count, no near-tie rule
                 choice.rows[kind] = crossover(choice.timings[kind], EXACT_PACKED[kind])
                 choice.paths[kind] = EXACT_PACKED[kind] if choice.rows[kind] else "dense"
@@ -302,6 +324,23 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         _write(last_path, _merged(last, choice))  # the kinds not measured now keep their last choice
         log.info("kernels measured in %.1f s: %s", time.perf_counter() - t0, choice.describe())
         return choice
+
+
+def _watched(run: Callable[[], dict]) -> tuple[dict, float | None]:
+    """``run()``'s timings and the share of our CPUs other processes used meanwhile, on one
+    thread where they keep the CPUs busy (``contention.timed_quietly``). Beside a busy job an
+    OpenMP team times the scheduler: on the 2-core Xeon with two CPU-bound neighbours every
+    attention candidate took 11-18 ms on two threads against 0.5-2.8 alone, and f32 won; on one
+    thread amx won, as on the quiet machine."""
+    threads = torch.get_num_threads()
+
+    def one_thread() -> dict:
+        torch.set_num_threads(1)
+        try:
+            return run()
+        finally:
+            torch.set_num_threads(threads)
+    return timed_quietly(run, one_thread if threads > 1 else None)
 
 
 def pick_switched(times: dict[str, dict[str, float]], switched: str, prefer: str) -> tuple[str, int]:
@@ -339,7 +378,8 @@ def _still_valid(cached: KernelChoice | None, s: ModelShapes, kinds: list[str],
 
 def _subset(cached: KernelChoice, kinds: list[str]) -> KernelChoice:
     return KernelChoice({k: cached.paths[k] for k in kinds}, {k: cached.timings[k] for k in kinds},
-                        {k: "cached" for k in kinds}, {k: v for k, v in cached.rows.items() if k in kinds})
+                        {k: "cached" for k in kinds}, {k: v for k, v in cached.rows.items() if k in kinds},
+                        {k: v for k, v in cached.busy.items() if k in kinds})
 
 
 def _merged(last: KernelChoice | None, new: KernelChoice) -> KernelChoice:
@@ -349,7 +389,8 @@ def _merged(last: KernelChoice | None, new: KernelChoice) -> KernelChoice:
     keep = [k for k in last.paths if k not in new.paths]
     return KernelChoice({**{k: last.paths[k] for k in keep}, **new.paths},
                         {**{k: last.timings[k] for k in keep if k in last.timings}, **new.timings},
-                        rows={**{k: last.rows[k] for k in keep if k in last.rows}, **new.rows})
+                        rows={**{k: last.rows[k] for k in keep if k in last.rows}, **new.rows},
+                        busy={**{k: last.busy[k] for k in keep if k in last.busy}, **new.busy})
 
 
 def _valid(choice: KernelChoice, s: ModelShapes, kinds: list[str], allowed: dict[str, list[str]]) -> bool:
@@ -382,7 +423,8 @@ def _lock(path: Path) -> Iterator[None]:
 def _write(path: Path, choice: KernelChoice) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # the last-choice file has no lock of its own
     try:
-        tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings, "rows": choice.rows}, indent=1))
+        tmp.write_text(json.dumps({"paths": choice.paths, "timings": choice.timings, "rows": choice.rows,
+                                   "busy": choice.busy}, indent=1))
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("kernel choice not cached at %s (%s)", path, exc)
@@ -396,7 +438,8 @@ def _read(path: Path) -> KernelChoice | None:
     ALL_ROWS] for exact kinds only): measure again (a damaged last-choice file is ignored)."""
     try:
         data = json.loads(path.read_text())
-        choice = KernelChoice(dict(data["paths"]), dict(data["timings"]), rows=dict(data.get("rows", {})))
+        choice = KernelChoice(dict(data["paths"]), dict(data["timings"]), rows=dict(data.get("rows", {})),
+                              busy=dict(data.get("busy", {})))
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
     return choice if _well_formed(choice) else None
@@ -413,7 +456,8 @@ def _well_formed(c: KernelChoice) -> bool:
     return (all(k in KINDS and isinstance(p, str) and p in KINDS[k] for k, p in c.paths.items())
             and all(k in KINDS and timed(k, t) for k, t in c.timings.items())
             and all(k in EXACT_PACKED and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= ALL_ROWS
-                    for k, v in c.rows.items()))
+                    for k, v in c.rows.items())
+            and all(k in c.paths and isinstance(v, float) and 0 <= v <= 1 for k, v in c.busy.items()))
 
 
 def order(kinds: dict) -> list[str]:
