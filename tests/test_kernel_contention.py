@@ -47,6 +47,15 @@ def test_the_others_share_excludes_this_process_and_is_clipped():
     assert others_share(None, a, 1.0) is None and others_share(a, Sample(1, 1, 4), 1.0) is None
 
 
+def test_only_what_others_leave_short_of_our_threads_counts():
+    # 8 CPUs, 1 s at 100 ticks/s; others keep 6 of them busy (600 ticks)
+    a, b = Sample(busy=0, own=0, cpus=8), Sample(busy=600, own=0, cpus=8)
+    assert others_share(a, b, 1.0, threads=2, hz=100) == 0.0             # 2 idle CPUs for 2 threads
+    assert others_share(a, b, 1.0, threads=4, hz=100) == pytest.approx(0.5)  # 4 threads find 2
+    assert others_share(a, b, 1.0, hz=100) == pytest.approx(0.75)        # one thread per CPU: 6 of 8
+    assert others_share(a, b, 1.0, threads=16, hz=100) == pytest.approx(0.75)  # (capped at the CPUs)
+
+
 @pytest.mark.skipif(contention.sample() is None, reason="no /proc/stat with per-CPU lines (not Linux)")
 def test_a_busy_sibling_on_our_cpus_is_seen_and_our_own_work_is_not():
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
@@ -126,7 +135,7 @@ def test_a_choice_made_beside_a_busy_job_is_cached_flagged_warned_and_cleared_by
     monkeypatch.setattr(kernel_bench, "measure",
                         lambda k, s, chosen: threads.append(torch.get_num_threads()) or {p: timings[p] for p in paths[k]})
     share = [0.6]
-    monkeypatch.setattr(tuning, "timed_quietly", lambda run, one: ((one or run)(), share[0]))
+    monkeypatch.setattr(tuning, "timed_quietly", lambda run, one, **kw: ((one or run)(), share[0]))
     team = torch.get_num_threads()
     first = choose(shapes, forced)
     assert first.paths["attention"] == "f32" and first.busy == {"attention": 0.6}
@@ -140,7 +149,7 @@ def test_a_choice_made_beside_a_busy_job_is_cached_flagged_warned_and_cleared_by
     assert again.source["attention"] == "cached" and again.busy == {"attention": 0.6}
     assert "measured while other processes used the CPUs (attention 60%)" in caplog.text
     share[0] = 0.01  # a quiet retune: no flag
-    monkeypatch.setattr(tuning, "timed_quietly", lambda run, one: (run(), share[0]))
+    monkeypatch.setattr(tuning, "timed_quietly", lambda run, one, **kw: (run(), share[0]))
     assert choose(shapes, forced, retune=True).busy == {} and choose(shapes, forced).busy == {}
 
 

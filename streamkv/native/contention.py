@@ -9,8 +9,13 @@ watches the CPUs it may run on::
     /proc/stat        cpuN  user nice system idle iowait irq softirq steal ...   (ticks, per CPU)
     /proc/self/stat   ... utime stime ...                                         (this process, all threads)
 
-    busy(ours)   = sum over the CPUs of our affinity of user + nice + system + irq + softirq + steal
-    others share = (delta busy(ours) - delta own ticks) / (elapsed ticks x number of those CPUs)
+    busy(ours)   = sum over the N CPUs of our affinity of user + nice + system + irq + softirq + steal
+    others       = (delta busy(ours) - delta own ticks) / elapsed ticks          (in CPUs, 0 .. N)
+    share        = (others - (N - T)) / T, clipped to 0 .. 1                     (T: our threads)
+
+The share is what other processes took of the CPUs our T threads need: on a 2-CPU VM with 2
+threads every other busy CPU counts; a container allowed all 64 CPUs of a host, measuring on 2,
+is contended only once others leave fewer than 2 idle.
 
 ``steal`` counts: a hypervisor that runs another guest on our vCPU slows us the same way.
 Where ``/proc`` is missing (not Linux) the share is unknown (None) and nothing is retried.
@@ -83,13 +88,16 @@ def sample() -> Sample | None:
         return None
 
 
-def others_share(a: Sample | None, b: Sample | None, elapsed_s: float, hz: float | None = None) -> float | None:
-    """The share (0..1) of the CPUs' capacity that other processes used between samples ``a`` and ``b``."""
+def others_share(a: Sample | None, b: Sample | None, elapsed_s: float, threads: int | None = None,
+                 hz: float | None = None) -> float | None:
+    """The share (0..1) of the CPUs that ``threads`` threads (None: one per CPU) need that other
+    processes used between samples ``a`` and ``b`` (module docstring)."""
     if a is None or b is None or elapsed_s <= 0 or a.cpus != b.cpus:
         return None
     hz = hz or os.sysconf("SC_CLK_TCK")
-    others = (b.busy - a.busy) - (b.own - a.own)
-    return min(1.0, max(0.0, others / (elapsed_s * hz * a.cpus)))
+    t = min(threads or a.cpus, a.cpus)
+    others = ((b.busy - a.busy) - (b.own - a.own)) / (elapsed_s * hz)  # in CPUs
+    return min(1.0, max(0.0, (others - (a.cpus - t)) / t))
 
 
 @dataclass
@@ -98,13 +106,14 @@ class Watch:
 
 
 @contextmanager
-def watch() -> Iterator[Watch]:
-    """``with watch() as w: ...`` then ``w.others``: what other processes used of our CPUs meanwhile."""
+def watch(threads: int | None = None) -> Iterator[Watch]:
+    """``with watch(T) as w: ...`` then ``w.others``: what other processes took meanwhile of the
+    CPUs that T threads need (None: every CPU of our affinity)."""
     w, a, t0 = Watch(), sample(), time.monotonic()
     try:
         yield w
     finally:
-        w.others = others_share(a, sample(), time.monotonic() - t0)
+        w.others = others_share(a, sample(), time.monotonic() - t0, threads)
 
 
 def timed_quietly(run: Callable[[], T], one_thread: Callable[[], T] | None, busy: float = BUSY,

@@ -62,7 +62,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from streamkv.native.contention import BUSY, timed_quietly
+from streamkv.native.contention import BUSY, timed_quietly, watch
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +340,7 @@ def _watched(run: Callable[[], dict]) -> tuple[dict, float | None]:
             return run()
         finally:
             torch.set_num_threads(threads)
-    return timed_quietly(run, one_thread if threads > 1 else None)
+    return timed_quietly(run, one_thread if threads > 1 else None, watcher=lambda: watch(threads))
 
 
 def pick_switched(times: dict[str, dict[str, float]], switched: str, prefer: str) -> tuple[str, int]:
