@@ -133,8 +133,8 @@ class KernelChoice:
     timings: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     source: dict[str, str] = field(default_factory=dict)  # kind -> measured | cached | forced
     rows: dict[str, int] = field(default_factory=dict)
-    # kind -> the share of this process's CPUs that other processes used while it was measured,
-    # where that was above contention.BUSY in every try (the choice may be the load's, not the CPU's)
+    # kind -> the share of the CPUs its threads need that other processes took while it was measured,
+    # where that was above contention.BUSY (then timed on one thread; the choice may be the load's)
     busy: dict[str, float] = field(default_factory=dict)
 
     def get(self, kind: str, default: str | None = None) -> str | None:
@@ -300,9 +300,9 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
             choice.source[kind] = "measured"
             if share is not None and share > BUSY:
                 choice.busy[kind] = round(share, 3)
-                log.warning("kernels: %s measured while other processes used %.0f%% of this process's CPUs "
-                            "(timed on one thread); the choice may be slow here (`streamkv info --retune` on a "
-                            "quiet machine measures it again)", kind, 100 * share)
+                log.warning("kernels: %s measured while other processes took %.0f%% of the CPUs its threads "
+                            "need (timed on one thread); the choice may be slow here (`streamkv info --retune` "
+                            "on a quiet machine measures it again)", kind, 100 * share)
             if is_exact(s, kind):  # same bits either way: switch by row count, no near-tie rule
                 choice.rows[kind] = crossover(choice.timings[kind], EXACT_PACKED[kind])
                 choice.paths[kind] = EXACT_PACKED[kind] if choice.rows[kind] else "dense"
