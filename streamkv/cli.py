@@ -145,11 +145,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if "swap_space" not in options:
         make_room(engine)  # room to time the largest swaps, whatever a block's size
     profile = load_or_measure(engine, remeasure=True, quick=False)
-    report = {"cpu": cpu_model(), "path": str(profile_path(engine)), **profile.to_dict()}
+    path = profile_path(engine)  # not written when other processes kept the CPUs busy meanwhile (logged)
+    report = {"cpu": cpu_model(), "path": str(path), "cached": path.exists(), **profile.to_dict()}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"cpu: {report['cpu']}\nprofile: {report['path']}")
+    print(f"cpu: {report['cpu']}\nprofile: {report['path']}" +
+          ("" if report["cached"] else " (not cached: measured beside other load; run again when quiet)"))
     for n, t in profile.prefill:
         print(f"  prefill {n:>5} tokens  {t * 1e3:9.2f} ms  ({n / t:,.0f} tok/s)")
     for (n, t_out), (_, t_in) in zip(profile.swap_out, profile.swap_in):

@@ -131,11 +131,42 @@ def test_cost_profile_is_measured_cached_and_used(llm, tmp_path, monkeypatch):
         engine.kv_ops.attach_host(32)
         engine.kv.host = HostPool(32)
     monkeypatch.setattr(profile, "profile_path", lambda e: tmp_path / "profile.json")
+    monkeypatch.setattr(profile, "watch", _load(0.0))  # caching is what this test checks, not the machine's load
     measured = profile.load_or_measure(engine)
     assert (tmp_path / "profile.json").exists() and engine.pool.num_used == 0
     assert all(t > 0 for _, t in measured.prefill + measured.swap_out + measured.swap_in)
     assert profile.load_or_measure(engine).to_dict()["prefill"] == measured.to_dict()["prefill"]  # cached
     assert engine.kv_ops.swap_bytes == 0
+
+
+def _load(share: float):
+    """A stand-in for ``contention.watch``: other processes took ``share`` of our CPUs meanwhile."""
+    from contextlib import contextmanager
+
+    from streamkv.native.contention import Watch
+
+    @contextmanager
+    def watch(threads):
+        w = Watch()
+        yield w
+        w.others = share
+    return watch
+
+
+def test_a_profile_measured_beside_a_busy_job_is_used_but_not_cached(llm, tmp_path, monkeypatch):
+    from streamkv.engine import profile
+    from streamkv.kv.host_pool import HostPool
+
+    engine = llm.engine
+    if not engine.kv.host.num_blocks:
+        engine.kv_ops.attach_host(32)
+        engine.kv.host = HostPool(32)
+    path = tmp_path / "profile.json"
+    monkeypatch.setattr(profile, "profile_path", lambda e: path)
+    monkeypatch.setattr(profile, "watch", _load(0.7))
+    assert all(t > 0 for _, t in profile.load_or_measure(engine).prefill) and not path.exists()
+    monkeypatch.setattr(profile, "watch", _load(0.02))  # quiet: cached
+    assert all(t > 0 for _, t in profile.load_or_measure(engine).prefill) and path.exists()
 
 
 def test_a_corrupt_profile_is_remeasured_and_a_small_pool_still_gets_two_points(llm, tmp_path, monkeypatch):
@@ -233,6 +264,7 @@ def test_profile_key_names_the_kv_cache_dtype_and_the_measurable_sizes(tmp_path,
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path / "cache"))  # after the engines: kernel tunings stay cached
     narrow, wide = make(max_model_len=3), make()
     assert profile.profile_path(narrow) != profile.profile_path(wide)
+    monkeypatch.setattr(profile, "watch", _load(0.0))  # a quiet machine: cached
     measured = profile.load_or_measure(narrow)
     assert [n for n, _ in measured.prefill] == [1, 2]
     assert profile.profile_path(narrow).exists() and not profile.profile_path(wide).exists()

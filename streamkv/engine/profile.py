@@ -5,6 +5,9 @@ space loads the cached profile or makes a quick one at first start. Cached under
 ``~/.cache/streamkv/profiles`` keyed by CPU, device, model, dtype, KV cache dtype, threads,
 block size and the largest sizes the pool, the swap space and max_model_len let it time
 (``profile_key``), so a narrow or differently typed measurement never replaces another's.
+A profile measured while other processes took more than ``contention.BUSY`` of the CPUs the
+engine's threads need is used by this process but not cached: it times the load, and since
+swap and recompute give the same bits, the next start can measure it again.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from streamkv.native.contention import BUSY, watch
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.preemption import CostProfile
@@ -109,7 +113,12 @@ def load_or_measure(engine: Any, remeasure: bool = False, quick: bool = True) ->
             return CostProfile.from_dict(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError, OverflowError, RecursionError):
             log.warning("ignoring an unreadable or corrupt cost profile at %s", path)
-    profile = measure(engine, QUICK if quick else FULL)
+    with watch(torch.get_num_threads()) as load:
+        profile = measure(engine, QUICK if quick else FULL)
+    if load.others is not None and load.others > BUSY:
+        log.warning("preemption cost profile measured while other processes took %.0f%% of the CPUs its threads "
+                    "need: used now, not cached (the next start measures it again)", 100 * load.others)
+        return profile
     try:  # an unwritable cache costs a re-measure at the next start, never this start
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -1,4 +1,5 @@
-"""How much of this process's CPUs other processes used while it measured its kernels (Linux).
+"""How much of this process's CPUs other processes used while it measured (Linux): its kernels
+(``tuning.py``) and its preemption cost profile (``engine/profile.py``).
 
 A kernel measurement beside another CPU-bound job times the scheduler, not the kernels: on a
 2-core Xeon a first start during a test run cached ``attention=f32, lm_head=dense`` with every
