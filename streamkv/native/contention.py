@@ -19,7 +19,7 @@ threads every other busy CPU counts; a container allowed all 64 CPUs of a host, 
 is contended only once others leave fewer than 2 idle.
 
 ``steal`` counts: a hypervisor that runs another guest on our vCPU slows us the same way.
-Where ``/proc`` is missing (not Linux) the share is unknown (None) and nothing is retried.
+Where ``/proc`` is missing (not Linux) the share is unknown (None) and the team measures as before.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from typing import Callable, ContextManager, Iterator, TypeVar
 
 T = TypeVar("T")
 
-BUSY = 0.15        # a measurement is "contended" above this share of our CPUs used by others
+BUSY = 0.15        # a measurement is "contended" above this share of the CPUs our threads need, taken by others
 PROBE_S = 0.25     # a look at the load before measuring
 PAUSE_S = 1.0      # a busy look waits this long for a passing job, then looks again
 
