@@ -122,14 +122,21 @@ def test_preempted_while_streaming_and_batched_with_others(llm, mode):
     engine.check_integrity()
 
 
-def test_cost_profile_is_measured_cached_and_used(llm, tmp_path, monkeypatch):
-    from streamkv.engine import profile
+def _with_swap_space(llm):
+    """The fixture's engine, with 32 blocks of host swap space if it has none (the profile times swaps)."""
     from streamkv.kv.host_pool import HostPool
 
     engine = llm.engine
     if not engine.kv.host.num_blocks:
         engine.kv_ops.attach_host(32)
         engine.kv.host = HostPool(32)
+    return engine
+
+
+def test_cost_profile_is_measured_cached_and_used(llm, tmp_path, monkeypatch):
+    from streamkv.engine import profile
+
+    engine = _with_swap_space(llm)
     monkeypatch.setattr(profile, "profile_path", lambda e: tmp_path / "profile.json")
     monkeypatch.setattr(profile, "watch", _load(0.0))  # caching is what this test checks, not the machine's load
     measured = profile.load_or_measure(engine)
@@ -155,12 +162,8 @@ def _load(share: float):
 
 def test_a_profile_measured_beside_a_busy_job_is_used_but_not_cached(llm, tmp_path, monkeypatch):
     from streamkv.engine import profile
-    from streamkv.kv.host_pool import HostPool
 
-    engine = llm.engine
-    if not engine.kv.host.num_blocks:
-        engine.kv_ops.attach_host(32)
-        engine.kv.host = HostPool(32)
+    engine = _with_swap_space(llm)
     path = tmp_path / "profile.json"
     monkeypatch.setattr(profile, "profile_path", lambda e: path)
     monkeypatch.setattr(profile, "watch", _load(0.7))
@@ -177,12 +180,8 @@ def test_a_corrupt_profile_is_remeasured_and_a_small_pool_still_gets_two_points(
     import json
 
     from streamkv.engine import profile
-    from streamkv.kv.host_pool import HostPool
 
-    engine = llm.engine
-    if not engine.kv.host.num_blocks:
-        engine.kv_ops.attach_host(32)
-        engine.kv.host = HostPool(32)
+    engine = _with_swap_space(llm)
     path = tmp_path / "profile.json"
     monkeypatch.setattr(profile, "profile_path", lambda e: path)
     line = [[1, 0.001], [16, 0.002]]
