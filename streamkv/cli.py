@@ -136,7 +136,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import json
 
     from streamkv.engine.engine import Engine
-    from streamkv.engine.profile import load_or_measure, make_room, profile_path
+    from streamkv.engine.profile import BESIDE_LOAD, load_or_measure, make_room, profile_path
     from streamkv.native.cpu import cpu_model
 
     options = engine_options(args)
@@ -145,8 +145,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if "swap_space" not in options:
         make_room(engine)  # room to time the largest swaps, whatever a block's size
     profile = load_or_measure(engine, remeasure=True, quick=False)
-    path = profile_path(engine)  # not written when other processes kept the CPUs busy meanwhile (logged)
-    report = {"cpu": cpu_model(), "path": str(path), "cached": path.exists(), **profile.to_dict()}
+    report = {"cpu": cpu_model(), "path": str(profile_path(engine)), "cached": profile.source != BESIDE_LOAD,
+              **profile.to_dict()}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0

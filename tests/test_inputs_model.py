@@ -167,9 +167,16 @@ def test_a_profile_measured_beside_a_busy_job_is_used_but_not_cached(llm, tmp_pa
     path = tmp_path / "profile.json"
     monkeypatch.setattr(profile, "profile_path", lambda e: path)
     monkeypatch.setattr(profile, "watch", _load(0.7))
-    assert all(t > 0 for _, t in profile.load_or_measure(engine).prefill) and not path.exists()
+    busy = profile.load_or_measure(engine)
+    assert all(t > 0 for _, t in busy.prefill) and not path.exists() and busy.source == profile.BESIDE_LOAD
     monkeypatch.setattr(profile, "watch", _load(0.02))  # quiet: cached
-    assert all(t > 0 for _, t in profile.load_or_measure(engine).prefill) and path.exists()
+    quiet = profile.load_or_measure(engine)
+    assert all(t > 0 for _, t in quiet.prefill) and path.exists() and quiet.source != profile.BESIDE_LOAD
+    # `streamkv profile` measuring again beside load over an older cached file: says not cached,
+    # and the file keeps the quiet measurement
+    cached = path.read_text()
+    monkeypatch.setattr(profile, "watch", _load(0.7))
+    assert profile.load_or_measure(engine, remeasure=True).source == profile.BESIDE_LOAD and path.read_text() == cached
 
 
 def test_a_corrupt_profile_is_remeasured_and_a_small_pool_still_gets_two_points(llm, tmp_path, monkeypatch):

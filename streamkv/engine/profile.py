@@ -12,6 +12,7 @@ swap and recompute give the same bits, the next start can measure it again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from streamkv.native.contention import BUSY, watch
+from streamkv.native.contention import contended, watch
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.preemption import CostProfile
@@ -32,6 +33,7 @@ FULL = {"prefill": (16, 64, 256, 1024), "swap": (1, 8, 64)}
 QUICK = {"prefill": (16, 256), "swap": (1, 16)}
 _MAX_PREFILL = max(FULL["prefill"] + QUICK["prefill"])  # past these every size fits: one profile
 MAX_SWAP = max(FULL["swap"] + QUICK["swap"])
+BESIDE_LOAD = "measured beside other load, not cached"  # a profile's source when load_or_measure did not cache it
 
 
 def profile_key(engine: Any) -> str:
@@ -115,10 +117,10 @@ def load_or_measure(engine: Any, remeasure: bool = False, quick: bool = True) ->
             log.warning("ignoring an unreadable or corrupt cost profile at %s", path)
     with watch(torch.get_num_threads()) as load:
         profile = measure(engine, QUICK if quick else FULL)
-    if load.others is not None and load.others > BUSY:
+    if contended(load.others):
         log.warning("preemption cost profile measured while other processes took %.0f%% of the CPUs its threads "
                     "need: used now, not cached (the next start measures it again)", 100 * load.others)
-        return profile
+        return dataclasses.replace(profile, source=BESIDE_LOAD)
     try:  # an unwritable cache costs a re-measure at the next start, never this start
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

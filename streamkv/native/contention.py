@@ -133,17 +133,22 @@ def timed_quietly(run: Callable[[], T], one_thread: Callable[[], T] | None, busy
     Beside a busy job a team's calls wait at every barrier for a descheduled thread (the
     scheduler is what gets timed); one thread's calls mostly run between two preemptions."""
     share = _look(watcher, probe_s)
-    if share is not None and share > busy:
+    if contended(share, busy):
         time.sleep(pause_s)
         share = _look(watcher, probe_s)
-    if share is None or share <= busy or one_thread is None:
+    if not contended(share, busy) or one_thread is None:
         with watcher() as w:
             out = run()
-        if w.others is None or w.others <= busy or one_thread is None:
+        if not contended(w.others, busy) or one_thread is None:
             return out, w.others
     with watcher() as w:
         out = one_thread()
     return out, w.others
+
+
+def contended(share: float | None, busy: float = BUSY) -> bool:
+    """Whether a measured share (None: unknown) is above ``busy``."""
+    return share is not None and share > busy
 
 
 def _look(watcher: Callable[[], ContextManager[Watch]], seconds: float) -> float | None:

@@ -62,7 +62,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from streamkv.native.contention import BUSY, timed_quietly, watch
+from streamkv.native.contention import contended, timed_quietly, watch
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def _measured(s: ModelShapes, kinds: list[str], forced: dict[str, str], retune: 
         for kind in (k for k in kinds if k not in have):  # gemm first: the others' dense candidates use it
             choice.timings[kind], share = _watched(lambda: measure(kind, s, {**forced, **choice.paths}))
             choice.source[kind] = "measured"
-            if share is not None and share > BUSY:
+            if contended(share):
                 choice.busy[kind] = round(share, 3)
                 log.warning("kernels: %s measured while other processes took %.0f%% of the CPUs its threads "
                             "need (timed on one thread); the choice may be slow here (`streamkv info --retune` "
