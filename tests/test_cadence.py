@@ -93,6 +93,43 @@ def test_a_row_costs_more_after_a_long_context_and_gets_a_smaller_chunk():
     assert same.stats.row_context_s == 0 and same.stats.row_s == pytest.approx(0.0002)
 
 
+def test_a_chunk_pays_for_reading_its_context_whatever_its_rows():
+    """A chunk reads its whole context once, however few its rows (m per cached token), as a
+    decode row does. Without that term four chunks of 2-48 rows after 2,500-5,300 tokens were
+    priced at a few ms and took 90 ms beside 10 ms decode steps (AMX Xeon, multitenant step
+    log). Steps at several (rows, context) pairs separate c, k and m; a second long-context
+    chunk then waits for the next step, and the step's first chunk still moves."""
+    c_, k_, m_ = 0.0002, 2e-8, 2e-6  # 0.2 ms per row, 0.02 us per row x token, 2 us per cached token
+    c = StepCadence(3.0, min_tokens=4, alpha=1.0)
+    c.observe(decode_rows=4, prompt_rows=0, seconds=0.010)   # d = 10 ms: 20 ms of prompt work a step
+    for n, s in [(100, 0), (8, 5_000), (100, 5_000), (32, 2_000), (4, 3_000), (64, 500)] * 2:
+        c.observe(4, n, 0.010 + chunk_cost(n, s, c_, k_, m_), row_context(n, s), s)
+    assert (c.stats.row_s, c.stats.row_context_s, c.stats.read_s) == pytest.approx((c_, k_, m_), rel=1e-6)
+    allow = c.allowance(2048)
+    assert allow.read_s == pytest.approx(m_) and allow.rows(0, 2048) == c.stats.cap
+    first = allow.rows(5_000, 4)  # 4 bar rows after 5,000 tokens: ~10.8 ms of the 20
+    assert first == 4
+    allow.take(5_000, first)
+    assert allow.rows(5_000, 4) == 0  # a second such chunk would take the step to ~31 ms
+    assert allow.rows(0, 2048) > 0    # a chat prompt's rows still fit what is left
+    lone = StepAllowance(seconds=0.005, row_s=c_, row_context_s=k_, read_s=m_)
+    assert lone.rows(5_000, 4) == 1   # its read alone is over the allowance, but the first chunk moves
+
+
+def test_the_read_term_is_kept_through_steps_that_say_nothing_of_it():
+    """Before any chunk after a cached context, m is 0 and c, k come from the two-term fit;
+    learned, it stays through a long run of chat prompts (chunks after no context)."""
+    c = StepCadence(3.0, min_tokens=4, alpha=1.0, fit_alpha=0.5)
+    c.observe(4, 0, 0.010)
+    c.observe(4, 100, 0.030, row_context(100, 0), 0)
+    assert c.stats.read_s == 0 and c.stats.row_s == pytest.approx(0.0002)
+    for n, s in [(100, 0), (8, 5_000), (100, 5_000), (32, 2_000)] * 2:
+        c.observe(4, n, 0.010 + chunk_cost(n, s, 0.0002, 2e-8, 2e-6), row_context(n, s), s)
+    for n in (50, 100, 200) * 20:
+        c.observe(4, n, 0.010 + chunk_cost(n, 0, 0.0002, 2e-8), row_context(n, 0), 0)
+    assert (c.stats.row_s, c.stats.row_context_s, c.stats.read_s) == pytest.approx((0.0002, 2e-8, 2e-6), rel=1e-3)
+
+
 def test_the_allowance_is_spent_chunk_by_chunk_and_the_first_chunk_always_moves():
     a = StepAllowance(seconds=8.0, row_s=1.0, row_context_s=0.0)
     assert a.rows(0, 5) == 5
@@ -121,10 +158,11 @@ def test_a_factor_of_one_or_less_is_refused(bad):
         StepCadence(bad)
 
 
-@pytest.mark.parametrize("per_context", [0.0, 0.01])
-def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay(per_context):
-    """An allowance of 8 s at 1 s per row (+ ``per_context`` s per row x cached token): with
-    the context term, chunks of the long prompts shrink as their context grows."""
+@pytest.mark.parametrize(("per_context", "read"), [(0.0, 0.0), (0.01, 0.0), (0.0, 0.04)])
+def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay(per_context, read):
+    """An allowance of 8 s at 1 s per row (+ ``per_context`` s per row x cached token, +
+    ``read`` s per cached token a chunk reads): with either context term, chunks of the long
+    prompts shrink as their context grows."""
     rng = random.Random(4)
     short = [[rng.randrange(1, 64) for _ in range(6)] for _ in range(3)]
     long = [[rng.randrange(1, 64) for _ in range(150)] for _ in range(2)]
@@ -146,23 +184,24 @@ def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay(per_context)
     engine, runner = fake_engine(num_blocks=256, budget=64, speculation="none", stall_factor=3.0)
     seen = []
     cadence = engine.scheduler.cadence
-    cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, per_context)  # timing-free
+    cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, per_context, read)  # timing-free
     observe = cadence.observe
-    cadence.observe = lambda d, p, s, a=0.0: (seen.append((d, p, a)), observe(d, p, s, a))
+    cadence.observe = lambda d, p, s, a=0.0, r=0.0: (seen.append((d, p, a, r)), observe(d, p, s, a, r))
     assert run(engine) == want
     mixed, shrunk = 0, 0
-    for plan, (decode, prompt, context) in zip(runner.plans, seen, strict=True):
+    for plan, (decode, prompt, context, reads) in zip(runner.plans, seen, strict=True):
         dec = [it for it in plan.seqs if it.sample and it.start >= it.num_prompt and it.num_tokens == 1]
         chunks = [it for it in plan.seqs if it not in dec]
         assert (decode, prompt) == (len(dec), sum(it.num_tokens for it in chunks))
         assert context == pytest.approx(sum(row_context(it.num_tokens, it.start) for it in chunks))
+        assert reads == sum(it.start for it in chunks)
         if decode and chunks:
             mixed += 1
-            cost = sum(chunk_cost(it.num_tokens, it.start, 1.0, per_context) for it in chunks if it.num_tokens > 1)
+            cost = sum(chunk_cost(it.num_tokens, it.start, 1.0, per_context, read) for it in chunks if it.num_tokens > 1)
             assert cost <= 8.0 + 1e-9 or len(chunks) == 1, [(it.start, it.num_tokens) for it in chunks]
             shrunk += any(it.start >= 100 and 1 < it.num_tokens <= 3 for it in chunks)
     assert mixed > 0 and cadence.stats.capped_steps > 0
-    assert (shrunk > 0) == (per_context > 0)  # 100 cached tokens double a row's cost here
+    assert (shrunk > 0) == (per_context + read > 0)  # 100 cached tokens double a row's cost, or cost 4 s
     # the long prompts alone (nobody decoding) take whole chunks
     assert max(sum(it.num_tokens for it in plan.seqs) for plan in runner.plans) > 8
 
