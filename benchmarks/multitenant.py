@@ -188,7 +188,7 @@ def run_config(name: str, args: argparse.Namespace, rates: list[float], tag: str
                   f"(median gap {row['gap_median_ms']:.0f} ms; engine-side {row['engine_gaps_over_3x']:.0f} of "
                   f"{row['engine_gaps']:.0f} gaps over 3x the median step of {row['engine_step_median_ms']:.0f} ms, "
                   f"p99 {row['engine_gap_p99_x']:.1f}x, worst <= {row['engine_gap_worst_x']:.1f}x), "
-                  f"errors {row['errors']}, "
+                  f"errors {row['errors']}{' ' + str(row['error_kinds']) if row['errors'] else ''}, "
                   f"session pushes/questions refused {row['session_errors']}, preemptions {row['preemptions']:.0f}",
                   flush=True)
         burst = asyncio.run(load.burst(server.url, args.burst, salt=f"[{name} {time.time_ns()}] "))

@@ -10,6 +10,7 @@ Everything here is client side (httpx, asyncio); one phase runs both loads at on
 from __future__ import annotations
 
 import asyncio
+import collections
 import csv
 import datetime as dt
 import json
@@ -117,6 +118,8 @@ async def chat_stream(client: httpx.AsyncClient, url: str, req: Request, t0: flo
                     s.completion_tokens = u.get("completion_tokens", 0)
     except httpx.HTTPError as exc:
         s.error = f"{type(exc).__name__}: {exc}"
+    if s.error is None and not s.stamps:  # a 200 without one content chunk has no TTFT to count
+        s.error = f"no content chunk ({s.completion_tokens} completion tokens in usage)"
     return s
 
 
@@ -215,7 +218,9 @@ def stream_stats(streams: list[Stream], wall: float) -> dict:
     worst = [max(one) for one in per_stream]
     med = statistics.median(gaps) if gaps else float("nan")
     top = max(worst, default=float("nan"))
-    return {"requests": len(streams), "errors": len(streams) - len(ok), "ttft_p50_s": pct(ttft, 50),
+    return {"requests": len(streams), "errors": len(streams) - len(ok),
+            "error_kinds": dict(collections.Counter(s.error[:200] for s in streams if s.error)),
+            "ttft_p50_s": pct(ttft, 50),
             "ttft_p99_s": pct(ttft, 99), "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
             "gap_median_ms": med, "gap_max_ms": top, "gap_worst_p99_ms": pct(worst, 99), "gap_p99_ms": pct(gaps, 99),
             "stall_ratio": top / med if gaps else float("nan"),
