@@ -235,14 +235,16 @@ class Proposing:
         cost more stateless throughput than it bought session latency on the Zen 4 (README,
         "Decode cadence": no run with it sustained 1 req/s, 5 of 7 without it did). A question's
         rows are charged to it but not cut, unless ``question_chunks="capped"`` while a sequence
-        decodes (then a prompt ranked above a question may leave it nothing for a step)."""
+        decodes (then a prompt ranked above a question may leave it nothing for a step). The
+        decoders are priced by what they read (``StepCadence.allowance``)."""
         if self.cadence is None:
             return None
-        decoding = any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0
-                       for s in ranked)
+        decoders = [s for s in ranked
+                    if s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0]
+        decoding = bool(decoders)
         if not decoding and not any(is_question(s) and s.prefilling for s in ranked):
             return None
-        allow = self.cadence.allowance(budget)
+        allow = self.cadence.allowance(budget, len(decoders), sum(s.num_computed for s in decoders))
         if allow is not None:
             allow.questions_whole = not (decoding and self.config.question_chunks == "capped")
         return allow
