@@ -136,35 +136,20 @@ def _decode_s(decoders: int, context: int) -> float:
     return 0.004 + 0.0005 * decoders + 2e-6 * context
 
 
-def test_a_step_beside_dear_decoders_carries_less_prompt_work():
+def test_a_mixed_step_is_fitted_less_its_own_decode_part():
     """The decoders of a step cost what they read: learned from decode-only steps of varied
-    decoders and contexts, the step's own decoders are priced and its prompt allowance is F d
-    less them (at 2 req/s beside 32 sessions the decode part of mixed steps ranged 0.45-2.7x
-    the average decode-only step, AMX Xeon, and F - 1 average steps on top overran F)."""
+    decoders and contexts, a mixed step's own decode part is taken out before its prompt rows
+    are fitted (at 2 req/s beside 32 sessions it ranged 0.45-2.7x the average decode-only step,
+    AMX Xeon). The allowance stays (F - 1) d: pricing the decoders there starved prompts."""
     c = StepCadence(3.0, min_tokens=4, alpha=0.2, fit_alpha=0.2)
     mix = [(1, 300), (2, 600), (4, 900), (2, 5_300), (8, 3_000), (3, 400)]
     for decoders, context in mix * 10:
         c.observe(decoders, 0, _decode_s(decoders, context), decode_context=context)
     st = c.stats
     assert (st.decode_fixed_s, st.decode_row_s, st.decode_context_s) == pytest.approx((0.004, 0.0005, 2e-6), rel=1e-6)
-    c.observe(2, 100, _decode_s(2, 600) + 0.020, row_context(100, 0), 0, 600)  # 0.2 ms per prompt row
+    c.observe(8, 100, _decode_s(8, 9_000) + 0.020, row_context(100, 0), 0, 9_000)  # 0.2 ms per prompt row
     assert st.row_s == pytest.approx(0.0002, rel=1e-6)  # the step's own decode part taken out, not d
-    d = st.decode_step_s
-    light, dear = c.allowance(2048, 1, 300), c.allowance(2048, 8, 9_000)
-    assert light.seconds == pytest.approx(3 * d - _decode_s(1, 300))
-    assert dear.seconds == pytest.approx(3 * d - _decode_s(8, 9_000))
-    assert light.rows(0, 2048) > c.allowance(2048).rows(0, 2048) > dear.rows(0, 2048) > 0
-    # decoders dearer than F d leave the floor: prompts still progress
-    assert c.allowance(2048, 30, 100_000).seconds == pytest.approx(chunk_cost(4, 0, st.row_s, st.row_context_s))
-
-
-def test_without_varied_decoders_the_allowance_is_f_minus_one_average_steps():
-    """Decode-only steps that all look alike cannot price decoders: (F - 1) d, as before."""
-    c = StepCadence(3.0, min_tokens=4, alpha=1.0, fit_alpha=1.0)
-    for _ in range(5):
-        c.observe(4, 0, 0.010)
-    c.observe(4, 100, 0.030, row_context(100, 0))
-    assert c.allowance(2048, 4, 0).seconds == pytest.approx(0.020) == c.allowance(2048).seconds
+    assert c.allowance(2048).seconds == pytest.approx(2 * st.decode_step_s)
 
 
 def test_one_stalled_decode_step_moves_the_average_by_at_most_alpha():

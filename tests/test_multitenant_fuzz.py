@@ -78,7 +78,7 @@ def _engine(seed: int, cfg: dict[str, Any]) -> Engine:
     engine = Engine(config, ModelBundle(runner, FakeTokenizer(), cfg["max_len"], VOCAB, cfg["num_blocks"]))
     if engine.scheduler.cadence is not None:  # timing-free: a random allowance per step
         arng = random.Random(seed * 7 + 1)
-        engine.scheduler.cadence.allowance = lambda budget, *_: StepAllowance(
+        engine.scheduler.cadence.allowance = lambda budget: StepAllowance(
             arng.choice([0.0, 1.0, 3.0, 8.0, 30.0]), 1.0, arng.choice([0.0, 0.01]))
     return engine
 

@@ -546,7 +546,7 @@ def test_the_cell_budget_counts_every_request_it_holds_and_charges_only_those_th
     engine, _ = fake_engine(num_blocks=64, budget=64, chunk=8, admission="cell-budget", stall_factor=3.0,
                             speculation="none", grouped_prefill=False)
     sched = engine.scheduler
-    sched.cadence.allowance = lambda budget, *_: StepAllowance(seconds=8.0, row_s=1.0, row_context_s=0.0)  # 8 rows
+    sched.cadence.allowance = lambda budget: StepAllowance(seconds=8.0, row_s=1.0, row_context_s=0.0)  # 8 rows
     p = lambda m: SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)  # noqa: E731
     engine.add_request("D", [1, 2, 3], p(40))  # a decoder: 43 tokens
     engine.step()

@@ -8,7 +8,7 @@ capped so the step is predicted to take at most F decode-only steps::
     step time  t  ~  dec(D, S)  +  sum over chunks of  cost(n, s)
     dec(D, S)     =  t0 + e * D + g * S          D decoders reading S cached tokens in all
     cost(n, s)    =  c * n  +  k * n * (s + n / 2)  +  m * s     n rows appended after s cached tokens
-    allowance     =  max(F * d - dec(D, S),  cost(min_tokens, 0))   (so prompts always progress)
+    allowance     =  max((F - 1) * d,  cost(min_tokens, 0))   (so prompts always progress)
 
     d: decode-only step (s, an average)   c: s per row (the weights)   k: s per (row x context
     token) (attention)   m: s per cached token a chunk reads once, whatever its rows (its KV, as
@@ -26,14 +26,14 @@ decode steps while the two-term model priced them at a few ms (a step log of
 
 The decoders a step carries cost what they read, too: at 2 stateless req/s beside 32 sessions
 the decode part of a mixed step ranged 0.45-2.7x the average decode-only step (p10-p99, the same
-step log), so ``F - 1`` average steps of prompt work on top of a dear decode part overran F
-steps. ``dec`` is fitted on the decode-only steps and the step's own decoders are priced, so a
-step carries less prompt work beside a session answering from 5,000 tokens and more beside a
-few short chats. ``d`` is an exponential average of decode-only steps (and the allowance is
-``(F - 1) d`` until ``dec`` is known, or for a step without decoders, where a question waits);
-``c``, ``k`` and ``m`` an exponentially weighted least-squares fit of the mixed steps less their
-decode part (three features: rows, row x context, chunk context), so the cap follows the
-machine, the model and the batch. Chunk sizes then depend on
+step log). ``dec`` is fitted on the decode-only steps, and each mixed step's own decode part is
+taken out before its prompt work is fitted (d was, the average). The allowance does not price
+the step's decoders: ``F d - dec(D, S)`` starved prompts at 2 req/s (decode-only steps, rare
+there, are the cheap ones, so most steps got the floor: the queue grew, TTFT p99 1.8-12 s
+against 0.4-0.5 s, 2026-12-06). ``d`` is an exponential average of decode-only steps; ``c``,
+``k`` and ``m`` an exponentially weighted least-squares fit of the mixed steps less their decode
+part (three features: rows, row x context, chunk context), so the cap follows the machine, the
+model and the batch. Chunk sizes then depend on
 timing; outputs do not (with ``numerics=invariant`` a chunk boundary never changes a bit). The
 price is prefill throughput: small chunks run below the GEMMs' best rate and prompts wait longer
 for their first token, which ``benchmarks/multitenant.py`` measures. Off by default.
@@ -157,23 +157,18 @@ class StepCadence:
             return self._dec.predict(decoders, context)
         return self._d if self._d is not None else 0.0
 
-    def allowance(self, budget: int, decoders: int = 0, decode_context: float = 0.0) -> StepAllowance | None:
+    def allowance(self, budget: int) -> StepAllowance | None:
         """Prompt work a step a decoder or a question waits on may carry (None until the row
-        costs are known): ``F d`` less the step's own ``decoders`` (reading ``decode_context``
-        cached tokens in all) once those can be priced, else ``(F - 1) d``. Before any step with
-        decoders has been seen, the floor chunk's cost (``min_tokens`` rows after no context)
-        stands for ``d``, so the first step beside a decoder is capped too: it ran a whole chunk
-        (a 1,012-row chat prompt beside the first decoder: 1,055 ms, 16.8x the median step, Zen 4)."""
+        costs are known). Before any step with decoders has been seen, the floor chunk's cost
+        (``min_tokens`` rows after no context) stands for ``d``, so the first step beside a
+        decoder is capped too: it ran a whole chunk (a 1,012-row chat prompt beside the first
+        decoder: 1,055 ms, 16.8x the median step, Zen 4)."""
         fit = self._fit
         if not fit.known:
             return None
         floor = chunk_cost(self.min_tokens, 0, fit.c, fit.k)
         d = self._d if self._d is not None else floor
-        if decoders and self._dec.known and self._d is not None:
-            seconds = self.factor * d - self._dec.predict(decoders, decode_context)
-        else:
-            seconds = (self.factor - 1.0) * d
-        allow = StepAllowance(max(seconds, floor), fit.c, fit.k, fit.m)
+        allow = StepAllowance(max((self.factor - 1.0) * d, floor), fit.c, fit.k, fit.m)
         self.stats.cap = min(budget, allow.rows(0, budget))
         return allow
 

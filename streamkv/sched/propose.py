@@ -235,16 +235,14 @@ class Proposing:
         cost more stateless throughput than it bought session latency on the Zen 4 (README,
         "Decode cadence": no run with it sustained 1 req/s, 5 of 7 without it did). A question's
         rows are charged to it but not cut, unless ``question_chunks="capped"`` while a sequence
-        decodes (then a prompt ranked above a question may leave it nothing for a step). The
-        decoders are priced by what they read (``StepCadence.allowance``)."""
+        decodes (then a prompt ranked above a question may leave it nothing for a step)."""
         if self.cadence is None:
             return None
-        decoders = [s for s in ranked
-                    if s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0]
-        decoding = bool(decoders)
+        decoding = any(s.status is SeqStatus.RUNNING and s.samples and s.remaining == 1 and s.num_output > 0
+                       for s in ranked)
         if not decoding and not any(is_question(s) and s.prefilling for s in ranked):
             return None
-        allow = self.cadence.allowance(budget, len(decoders), sum(s.num_computed for s in decoders))
+        allow = self.cadence.allowance(budget)
         if allow is not None:
             allow.questions_whole = not (decoding and self.config.question_chunks == "capped")
         return allow
