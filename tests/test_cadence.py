@@ -130,42 +130,6 @@ def test_the_read_term_is_kept_through_steps_that_say_nothing_of_it():
     assert (c.stats.row_s, c.stats.row_context_s, c.stats.read_s) == pytest.approx((0.0002, 2e-8, 2e-6), rel=1e-3)
 
 
-def _decode_s(decoders: int, context: int) -> float:
-    """A decode-only step of ``decoders`` reading ``context`` cached tokens in all: 4 ms + 0.5 ms
-    per decoder + 2 us per cached token."""
-    return 0.004 + 0.0005 * decoders + 2e-6 * context
-
-
-def test_a_mixed_step_is_fitted_less_its_own_decode_part():
-    """The decoders of a step cost what they read: learned from decode-only steps of varied
-    decoders and contexts, a mixed step's own decode part is taken out before its prompt rows
-    are fitted (at 2 req/s beside 32 sessions it ranged 0.45-2.7x the average decode-only step,
-    AMX Xeon). The allowance stays (F - 1) d: pricing the decoders there starved prompts."""
-    c = StepCadence(3.0, min_tokens=4, alpha=0.2, fit_alpha=0.2)
-    mix = [(1, 300), (2, 600), (4, 900), (2, 5_300), (8, 3_000), (3, 400)]
-    for decoders, context in mix * 10:
-        c.observe(decoders, 0, _decode_s(decoders, context), decode_context=context)
-    st = c.stats
-    assert (st.decode_fixed_s, st.decode_row_s, st.decode_context_s) == pytest.approx((0.004, 0.0005, 2e-6), rel=1e-6)
-    c.observe(8, 100, _decode_s(8, 9_000) + 0.020, row_context(100, 0), 0, 9_000)  # 0.2 ms per prompt row
-    assert st.row_s == pytest.approx(0.0002, rel=1e-6)  # the step's own decode part taken out, not d
-    assert c.allowance(2048).seconds == pytest.approx(2 * st.decode_step_s)
-
-
-def test_one_stalled_decode_step_moves_the_average_by_at_most_alpha():
-    """A decode-only step the VM stalled (154 ms beside 15 ms ones, AMX Xeon) counts as twice
-    the average: d went to 44 ms and the next step carried 372 prompt rows. A lasting change
-    still gets through, alpha a step."""
-    c = StepCadence(3.0, alpha=0.2)
-    for _ in range(20):
-        c.observe(5, 0, 0.015)
-    c.observe(5, 0, 0.154)
-    assert c.stats.decode_step_s == pytest.approx(0.015 * 1.2)
-    for _ in range(30):
-        c.observe(5, 0, 0.060)
-    assert c.stats.decode_step_s == pytest.approx(0.060, rel=1e-2)
-
-
 def test_the_allowance_is_spent_chunk_by_chunk_and_the_first_chunk_always_moves():
     a = StepAllowance(seconds=8.0, row_s=1.0, row_context_s=0.0)
     assert a.rows(0, 5) == 5
@@ -220,9 +184,9 @@ def test_steps_with_decoders_carry_at_most_the_cap_and_outputs_stay(per_context,
     engine, runner = fake_engine(num_blocks=256, budget=64, speculation="none", stall_factor=3.0)
     seen = []
     cadence = engine.scheduler.cadence
-    cadence.allowance = lambda budget, *_: StepAllowance(8.0, 1.0, per_context, read)  # timing-free
+    cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, per_context, read)  # timing-free
     observe = cadence.observe
-    cadence.observe = lambda d, p, s, a=0.0, r=0.0, dc=0.0: (seen.append((d, p, a, r)), observe(d, p, s, a, r, dc))
+    cadence.observe = lambda d, p, s, a=0.0, r=0.0: (seen.append((d, p, a, r)), observe(d, p, s, a, r))
     assert run(engine) == want
     mixed, shrunk = 0, 0
     for plan, (decode, prompt, context, reads) in zip(runner.plans, seen, strict=True):
@@ -273,7 +237,7 @@ def test_a_question_beside_decoders_is_charged_whole_or_cut_as_configured(questi
     *_, want = run(*fake_engine(num_blocks=256, budget=64, speculation="none"))
     engine, runner = fake_engine(num_blocks=256, budget=64, speculation="none", stall_factor=3.0,
                                  question_chunks=question_chunks)
-    engine.scheduler.cadence.allowance = lambda budget, *_: StepAllowance(8.0, 1.0, 0.0)  # timing-free
+    engine.scheduler.cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, 0.0)  # timing-free
     rows, q, c, got = run(engine, runner)
     assert got == want
     question = [r[q] for r in rows if r.get(q, 0) > 1]
@@ -323,7 +287,7 @@ def test_a_step_someone_waits_on_caps_its_prompts_when_nothing_decodes(beside):
 
     _, want = run(*fake_engine(num_blocks=256, budget=128, speculation="none"))
     engine, runner = fake_engine(num_blocks=256, budget=128, speculation="none", stall_factor=3.0)
-    engine.scheduler.cadence.allowance = lambda budget, *_: StepAllowance(8.0, 1.0, 0.0)  # timing-free
+    engine.scheduler.cadence.allowance = lambda budget: StepAllowance(8.0, 1.0, 0.0)  # timing-free
     first, got = run(engine, runner)
     assert got == want
     # the question whole and the chat prompt nothing; the whole chunk beside an idle session or nothing

@@ -5,14 +5,12 @@ every decoding sequence waits for it. With ``stall_factor`` F, while any sequenc
 question prefills (``Proposing._allowance`` in ``propose.py``), the step's prompt chunks are
 capped so the step is predicted to take at most F decode-only steps::
 
-    step time  t  ~  dec(D, S)  +  sum over chunks of  cost(n, s)
-    dec(D, S)     =  t0 + e * D + g * S          D decoders reading S cached tokens in all
+    step time  t  ~  d  +  sum over chunks of  cost(n, s)
     cost(n, s)    =  c * n  +  k * n * (s + n / 2)  +  m * s     n rows appended after s cached tokens
     allowance     =  max((F - 1) * d,  cost(min_tokens, 0))   (so prompts always progress)
 
-    d: decode-only step (s, an average)   c: s per row (the weights)   k: s per (row x context
-    token) (attention)   m: s per cached token a chunk reads once, whatever its rows (its KV, as
-    a decode row reads it)
+    d: decode-only step (s)   c: s per row (the weights)   k: s per (row x context token) (attention)
+    m: s per cached token a chunk reads once, whatever its rows (its KV, as a decode row reads it)
 
 A row's cost grows with the context it attends to: on the AVX2-only EPYC (float32, SmolLM2-135M)
 a 32-row chunk costs 2.0 ms per row after 0 cached tokens and 7.6 ms per row after 6,144
@@ -24,16 +22,9 @@ after 2,500-5,300 tokens (a question and three sessions' bars) made one 90 ms st
 decode steps while the two-term model priced them at a few ms (a step log of
 ``benchmarks/multitenant.py --configs cadence``, 2026-12-06).
 
-The decoders a step carries cost what they read, too: at 2 stateless req/s beside 32 sessions
-the decode part of a mixed step ranged 0.45-2.7x the average decode-only step (p10-p99, the same
-step log). ``dec`` is fitted on the decode-only steps, and each mixed step's own decode part is
-taken out before its prompt work is fitted (d was, the average). The allowance does not price
-the step's decoders: ``F d - dec(D, S)`` starved prompts at 2 req/s (decode-only steps, rare
-there, are the cheap ones, so most steps got the floor: the queue grew, TTFT p99 1.8-12 s
-against 0.4-0.5 s, 2026-12-06). ``d`` is an exponential average of decode-only steps; ``c``,
-``k`` and ``m`` an exponentially weighted least-squares fit of the mixed steps less their decode
-part (three features: rows, row x context, chunk context), so the cap follows the machine, the
-model and the batch. Chunk sizes then depend on
+``d`` is an exponential average of decode-only steps; ``c``, ``k`` and ``m`` an exponentially
+weighted least-squares fit of the mixed steps (three features: rows, row x context, chunk
+context), so the cap follows the machine, the model and the batch. Chunk sizes then depend on
 timing; outputs do not (with ``numerics=invariant`` a chunk boundary never changes a bit). The
 price is prefill throughput: small chunks run below the GEMMs' best rate and prompts wait longer
 for their first token, which ``benchmarks/multitenant.py`` measures. Off by default.
@@ -52,9 +43,6 @@ class CadenceStats:
     row_s: float = 0.0        # learned seconds per prompt row (c)
     row_context_s: float = 0.0  # learned seconds per (row x cached token it attends to) (k)
     read_s: float = 0.0       # learned seconds per cached token a chunk reads once (m)
-    decode_fixed_s: float = 0.0     # learned decode-only step: fixed seconds (t0),
-    decode_row_s: float = 0.0       # seconds per decoder (e)
-    decode_context_s: float = 0.0   # and per cached token the decoders read (g)
 
 
 def row_context(n: int, start: int) -> float:
@@ -111,27 +99,18 @@ class StepCadence:
         self.stats = CadenceStats()
         self._d: float | None = None  # decode-only step time
         self._fit = _CostFit()
-        self._dec = _DecodeFit()
 
     def _avg(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
 
     def observe(self, decode_rows: int, prompt_rows: int, seconds: float, context: float = 0.0,
-                reads: float = 0.0, decode_context: float = 0.0) -> None:
+                reads: float = 0.0) -> None:
         """One executed step: its decode rows (one token each), prompt rows, their ``context``
         (sum of :func:`row_context` over its chunks), ``reads`` (sum of the chunks' cached
-        tokens), ``decode_context`` (sum of the decoders' cached tokens) and wall time."""
+        tokens) and wall time."""
         if prompt_rows == 0:
             if decode_rows:
-                # a step the VM stalled counts as at most twice what was expected: one 5-decoder
-                # step of 154 ms beside 15 ms ones took d to 44 ms, and the next step carried 372
-                # prompt rows (AMX Xeon); a lasting change still moves d by up to alpha a step
-                d = seconds if self._d is None else min(seconds, 2.0 * self._d)
-                self._d = self.stats.decode_step_s = self._avg(self._d, d)
-                y = min(seconds, 2.0 * self._dec.predict(decode_rows, decode_context)) if self._dec.known else seconds
-                self._dec.add(decode_rows, decode_context, y, self.fit_alpha)
-                st = self.stats
-                st.decode_fixed_s, st.decode_row_s, st.decode_context_s = self._dec.t0, self._dec.e, self._dec.g
+                self._d = self.stats.decode_step_s = self._avg(self._d, seconds)
             return
         if decode_rows and self._d is None and self._fit.known:
             # every step so far carried prompt rows (steady arrivals): the decode part of this
@@ -146,16 +125,9 @@ class StepCadence:
             return
         # a step without decoders still has the fixed cost: charging it to the rows errs on the
         # side of smaller chunks until a mixed step corrects it
-        base = self._decode_part(decode_rows, decode_context) if decode_rows else 0.0
+        base = self._d if decode_rows and self._d is not None else 0.0
         self._fit.add(prompt_rows, context, reads, max(seconds - base, 0.0), self.fit_alpha)
         self.stats.row_s, self.stats.row_context_s, self.stats.read_s = self._fit.c, self._fit.k, self._fit.m
-
-    def _decode_part(self, decoders: int, context: float) -> float:
-        """Predicted seconds of a step's ``decoders`` reading ``context`` cached tokens in all
-        (the average decode-only step until the decode fit is known; 0 before any)."""
-        if self._dec.known:
-            return self._dec.predict(decoders, context)
-        return self._d if self._d is not None else 0.0
 
     def allowance(self, budget: int) -> StepAllowance | None:
         """Prompt work a step a decoder or a question waits on may carry (None until the row
@@ -215,31 +187,6 @@ class _CostFit:
         scale = (py + r * ay) / den if den > 0 else 0.0
         self.c, self.k = max(scale, 0.0), max(scale, 0.0) * r
         self.known = self.c > 0
-
-
-class _DecodeFit:
-    """Exponentially weighted least squares of a decode-only step, ``y ~ t0 + e * D + g * S``
-    (all >= 0): D decoders reading S cached tokens in all. Known once the steps seen separate
-    the three (decoder counts and contexts that vary); a fit with a negative term is skipped."""
-
-    def __init__(self) -> None:
-        self.s = [0.0] * 9  # decayed sums: 11, 1D, 1S, DD, DS, SS, 1y, Dy, Sy
-        self.t0 = self.e = self.g = 0.0
-        self.known = False
-
-    def add(self, decoders: float, context: float, y: float, alpha: float) -> None:
-        keep = 1.0 - alpha
-        self.s = [keep * v for v in self.s]
-        for i, v in enumerate((1.0, decoders, context, decoders * decoders, decoders * context,
-                               context * context, y, decoders * y, context * y)):
-            self.s[i] += v
-        n, nd, ns, dd, ds, ss, ny, dy, sy = self.s
-        fit = _solve3(((n, nd, ns), (nd, dd, ds), (ns, ds, ss)), (ny, dy, sy))
-        if fit is not None and min(fit) >= 0:
-            (self.t0, self.e, self.g), self.known = fit, True
-
-    def predict(self, decoders: float, context: float) -> float:
-        return self.t0 + self.e * decoders + self.g * context
 
 
 def _solve3(g: tuple[tuple[float, float, float], ...], b: tuple[float, float, float]) -> tuple[float, float, float] | None:

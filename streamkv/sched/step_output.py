@@ -41,10 +41,8 @@ class StepUpdates:
         if self.cadence is None:
             return
         chunks = [(it.num_tokens, it.start) for it in plan.seqs if not _decodes(it)]
-        decode_context = sum(it.start for it in plan.seqs if _decodes(it))
         self.cadence.observe(len(plan.seqs) - len(chunks), sum(n for n, _ in chunks), seconds,
-                             sum(row_context(n, start) for n, start in chunks), sum(start for _, start in chunks),
-                             decode_context)
+                             sum(row_context(n, start) for n, start in chunks), sum(start for _, start in chunks))
 
     def _enter_layout(self, seq: Sequence, item: ScheduledSeq, output: StepOutput) -> None:
         """The write policy's point is reached: from now on the sequence holds its layout's
