@@ -187,18 +187,25 @@ class SnapStreamPolicy(WritePolicy):
     def scores(self, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         """SnapKV scores [kv_heads, L - observation] of the keys before the observed rows.
 
-        The arithmetic follows kvpress's ``SnapKVPress`` op for op (same shapes into the same
-        torch calls), so with ``pooling="avg"`` the scores are its bits, not just its ranking.
+        The arithmetic is kvpress's ``SnapKVPress``'s (the same shapes into the same matmul and
+        softmax), so with ``pooling="avg"`` the scores are its bits, not just its ranking. Where
+        kvpress adds a full [H, obs, L] causal mask, zeros everywhere but the last ``obs``
+        columns, the mask is added to those columns only (x + 0 is x), and the products are
+        scaled in place: the same bits, without three passes over the [H, obs, L] scores.
         """
         obs, heads, dim = q.shape
         length, kvh, _ = keys.shape
         group = heads // kvh
         qs = q.float().transpose(0, 1)[None]                                           # [1, H, obs, D]
-        ks = keys.float().permute(1, 0, 2)[:, None].expand(kvh, group, length, dim).reshape(1, heads, length, dim)
-        attn = torch.matmul(qs, ks.transpose(2, 3))                                    # [1, H, obs, L]
-        attn = attn / math.sqrt(dim) if abs(scale * math.sqrt(dim) - 1) < 1e-9 else attn * scale
-        mask = torch.triu(torch.full_like(attn, float("-inf")), diagonal=length - obs + 1)
-        attn = torch.softmax(attn + mask, dim=-1, dtype=torch.float32)[..., :-obs]
+        ks = torch.empty(kvh, group, length, dim)                                      # keys per query head
+        ks.copy_(keys.permute(1, 0, 2)[:, None].expand(kvh, group, length, dim))
+        attn = torch.matmul(qs, ks.view(1, heads, length, dim).transpose(2, 3))       # [1, H, obs, L]
+        if abs(scale * math.sqrt(dim) - 1) < 1e-9:
+            attn.div_(math.sqrt(dim))
+        else:
+            attn.mul_(scale)
+        attn[..., length - obs:].add_(torch.triu(torch.full((obs, obs), float("-inf")), diagonal=1))  # causal
+        attn = torch.softmax(attn, dim=-1, dtype=torch.float32)[..., :-obs]
         scores = attn.mean(dim=-2)
         pad = self.pool_kernel // 2
         if self.pooling == "avg":

@@ -8,7 +8,7 @@ For a plan item with ``write`` (see :class:`streamkv.sched.plan.ScheduledSeq`)::
                                                                           rewrites the same rows)
     step reaching L:  picks = policy.select(q_obs[l], keys[l]) per layer
                       rows  = sinks | picks | last W      [layers, R, kv_heads] source tokens
-                      table [ prompt blocks ............ | R-row blocks ]  <- gather per (layer, head)
+                      table [ prompt blocks ............ | R-row blocks ]  <- those rows' slots, per (layer, head)
 
 The scheduler then drops the prompt blocks from the table (``KVManager.compact``).
 """
@@ -66,16 +66,20 @@ class Compressor:
         src = span_slots(item.block_table, point, bs, self.cache.k.device)
         first = -(-point // bs)
         dst = span_slots(item.block_table[first:], policy.capacity, bs, self.cache.k.device)
-        keys = self.cache.k.index_select(1, src)                      # [layers, L, kv_heads, D]
-        layers, _, kvh, dim = keys.shape
+        layers, _, kvh, dim = self.cache.k.shape
         if policy.budget and policy.moves(item.num_prompt):
             q = self._observed.pop(item.seq_id)
-            picks = torch.stack([policy.select(q[layer], keys[layer], self.scale) for layer in range(layers)])
+            picks = torch.stack([policy.select(q[layer], self.cache.k[layer].index_select(0, src), self.scale)
+                                 for layer in range(layers)])
         else:  # no middle, or all of it (the prompt fits)
             middle = torch.arange(policy.sink_tokens, policy.sink_tokens + policy.budget)
             picks = middle.view(1, 1, -1).expand(layers, kvh, -1)
-        rows = policy.rows(picks, point)[..., None].expand(-1, -1, -1, dim)  # [layers, R, kv_heads, D]
-        self.cache.k.index_copy_(1, dst, keys.gather(1, rows))
-        self.cache.v.index_copy_(1, dst, self.cache.v.index_select(1, src).gather(1, rows))
+        # kept row r of (layer l, head h) is token rows[l, r, h], in slot src[that]: only those rows
+        # are read, as rows of the cache viewed [layers * slots * kv_heads, D]
+        slots = self.cache.k.shape[1]
+        at = ((torch.arange(layers)[:, None, None] * slots + src[policy.rows(picks, point)]) * kvh
+              + torch.arange(kvh)[None, None, :]).flatten()
+        for c in (self.cache.k, self.cache.v):
+            c.index_copy_(1, dst, c.view(-1, dim).index_select(0, at).view(layers, -1, kvh, dim))
         self.cache.written(dst)
         return time.perf_counter() - t0
