@@ -246,7 +246,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        from streamkv.native.tuning import parse_kernels
+        from streamkv.native.choice import parse_kernels
 
         parse_kernels(self.kernels)  # ValueError naming the problem
         if self.numerics not in ("invariant", "fast"):

@@ -107,7 +107,8 @@ def test_a_remembered_deq_keeps_the_dense_bits_in_a_build_without_it(tmp_path, m
     measured) read linear=deq as an unknown preference, dropped the near-tie rule and took q4 (5%
     faster, bits of its own: other outputs). deq is dense's bits, so dense stays."""
     import streamkv.native.kernel_bench as kernel_bench
-    from streamkv.native.tuning import KernelChoice, _cache_dir, _cache_key, _write, choose
+    from streamkv.native.choice import KernelChoice, write
+    from streamkv.native.tuning import _cache_dir, _cache_key, choose
 
     monkeypatch.setenv("STREAMKV_CACHE_DIR", str(tmp_path))
     shapes = ModelShapes(64, 128, 4, 2, 16, 384, 2, "invariant", True, True, False)
@@ -120,8 +121,8 @@ def test_a_remembered_deq_keeps_the_dense_bits_in_a_build_without_it(tmp_path, m
     monkeypatch.setattr(kernel_bench, "measure", measure)
     last = _cache_dir() / f"last-{_cache_key(shapes, {}, build=False)}.json"
     last.parent.mkdir(parents=True)
-    _write(last, KernelChoice({"linear": "deq"}, {"linear": {p: dict.fromkeys(rows, 1.0) for p in ("q4", "dense", "deq")}},
-                              rows={"linear": 8}))
+    write(last, KernelChoice({"linear": "deq"}, {"linear": {p: dict.fromkeys(rows, 1.0) for p in ("q4", "dense", "deq")}},
+                             rows={"linear": 8}))
     assert choose(shapes, {}).paths["linear"] == "dense"
 
 

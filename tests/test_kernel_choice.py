@@ -15,8 +15,9 @@ from streamkv import LLM, SamplingParams
 from streamkv.cli import main as cli_main
 from streamkv.config import RuntimeConfig
 from streamkv.native import invariant_gemm
+from streamkv.native.choice import parse_kernels
 from streamkv.native.tuning import (ALL_ROWS, EXACT_PACKED, KINDS, SWITCHED, ModelShapes, choose, crossover, is_exact,
-                                    parse_kernels, pick, pick_switched, runnable)
+                                    pick, pick_switched, runnable)
 from tests.tiny_checkpoints import Q4_LINEARS, make_tiny_gguf, make_tiny_hf_checkpoint
 
 pytestmark = pytest.mark.skipif(invariant_gemm() is None, reason="no C compiler: the native kernels are not built")

@@ -15,7 +15,8 @@ from streamkv.loading.checkpoint import LoadedCheckpoint
 from streamkv.loading.gguf_file import GGUFFile
 from streamkv.loading.q4_blocks import quant_summary
 from streamkv.native.cpu import usable_cores
-from streamkv.native.tuning import KernelChoice, ModelShapes, choose, parse_kernels
+from streamkv.native.choice import KernelChoice, ModelShapes, parse_kernels
+from streamkv.native.tuning import choose
 from streamkv.models.linear import KernelOptions
 from streamkv.models.registry import model_class
 from streamkv.runner.model_runner import ModelRunner

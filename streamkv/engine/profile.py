@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from streamkv.native.contention import contended, watch
+from streamkv.native.cpu import cache_dir
 from streamkv.sampling.params import SamplingParams
 from streamkv.sched.plan import ScheduledSeq, StepPlan
 from streamkv.sched.preemption import CostProfile
@@ -104,8 +105,7 @@ def _kv_cache(engine: Any) -> tuple[str, str]:
 
 
 def profile_path(engine: Any) -> Path:
-    root = os.environ.get("STREAMKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "streamkv")
-    return Path(root) / "profiles" / f"{profile_key(engine)}.json"
+    return cache_dir("profiles") / f"{profile_key(engine)}.json"
 
 
 def load_or_measure(engine: Any, remeasure: bool = False, quick: bool = True) -> CostProfile:

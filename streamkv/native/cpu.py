@@ -4,9 +4,17 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from pathlib import Path
 
 VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vbmi", "avx512_bf16", "avx512_vnni", "amx_tile",
                 "amx_bf16", "amx_int8")
+
+
+def cache_dir(kind: str) -> Path:
+    """Where this machine's builds and measurements of ``kind`` live (``native``, ``kernels``,
+    ``profiles``): ``$STREAMKV_CACHE_DIR/kind``, by default ``~/.cache/streamkv/kind``."""
+    root = os.environ.get("STREAMKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "streamkv")
+    return Path(root) / kind
 
 
 @functools.lru_cache(maxsize=1)

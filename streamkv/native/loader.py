@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads libgomp.so.1 first: the library links that one, so its threads are torch's)
 
-from streamkv.native.cpu import cpu_flags, cpu_model, usable_cores
+from streamkv.native.cpu import cache_dir, cpu_flags, cpu_model, usable_cores
 from streamkv.native.signatures import declare
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,7 @@ _EXACT_FLAGS = [*_COMMON, "-fno-fast-math", "-ffp-contract=off"]
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("STREAMKV_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "streamkv")
-    return Path(root) / "native"
+    return cache_dir("native")
 
 
 def _compiler() -> str | None:
