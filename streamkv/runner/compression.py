@@ -66,20 +66,27 @@ class Compressor:
         src = span_slots(item.block_table, point, bs, self.cache.k.device)
         first = -(-point // bs)
         dst = span_slots(item.block_table[first:], policy.capacity, bs, self.cache.k.device)
-        layers, _, kvh, dim = self.cache.k.shape
+        layers, slots, kvh, dim = self.cache.k.shape
         if policy.budget and policy.moves(item.num_prompt):
             q = self._observed.pop(item.seq_id)
-            picks = torch.stack([policy.select(q[layer], self.cache.k[layer].index_select(0, src), self.scale)
-                                 for layer in range(layers)])
+            # each layer's prompt keys gathered head-major ([kv_heads, L, D], read back as [L, kv_heads, D]):
+            # the policy expands each kv head to its query heads from contiguous rows
+            heads = (src[None, :] * kvh + torch.arange(kvh)[:, None]).flatten()
+            picks = torch.stack([policy.select(q[layer], self._keys(layer, heads), self.scale) for layer in range(layers)])
         else:  # no middle, or all of it (the prompt fits)
             middle = torch.arange(policy.sink_tokens, policy.sink_tokens + policy.budget)
             picks = middle.view(1, 1, -1).expand(layers, kvh, -1)
         # kept row r of (layer l, head h) is token rows[l, r, h], in slot src[that]: only those rows
         # are read, as rows of the cache viewed [layers * slots * kv_heads, D]
-        slots = self.cache.k.shape[1]
         at = ((torch.arange(layers)[:, None, None] * slots + src[policy.rows(picks, point)]) * kvh
               + torch.arange(kvh)[None, None, :]).flatten()
         for c in (self.cache.k, self.cache.v):
             c.index_copy_(1, dst, c.view(-1, dim).index_select(0, at).view(layers, -1, kvh, dim))
         self.cache.written(dst)
         return time.perf_counter() - t0
+
+    def _keys(self, layer: int, heads: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s keys at rows ``heads`` (slot * kv_heads + head, head-major) of its
+        cache viewed [slots * kv_heads, D]: [L, kv_heads, D], a view of [kv_heads, L, D]."""
+        kvh, dim = self.cache.k.shape[2:]
+        return self.cache.k[layer].view(-1, dim).index_select(0, heads).view(kvh, -1, dim).permute(1, 0, 2)
