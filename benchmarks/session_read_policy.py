@@ -2,6 +2,7 @@
 agreement with the exact session, on the embedded model.
 
     .venv/bin/python benchmarks/session_read_policy.py [--questions 8] [--budgets 256,512,1024]
+        [--dtype float32] [--parts latency,forks,agreement]
 
 Two parts, each printing the CPU (model, vector flags):
 
@@ -49,38 +50,51 @@ def _ask(engine, sid: str, rid: str, question: str, params: SamplingParams):
     return engine.run_to_completion([rid])[rid]
 
 
-def latency(n: int) -> list[list]:
+def _timed(engine, sid: str, rid: str, question: str, params: SamplingParams):
+    """(the answer, seconds to its first token, seconds to its end), stepping the engine here."""
+    t, t_first, out = time.perf_counter(), None, None
+    engine.sessions.query(sid, rid, question, params)
+    while out is None:
+        for o in engine.step():
+            if o.request_id == rid and t_first is None and o.token_ids:
+                t_first = time.perf_counter() - t
+            out = o if o.request_id == rid and o.finished else out
+    return out, t_first, time.perf_counter() - t
+
+
+def latency(n: int, dtype: str) -> list[list]:
     records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(400)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     questions = [f"Across every sensor listed above, what was the reading of sensor {j % 7} at t={j * 40 + 3}, "
                  "and which was largest?" for j in range(n + 2)]
-    engines = {chunk: LLM(dtype="float32", max_chunk_tokens=chunk).engine for chunk in (None, 5)}
+    engines = {chunk: LLM(dtype=dtype, max_chunk_tokens=chunk).engine for chunk in (None, 5)}
     rows = []
     for label, policy in [("exact", None), ("quest(1024), rescore false", {**QUEST, "rescore": False}),
                           ("quest(1024), rescore true", {**QUEST, "rescore": True})]:
-        answers, times, ctx = {}, [], 0
+        answers, firsts, times, ctx = {}, [], [], 0
         for chunk, engine in engines.items():
             s = _session(engine, records, policy, "Answer from the data.")
             ctx = s.data.snapshot_len()
             for j, q in enumerate(questions):
-                t = time.perf_counter()
-                out = _ask(engine, s.id, f"q{j}", q, params)
+                out, first, total = _timed(engine, s.id, f"q{j}", q, params)
                 if chunk is None and j >= 2:  # two warm-up questions
-                    times.append(time.perf_counter() - t)
+                    firsts.append(first)
+                    times.append(total)
                 answers.setdefault(j, []).append((out.token_ids, [lp.logprob for lp in out.logprobs]))
             engine.sessions.delete(s.id)
         same = sum(a[0] == a[1] for a in answers.values())
-        rows.append([label, ctx, f"{statistics.median(times):.3f}", f"{same}/{len(answers)}"])
+        rows.append([label, ctx, f"{statistics.median(firsts):.3f}", f"{statistics.median(times):.3f}",
+                     f"{same}/{len(answers)}"])
     return rows
 
 
-def forks(n: int) -> list[list]:
+def forks(n: int, dtype: str) -> list[list]:
     """Median first-token and total seconds of quest(1024) questions that fork the session's
     ready fork (its scaffold prefix computed ahead) or, that closed, the stream (the prefix is
     computed exactly with the question); the answers must be equal."""
     records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(400)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
-    engine = LLM(dtype="float32").engine
+    engine = LLM(dtype=dtype).engine
     s = _session(engine, records, {**QUEST, "rescore": False}, "Answer from the data.")
     rows, answers = [], {}
     for fork in ("ready", "stream"):
@@ -95,30 +109,24 @@ def forks(n: int) -> list[list]:
             if fork == "stream":
                 engine.sessions.ready_forks.close(s)
             assert (s.ready is not None) == (fork == "ready"), fork
-            rid, t, t_first, out = f"{fork}{j}", time.perf_counter(), None, None
-            engine.sessions.query(s.id, rid, q, params)
-            while out is None:
-                for o in engine.step():
-                    if o.request_id == rid and t_first is None and o.token_ids:
-                        t_first = time.perf_counter() - t
-                    out = o if o.request_id == rid and o.finished else out
+            out, t_first, t_total = _timed(engine, s.id, f"{fork}{j}", q, params)
             if j >= 2:
                 first.append(t_first)
-                total.append(time.perf_counter() - t)
+                total.append(t_total)
             answers.setdefault(j, []).append(out.token_ids)
         rows.append([fork, s.data.snapshot_len(), f"{statistics.median(first):.3f}", f"{statistics.median(total):.3f}"])
     same = sum(a[0] == a[1] for a in answers.values())
     return [row + [f"{same}/{len(answers)}"] for row in rows]
 
 
-def agreement(budgets: list[int]) -> list[list]:
+def agreement(budgets: list[int], dtype: str) -> list[list]:
     rng = random.Random(7)
     names = [f"{rng.choice(['red', 'blue', 'green', 'amber', 'violet', 'grey'])}-"
              f"{rng.choice(['fox', 'owl', 'cat', 'elk', 'yak', 'eel'])}-{i}" for i in range(150)]
     codes = [rng.randint(1000, 9999) for _ in names]
     records = [f"The code for item {n} is {c}." for n, c in zip(names, codes)]
     asks = rng.sample(range(len(names)), 24)
-    engine = LLM(dtype="float32").engine
+    engine = LLM(dtype=dtype).engine
     params = SamplingParams(max_tokens=24, temperature=0.0)
     answers, rows = {}, []
     for budget in [0, *budgets]:
@@ -141,18 +149,26 @@ def main() -> None:
     ap.add_argument("--questions", type=int, default=8, help="timed questions per policy (after 2 warm-ups)")
     ap.add_argument("--budgets", default="256,512,1024", help="quest budgets of the agreement part")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="the model's dtype (auto: this machine's, as `make serve` "
+                    "loads it: bfloat16 with AVX512-BF16, else float32)")
+    ap.add_argument("--parts", default="latency,forks,agreement")
     args = ap.parse_args()
     info = machine_info(args.threads)
     print(f"CPU: {info['cpu']['model']}, {info['affinity']} cores, flags: {', '.join(info['cpu']['flags'])}; "
-          f"torch {info['torch']} with {info['torch_threads']} threads")
-    print("\n## Question latency (median s, 8 answer tokens) and chunk invariance\n")
-    print(md_table(["policy", "context tokens", "median s", "bit-identical with max_chunk_tokens=5"],
-                   latency(args.questions)))
-    print("\n## quest(1024) questions on the ready fork or the stream (median s)\n")
-    print(md_table(["fork", "context tokens", "first token s", "total s", "same answers"], forks(args.questions)))
-    print("\n## Agreement with the exact session (24 retrieval questions, greedy 24 tokens)\n")
-    print(md_table(["policy", "context tokens", "mean agreeing prefix (tokens)", "identical answers"],
-                   agreement([int(b) for b in args.budgets.split(",")])))
+          f"torch {info['torch']} with {info['torch_threads']} threads; dtype {args.dtype}")
+    parts = args.parts.split(",")
+    if "latency" in parts:
+        print("\n## Question latency (median s, 8 answer tokens) and chunk invariance\n")
+        print(md_table(["policy", "context tokens", "first token s", "total s", "bit-identical with max_chunk_tokens=5"],
+                       latency(args.questions, args.dtype)))
+    if "forks" in parts:
+        print("\n## quest(1024) questions on the ready fork or the stream (median s)\n")
+        print(md_table(["fork", "context tokens", "first token s", "total s", "same answers"],
+                       forks(args.questions, args.dtype)))
+    if "agreement" in parts:
+        print("\n## Agreement with the exact session (24 retrieval questions, greedy 24 tokens)\n")
+        print(md_table(["policy", "context tokens", "mean agreeing prefix (tokens)", "identical answers"],
+                       agreement([int(b) for b in args.budgets.split(",")], args.dtype)))
 
 
 if __name__ == "__main__":
