@@ -4,13 +4,13 @@ agreement with the exact session, on the embedded model.
     .venv/bin/python benchmarks/session_read_policy.py [--questions 8] [--budgets 256,512,1024]
         [--dtype float32] [--parts latency,forks,agreement]
 
-Two parts, each printing the CPU (model, vector flags):
+Three parts (``--parts``), after the CPU (model, vector flags) and the model's dtype:
 
-* latency: a session of ~5.9k tokens of sensor records; the median seconds of a question
-  (8 answer tokens) exact, under ``quest(1024)`` reusing the question's picks (``rescore:
-  false``, the sessions' default) and re-scoring every row (``rescore: true``); each quest
-  answer is also asked with ``max_chunk_tokens=5`` and must be bit-identical (the question's
-  rows pick their own pages: ``streamkv.attention.picks``);
+* latency: a session of ~5.9k tokens of sensor records; the median seconds to a question's
+  first token and to its end (8 answer tokens) exact, under ``quest(1024)`` reusing the
+  question's picks (``rescore: false``, the sessions' default) and re-scoring every row
+  (``rescore: true``); each answer is also asked with ``max_chunk_tokens=5`` and must be
+  bit-identical (the question's rows pick their own pages: ``streamkv.attention.picks``);
 * forks: quest(1024) questions forking the session's ready fork (the scaffold prefix computed
   ahead) or the stream (no ready fork open: the prefix is computed exactly in the question's
   step); first-token and total median seconds, and the answers must be equal;
@@ -28,12 +28,16 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine_info, md_table  # noqa: E402
 from streamkv import LLM, SamplingParams  # noqa: E402
+from streamkv.engine.dtype import resolve_dtype  # noqa: E402
 from streamkv.sessions.spec import SessionSpec  # noqa: E402
 
+PARTS = ("latency", "forks", "agreement")
 QUEST = {"policy": "quest", "budget_tokens": 1024, "sink_tokens": 64, "recent_tokens": 256}
 
 
@@ -59,6 +63,8 @@ def _timed(engine, sid: str, rid: str, question: str, params: SamplingParams):
             if o.request_id == rid and t_first is None and o.token_ids:
                 t_first = time.perf_counter() - t
             out = o if o.request_id == rid and o.finished else out
+    if t_first is None:
+        raise RuntimeError(f"question {rid} finished without a token: {out.finish_reason}")
     return out, t_first, time.perf_counter() - t
 
 
@@ -151,12 +157,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="the model's dtype (auto: this machine's, as `make serve` "
                     "loads it: bfloat16 with AVX512-BF16, else float32)")
-    ap.add_argument("--parts", default="latency,forks,agreement")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    if not parts or any(p not in PARTS for p in parts):
+        ap.error(f"--parts: expected a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
     info = machine_info(args.threads)
     print(f"CPU: {info['cpu']['model']}, {info['affinity']} cores, flags: {', '.join(info['cpu']['flags'])}; "
-          f"torch {info['torch']} with {info['torch_threads']} threads; dtype {args.dtype}")
-    parts = args.parts.split(",")
+          f"torch {info['torch']} with {info['torch_threads']} threads; dtype {args.dtype} "
+          f"({resolve_dtype(args.dtype, torch.device('cpu'))})")
     if "latency" in parts:
         print("\n## Question latency (median s, 8 answer tokens) and chunk invariance\n")
         print(md_table(["policy", "context tokens", "first token s", "total s", "bit-identical with max_chunk_tokens=5"],
