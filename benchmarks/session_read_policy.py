@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"any of {', '.join(PARTS)}")
     args = ap.parse_args()
     parts = args.parts.split(",")
-    if not parts or any(p not in PARTS for p in parts):
+    if any(p not in PARTS for p in parts):
         ap.error(f"--parts: expected a comma-separated list of {', '.join(PARTS)}, got {args.parts!r}")
     info = machine_info(args.threads)
     print(f"CPU: {info['cpu']['model']}, {info['affinity']} cores, flags: {', '.join(info['cpu']['flags'])}; "

@@ -68,10 +68,10 @@ class StepAllowance:
     def rows(self, start: int, n: int) -> int:
         """Most rows (<= n) of a chunk after ``start`` cached tokens that fit what is left; the
         step's first chunk gets at least one row."""
-        # the largest m with c m + k m (start + m / 2) <= left = seconds - (the chunk's read)
-        # m_read start: the positive root of (k / 2) m^2 + b m - left, b = c + k start, in the
-        # form that does not cancel when k << b (the textbook (sqrt(b^2 + 2 k left) - b) / k
-        # rounds to 0 rows for k ~ 1e-20)
+        # the largest m with c m + k m (start + m / 2) <= left, where left = seconds - read_s
+        # start (the chunk reads its cached context once, whatever m): the positive root of
+        # (k / 2) m^2 + b m - left, b = c + k start, in the form that does not cancel when
+        # k << b (the textbook (sqrt(b^2 + 2 k left) - b) / k rounds to 0 rows for k ~ 1e-20)
         b, left = self.row_s + self.row_context_s * start, max(self.seconds - self.read_s * start, 0.0)
         den = math.sqrt(b * b + 2 * self.row_context_s * left) + b
         fit = 2 * left / den if den > 0 else (math.inf if left > 0 else 0.0)
