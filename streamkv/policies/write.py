@@ -187,22 +187,34 @@ class SnapStreamPolicy(WritePolicy):
     def scores(self, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         """SnapKV scores [kv_heads, L - observation] of the keys before the observed rows.
 
-        The arithmetic is kvpress's ``SnapKVPress``'s (the same shapes into the same matmul and
-        softmax), so with ``pooling="avg"`` the scores are its bits, not just its ranking. Where
+        The arithmetic is kvpress's ``SnapKVPress``'s (the same [obs, D] x [D, L] product per head,
+        the same softmax), so with ``pooling="avg"`` the scores are its bits, not just its ranking. Where
         kvpress adds a full [H, obs, L] causal mask, zeros everywhere but the last ``obs``
         columns, the mask is added to those columns only (x + 0 is x), and the products are
         scaled in place: the same bits, without three passes over the [H, obs, L] scores.
+        ``tests/test_kv_write.py`` checks the bits against kvpress on the CPU it runs on.
         """
         obs, heads, dim = q.shape
         length, kvh, _ = keys.shape
-        group = heads // kvh
-        qs = q.float().transpose(0, 1)[None]                                           # [1, H, obs, D]
-        ks = torch.empty(kvh, group, length, dim)                                      # keys per query head
-        ks.copy_(keys.permute(1, 0, 2)[:, None].expand(kvh, group, length, dim))
-        attn = torch.matmul(qs, ks.view(1, heads, length, dim).transpose(2, 3))       # [1, H, obs, L]
-        if abs(scale * math.sqrt(dim) - 1) < 1e-9:
-            attn.div_(math.sqrt(dim))
-        else:
+        group, root = heads // kvh, math.sqrt(dim)
+        # kvpress divides the products by sqrt(dim); where that is a power of two (dim 64: 8) the
+        # queries are divided instead, exactly: scaling by 2^-n commutes with every rounding
+        # (outside subnormals, which softmax maps to the same bits anyway)
+        by_root = abs(scale * root - 1) < 1e-9
+        pre = by_root and root == 2 ** round(math.log2(root))
+        qs = q.float().view(obs, kvh, group, dim).permute(1, 2, 0, 3).contiguous()  # [kvh, group, obs, D]
+        if pre:
+            qs.div_(root)
+        kt = torch.empty(kvh, length, dim).copy_(keys.permute(1, 0, 2)).transpose(1, 2)  # [kvh, D, L]
+        # kvpress's one batched matmul over the keys repeated per query head, as one GEMM per
+        # head of the same shape ([obs, D] x [D, L]): the same products, without the repeated
+        # keys, and each GEMM split over every thread (a batch of 9 is not, over 2)
+        attn = torch.empty(1, heads, obs, length)
+        for head in range(heads):
+            torch.mm(qs[head // group, head % group], kt[head // group], out=attn[0, head])
+        if by_root and not pre:
+            attn.div_(root)
+        elif not by_root:
             attn.mul_(scale)
         attn[..., length - obs:].add_(torch.triu(torch.full((obs, obs), float("-inf")), diagonal=1))  # causal
         attn = torch.softmax(attn, dim=-1, dtype=torch.float32)[..., :-obs]

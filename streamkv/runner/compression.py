@@ -69,10 +69,9 @@ class Compressor:
         layers, slots, kvh, dim = self.cache.k.shape
         if policy.budget and policy.moves(item.num_prompt):
             q = self._observed.pop(item.seq_id)
-            # each layer's prompt keys gathered head-major ([kv_heads, L, D], read back as [L, kv_heads, D]):
-            # the policy expands each kv head to its query heads from contiguous rows
-            heads = (src[None, :] * kvh + torch.arange(kvh)[:, None]).flatten()
-            picks = torch.stack([policy.select(q[layer], self._keys(layer, heads), self.scale) for layer in range(layers)])
+            blocks = torch.tensor(item.block_table[:first], dtype=torch.int64, device=self.cache.k.device)
+            picks = torch.stack([policy.select(q[layer], self._keys(layer, blocks, point), self.scale)
+                                 for layer in range(layers)])
         else:  # no middle, or all of it (the prompt fits)
             middle = torch.arange(policy.sink_tokens, policy.sink_tokens + policy.budget)
             picks = middle.view(1, 1, -1).expand(layers, kvh, -1)
@@ -85,8 +84,8 @@ class Compressor:
         self.cache.written(dst)
         return time.perf_counter() - t0
 
-    def _keys(self, layer: int, heads: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s keys at rows ``heads`` (slot * kv_heads + head, head-major) of its
-        cache viewed [slots * kv_heads, D]: [L, kv_heads, D], a view of [kv_heads, L, D]."""
-        kvh, dim = self.cache.k.shape[2:]
-        return self.cache.k[layer].view(-1, dim).index_select(0, heads).view(kvh, -1, dim).permute(1, 0, 2)
+    def _keys(self, layer: int, blocks: torch.Tensor, length: int) -> torch.Tensor:
+        """Layer ``layer``'s keys of the first ``length`` tokens, whose blocks are ``blocks``:
+        [length, kv_heads, D], gathered a block (not a row) at a time."""
+        bs, (kvh, dim) = self.cache.block_size, self.cache.k.shape[2:]
+        return self.cache.k[layer].view(-1, bs, kvh, dim).index_select(0, blocks).view(-1, kvh, dim)[:length]
