@@ -364,8 +364,8 @@ def test_the_fused_selecting_step_equals_the_per_layer_path(monkeypatch, rescore
     monkeypatch.setattr(LayerSelector, "fused", spy)
     a = llm.generate([prompt, "Say hi."], params, kv_read=quest)
     steps = [c for c in calls if c is not None]
-    assert len(steps) >= 30 and sum(c.recall_layer >= 0 for c in steps) >= 2  # recall samples fused too
-    reused = [c for c in steps if any(e[3] is not None for e in c.entries)]
+    assert len(steps) >= 30 and sum(bool(c.recall_layers) for c in steps) >= 2  # recall samples fused too
+    reused = [c for c in steps if any(e.picked is not None for e in c.entries)]
     assert len(reused) == (0 if rescore else len(steps))  # (the row that picks runs the per-layer path)
     assert a[0].kv["attention_recall"] is not None
     monkeypatch.setattr(LayerSelector, "fused", lambda self: None)
@@ -427,6 +427,44 @@ def test_a_session_question_under_quest_is_the_same_chunked(rescore):
         engine.sessions.query(session.id, "q", question, params)
         out = engine.run_to_completion(["q"])["q"]
         answers.append((out.token_ids, [lp.logprob for lp in out.logprobs], out.kv))
+    assert answers[0] == answers[1]
+    assert answers[0][2]["pages_picked"] > 0 and answers[0][2]["attention_recall"] is not None
+
+
+@pytest.mark.parametrize("rescore", [False, True])
+def test_a_fused_session_question_equals_the_per_layer_path(monkeypatch, rescore):
+    """A session question's rows under ``quest`` run inside the one native layer call, each
+    ranking the pages with its own query; the loop hands back the window rows' shares (the
+    answer's picks) and the queries of every layer a row samples its recall in (two rows, two
+    layers here). Through the per-layer Python path: the same bits and the same read report."""
+    from streamkv import LLM, SamplingParams
+    from streamkv.attention.selection import LayerSelector
+    from streamkv.sessions.spec import SessionSpec
+
+    fused, calls = LayerSelector.fused, []
+
+    def spy(self):
+        calls.append(fused(self))
+        return calls[-1]
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)]
+    policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64, "rescore": rescore}
+    question = ("Across every sensor listed above, what was the reading of sensor 3 at t=38, and which sensor "
+                "reported the largest reading near the end of the data?")
+    answers = []
+    for path in (spy, lambda self: None):
+        monkeypatch.setattr(LayerSelector, "fused", path)
+        engine = LLM().engine
+        session = engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000,
+                                                     kv_read=policy))
+        engine.sessions.push(session.id, records)
+        _drain(engine)
+        engine.sessions.query(session.id, "q", question, params)
+        out = engine.run_to_completion(["q"])["q"]
+        answers.append((out.token_ids, [lp.logprob for lp in out.logprobs], out.kv))
+    questions = [c for c in calls if c is not None and any(e.rows for e in c.entries)]
+    assert questions and any(len(c.recall_layers) > 1 for c in questions)
     assert answers[0] == answers[1]
     assert answers[0][2]["pages_picked"] > 0 and answers[0][2]["attention_recall"] is not None
 

@@ -14,7 +14,7 @@ attention kernels never turn into RoPE angles (keys are cached after RoPE).
 
 A question's rows (a session question's, under the policy before ``num_prompt``) each rank
 the pages with their own query, in any chunking alike (:mod:`streamkv.attention.picks`), and
-come back to the backend as one span per row. Picks are remembered per sequence as page
+read as one span per row (inside the native layer loop too: :meth:`LayerSelector.fused`). Picks are remembered per sequence as page
 *positions*, plus per layer the slots they resolve to, valid while the block table up to the
 tail is unchanged (a swap moves slots): an answer row whose policy does not re-score reuses,
 per layer, the pages the question's last rows chose together, or its first row's (a request,
@@ -54,20 +54,34 @@ class _Choice:
 
 
 @dataclass(frozen=True)
+class FusedEntry:
+    """One selecting span of a fused step (``native_layers.SkSelect``): its first query row,
+    its choice, and the offset of its region in the step's flat slot buffer."""
+
+    q_row: int
+    choice: _Choice
+    offset: int
+    picked: torch.Tensor | None = None  # reused page positions [layers, keep] (None: re-scored)
+    rows: int = 0                       # a question's rows, each picking its own pages (0: one decode row)
+    first: int = 0                      # a question's: the tail slots its first row reads
+    shares: torch.Tensor | None = None  # a question's: [layers, rows, pages] float32, filled by the native loop
+
+
+@dataclass(frozen=True)
 class FusedSelection:
     """A step whose selecting spans are all decode rows that re-score every layer or reuse the
-    pages they picked for every layer, laid out for ``native/layer.c``'s ``streamkv_fwd_sel``:
-    context lengths are known before the layers run (sinks + ``keep`` pages + tail), so one flat
-    slot buffer serves every layer; each selecting span's region of it is rewritten per layer by
-    the C selection, or from the reused page positions (``entries``)."""
+    pages they picked for every layer, or session questions' rows (each ranking the pages with
+    its own query), laid out for ``native/layer.c``'s ``streamkv_fwd_sel``: context lengths
+    are known before the layers run (sinks + ``keep`` pages + tail), so one flat slot buffer
+    serves every layer; each selecting span's region of it is rewritten per layer by the C
+    selection, or from the reused page positions."""
 
     seqs: torch.Tensor                      # [B, 4] int64 (row0, q_len, offset, compacted ctx_len)
     slots: torch.Tensor                     # [sum ctx_len] int64 (selecting regions filled per layer)
-    # (q row, choice, offset of its region in ``slots``, reused page positions [layers, keep]
-    # or None: re-scored)
-    entries: list[tuple[int, _Choice, int, torch.Tensor | None]]
-    recall_layer: int = -1                  # the layer whose queries the step hands back (-1: none)
-    sampled: list[_Choice] = field(default_factory=list)  # the rows measuring their recall there
+    entries: list[FusedEntry]
+    recall_layers: tuple[int, ...] = ()     # the layers whose queries the step hands back (ascending)
+    # the rows measuring their recall: (layer, choice, row in the span), in the per-layer path's order
+    sampled: list[tuple[int, _Choice, int]] = field(default_factory=list)
 
 
 class LayerSelector:
@@ -131,16 +145,15 @@ class LayerSelector:
 
     def fused(self) -> FusedSelection | None:
         """The whole step for the C layer loop, or None when a span needs this Python path (it
-        fills its picks this step, picks no page or is a prompt chunk; or two rows sample their
-        recall in different layers). A row sampling its recall stays fused: the C loop hands
-        back that layer's queries, and :meth:`fused_recall` measures it after the step."""
+        fills its picks this step, picks no page or is a request's prompt chunk, or a row
+        samples its recall in a layer past the 64th). Rows sampling their recall stay fused:
+        the C loop hands back those layers' queries, and :meth:`after_fused` measures them."""
         if any((c.picks is not None and not self._reuses(c)) or c.plan.keep <= 0
-               or not self.spans[c.index].is_decode or is_question(self.spans[c.index]) for c in self.choices):
+               or not (self.spans[c.index].is_decode or is_question(self.spans[c.index])) for c in self.choices):
             return None
-        recall = {c.index: self._recall_layer(self.spans[c.index]) for c in self.choices}
-        sampled = [c for c in self.choices if recall[c.index] is not None]
-        layers = {recall[c.index] for c in sampled}
-        if len(layers) > 1:
+        sampled = sorted(((layer, k, c, r) for k, c in enumerate(self.choices)
+                          for r, layer in self._sampling_rows(self.spans[c.index])), key=lambda t: t[:2] + t[3:])
+        if any(layer >= 64 for layer, *_ in sampled):
             return None
         bs = self.cache.block_size
         selecting = {c.index: c for c in self.choices}
@@ -148,44 +161,79 @@ class LayerSelector:
         for i, (span, s) in enumerate(zip(self.spans, self.slots)):
             c = selecting.get(i)
             if c is None:
+                lengths = [s.numel()]
                 flat.append(s)
-                length = s.numel()
+            elif is_question(span):
+                first = span.start - c.slots.tail_from + 1
+                lengths = [c.slots.sink_len + c.plan.keep * bs + first + r for r in range(span.q_len)]
+                shares = torch.empty(self.layers, span.q_len, c.candidates.numel())
+                entries.append(FusedEntry(span.q_start, c, offset, rows=span.q_len, first=first, shares=shares))
+                self._count_fused(span.seq_id, c, sum(lengths), scored=True, rows=span.q_len)
             else:
-                length = c.slots.sink_len + c.plan.keep * bs + s.numel() - c.slots.tail_from
-                flat.append(torch.empty(length, dtype=torch.int64))
+                lengths = [c.slots.sink_len + c.plan.keep * bs + s.numel() - c.slots.tail_from]
                 picked = torch.stack([c.picks.layers[i] for i in range(self.layers)]) if c.picks is not None else None
-                entries.append((span.q_start, c, offset, picked))
-                self._count_fused(span.seq_id, c, length, scored=picked is None)
-            rows.append((span.q_start, span.q_len, offset, length))
-            offset += length
+                entries.append(FusedEntry(span.q_start, c, offset, picked))
+                self._count_fused(span.seq_id, c, lengths[0], scored=picked is None)
+            if c is not None:
+                flat.append(torch.empty(sum(lengths), dtype=torch.int64))
+            q_len = span.q_len if len(lengths) == 1 else 1
+            for r, length in enumerate(lengths):
+                rows.append((span.q_start + r, q_len, offset, length))
+                offset += length
         return FusedSelection(torch.tensor(rows, dtype=torch.int64), torch.cat(flat), entries,
-                              layers.pop() if layers else -1, sampled)
+                              tuple(sorted({t[0] for t in sampled})), [(layer, c, r) for layer, _, c, r in sampled])
 
-    def fused_recall(self, fused: FusedSelection, q: torch.Tensor) -> None:
-        """The recall of the fused step's sampled rows: q [T, H, D] float32 are layer
-        ``fused.recall_layer``'s queries after RoPE; the pages are picked again from them exactly
-        as the layer picked them (same bounds, same scorer), so the per-layer path measures the same."""
-        for c in fused.sampled:
+    def _sampling_rows(self, span: SeqSpan) -> list[tuple[int, int]]:
+        """(row in the span, layer) of each of its rows that measures its recall this step."""
+        if is_question(span):
+            return [(r, layer) for r in range(span.q_len)
+                    if (layer := self._recall_layer_at(span.start + r)) is not None]
+        layer = self._recall_layer(span)
+        return [] if layer is None else [(0, layer)]
+
+    def after_fused(self, fused: FusedSelection, q: torch.Tensor | None) -> None:
+        """What the per-layer path does besides attention, after a fused step: the questions'
+        window rows add their shares to the answer's picks (layer by layer), and the sampled
+        rows measure their recall. q [len(fused.recall_layers), T, H, D] float32: those layers'
+        queries after RoPE. Pages are picked again from them exactly as the layer picked them
+        (same bounds, same scorer), so the per-layer path measures the same."""
+        for e in fused.entries:
+            span, c = self.spans[e.choice.index], e.choice
+            if e.rows and c.window is not None:
+                skip = max(0, span.num_prompt - WINDOW - span.start)
+                for layer in range(self.layers):
+                    c.window.add_window(layer, self.layers, e.shares[layer, skip:], span.start + e.rows == span.num_prompt)
+        for layer, c, r in fused.sampled:
             span = self.spans[c.index]
             count = self.counts.get(span.seq_id)
-            if count is not None:
-                if c.picks is not None:  # reused: the pages that layer read
-                    compact = c.slots.gather(c.picks.layers[fused.recall_layer])
-                else:
-                    compact, _ = self._pick(fused.recall_layer, q, span, c)
-                self._add_recall(count, fused.recall_layer, q, span, c, compact)
+            if count is None:
+                continue
+            ql = q[fused.recall_layers.index(layer)]
+            if is_question(span):
+                first = span.start - c.slots.tail_from + 1 + r
+                row = ql[span.q_start + r:span.q_start + r + 1].view(1, self.cache.k.shape[2], -1, ql.shape[2])
+                _, _, compact = span.read.rows_compact(row, self.cache.bounds.data[layer], c.candidates, c.plan.keep,
+                                                       self.scale, c.slots, first)
+                count.recall_sum += self._recall(layer, ql[span.q_start + r], c.slots.full[:span.start + r + 1],
+                                                 compact)
+                count.recall_n += 1
+            elif c.picks is not None:  # reused: the pages that layer read
+                self._add_recall(count, layer, ql, span, c, c.slots.gather(c.picks.layers[layer]))
+            else:
+                self._add_recall(count, layer, ql, span, c, self._pick(layer, ql, span, c)[0])
 
     def _reuses(self, c: _Choice) -> bool:
         """Whether a span's remembered picks cover every layer (taken by an earlier step)."""
         return len(c.picks.layers) == self.layers
 
-    def _count_fused(self, seq_id: int, c: _Choice, length: int, scored: bool) -> None:
+    def _count_fused(self, seq_id: int, c: _Choice, length: int, scored: bool, rows: int = 1) -> None:
+        """What a fused span's ``rows`` rows read in every layer (``length`` slots in all, per layer)."""
         count = self.counts.get(seq_id)
         if count is not None:
             count.layer_rows += length * self.layers
             count.layers += self.layers
-            count.pages_scored += c.candidates.numel() * self.layers if scored else 0
-            count.pages_picked += c.plan.keep * self.layers
+            count.pages_scored += c.candidates.numel() * rows * self.layers if scored else 0
+            count.pages_picked += c.plan.keep * rows * self.layers
 
     def for_layer(self, layer: int, q: torch.Tensor) -> tuple[list[SeqSpan], list[torch.Tensor]]:
         """The step's spans and context slots with every selecting span compacted for

@@ -38,7 +38,8 @@ class SkSelect(ctypes.Structure):
     _fields_ = [("q_row", ctypes.c_int64), ("cand", ctypes.c_void_p), ("P", ctypes.c_int), ("keep", ctypes.c_int),
                 ("full", ctypes.c_void_p), ("sink_len", ctypes.c_int64), ("tail_from", ctypes.c_int64),
                 ("ctx_len", ctypes.c_int64), ("out_off", ctypes.c_int64), ("pos", ctypes.c_void_p),
-                ("picked", ctypes.c_void_p)]
+                ("picked", ctypes.c_void_p), ("rows", ctypes.c_int), ("first", ctypes.c_int64),
+                ("shares", ctypes.c_void_p)]
 
 
 class SkModel(ctypes.Structure):
@@ -155,26 +156,27 @@ class NativeLayers:
 
     def _forward_selecting(self, x: torch.Tensor, positions: torch.Tensor, meta: Any, fused: Any, cache: Any,
                            ws: int) -> torch.Tensor:
-        """Every layer in one call, each re-scoring the pages of the step's selecting decode rows,
-        or reading the pages a row reuses (``streamkv_fwd_sel``: the per-layer path's functions,
-        in its order)."""
+        """Every layer in one call, each re-scoring the pages of the step's selecting decode rows
+        and question rows, or reading the pages a row reuses (``streamkv_fwd_sel``: the
+        per-layer path's functions, in its order)."""
         keep = []  # everything the C structs point at
         entries = (SkSelect * len(fused.entries))()
-        for j, (q_row, c, offset, picked) in enumerate(fused.entries):
-            pos = torch.empty(c.plan.keep, dtype=torch.int64)
-            keep += [pos, c.candidates, c.slots.full, picked]
-            entries[j] = SkSelect(q_row, _ptr(c.candidates), c.candidates.numel(), c.plan.keep, _ptr(c.slots.full),
-                                  c.slots.sink_len, c.slots.tail_from, c.slots.full.numel(), offset, _ptr(pos),
-                                  _ptr(picked))
+        for j, e in enumerate(fused.entries):
+            c = e.choice
+            pos = torch.empty(max(1, e.rows) * c.plan.keep, dtype=torch.int64)
+            keep += [pos, c.candidates, c.slots.full, e.picked, e.shares]
+            entries[j] = SkSelect(e.q_row, _ptr(c.candidates), c.candidates.numel(), c.plan.keep, _ptr(c.slots.full),
+                                  c.slots.sink_len, c.slots.tail_from, c.slots.full.numel(), e.offset, _ptr(pos),
+                                  _ptr(e.picked), e.rows, e.first, _ptr(e.shares))
         bounds = cache.bounds.data
-        q = torch.empty(x.shape[0], self.heads, self.head_dim, dtype=torch.float32) if fused.recall_layer >= 0 else None
+        layers = fused.recall_layers
+        q = torch.empty(len(layers), x.shape[0], self.heads, self.head_dim, dtype=torch.float32) if layers else None
         rc = self.lib.streamkv_fwd_sel(ctypes.addressof(self.model), _ptr(x), x.shape[0], _ptr(positions),
                                        _ptr(meta.slot_mapping), _ptr(fused.seqs), fused.seqs.shape[0],
                                        _ptr(fused.slots), ws, ctypes.addressof(entries), len(fused.entries), _ptr(bounds),
-                                       bounds[0].numel(), cache.block_size, fused.recall_layer, _ptr(q))
+                                       bounds[0].numel(), cache.block_size, sum(1 << layer for layer in layers), _ptr(q))
         self._check(rc, "forward with page selection", x.shape[0])
-        if q is not None:
-            meta.selector.fused_recall(fused, q)
+        meta.selector.after_fused(fused, q)
         return x
 
     def norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

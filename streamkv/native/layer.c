@@ -305,21 +305,33 @@ int streamkv_fwd_post(const SkModel* m, int layer, float* x, int64_t T, const fl
 int streamkv_page_select(const void* q, int q_bf16, int R, int kvh, int g, int D, const uint16_t* bounds,
                          const int64_t* cand, int P, int keep, float scale, int64_t* pos, const int64_t* full,
                          int64_t sink_len, int64_t tail_from, int64_t ctx_len, int bs, int64_t* slots);
+int streamkv_page_shares(const void* q, int q_bf16, int R, int kvh, int g, int D, const uint16_t* bounds,
+                         const int64_t* cand, int P, float scale, float* out, int keep, int64_t* pos,
+                         const int64_t* full, int64_t sink_len, int64_t tail_from, int64_t first, int bs,
+                         int64_t* slots);
 
 /* A decode row that reads `keep` pages per layer (Quest, streamkv_fwd_sel) and writes its
  * compacted context slots (sinks, the pages, the tail of `full`) at slots + out_off each layer:
  *   picked == NULL: with the layer's query of row q_row it ranks the P candidate pages by their
  *                  key bounds and keeps the `keep` best (rescore);
  *   picked != NULL: the pages it took before (a row reusing its remembered picks): picked
- *                  [layers][keep] holds each layer's page positions (ascending). */
+ *                  [layers][keep] holds each layer's page positions (ascending);
+ *   rows > 0:      a session question's rows q_row .. q_row + rows - 1, each ranking the pages
+ *                  with its own query (streamkv_page_shares: a row's bits whatever rows come
+ *                  with it); row r's slots (sinks, its pages, the first `first` + r tail slots)
+ *                  follow row r - 1's, and shares [layers][rows][P] receives every row's share
+ *                  of every page. */
 typedef struct {
     int64_t q_row;
     const int64_t* cand;
     int P, keep;
     const int64_t* full;
     int64_t sink_len, tail_from, ctx_len, out_off;
-    int64_t* pos;  /* [keep] scratch */
+    int64_t* pos;  /* [keep] scratch ([rows][keep] for a question) */
     const int64_t* picked;
+    int rows;
+    int64_t first;
+    float* shares;
 } SkSelect;
 
 void streamkv_compact_slots(const int64_t* full, int64_t sink_len, const int64_t* pos, int keep, int bs,
@@ -328,20 +340,30 @@ void streamkv_compact_slots(const int64_t* full, int64_t sink_len, const int64_t
 /* streamkv_fwd with page selection inside the layer loop: the same functions in the same order
  * as the per-layer calls with a Python selector between them (so the same bits), without a
  * round trip per layer. bounds: [layers][blocks][Hk][2D] bf16, `stride` elements per layer.
- * q_out (when q_layer >= 0): layer q_layer's queries after RoPE, [T][H][D] float32, copied out for
- * the sampled attention recall (computed by the caller; it changes nothing here). */
+ * q_out (when q_layers != 0): the queries after RoPE of each layer l with bit l of q_layers set,
+ * [layers sampled][T][H][D] float32 in layer order, copied out for the sampled attention recall
+ * (computed by the caller; it changes nothing here). */
 int streamkv_fwd_sel(const SkModel* m, float* x, int64_t T, const int64_t* pos, const int64_t* slot_mapping,
                      const int64_t* seqs, int B, int64_t* slots, void* ws, const SkSelect* sel, int nsel,
-                     const uint16_t* bounds, int64_t stride, int bs, int q_layer, float* q_out) {
-    if (T <= 0 || m->D % 16 != 0 || m->D > 256 || (q_layer >= 0 && !q_out)) return 1;
+                     const uint16_t* bounds, int64_t stride, int bs, uint64_t q_layers, float* q_out) {
+    if (T <= 0 || m->D % 16 != 0 || m->D > 256 || (q_layers && !q_out)) return 1;
     Work w = carve(m, T, ws);
     const int hd = m->H * m->D;
     for (int l = 0; l < m->n_layers; l++) {
         int rc = streamkv_fwd_pre(m, l, x, T, pos, slot_mapping, w.q, ws);
-        if (l == q_layer) memcpy(q_out, w.q, sizeof(float) * (size_t)T * hd);
+        if (l < 64 && (q_layers >> l) & 1) {  /* the sampled layers' queries, in layer order */
+            memcpy(q_out, w.q, sizeof(float) * (size_t)T * hd);
+            q_out += (size_t)T * hd;
+        }
         TIC(m);
         for (int s = 0; s < nsel && rc == 0; s++) {
             const SkSelect* e = sel + s;
+            if (e->rows > 0) {
+                rc = streamkv_page_shares(w.q + e->q_row * hd, 0, e->rows, m->Hk, m->H / m->Hk, m->D, bounds + l * stride,
+                                          e->cand, e->P, m->scale, e->shares + (int64_t)l * e->rows * e->P, e->keep,
+                                          e->pos, e->full, e->sink_len, e->tail_from, e->first, bs, slots + e->out_off);
+                continue;
+            }
             if (e->picked) {
                 streamkv_compact_slots(e->full, e->sink_len, e->picked + (int64_t)l * e->keep, e->keep, bs,
                                        e->tail_from, e->ctx_len, slots + e->out_off);

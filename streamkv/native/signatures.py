@@ -66,7 +66,7 @@ def declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {  # native/layer.c (the model struct is passed by reference)
         "streamkv_fwd": [p, p, i64, p, p, p, i32, p, p],
-        "streamkv_fwd_sel": [p, p, i64, p, p, p, i32, p, p, p, i32, p, i64, i32, i32, p],
+        "streamkv_fwd_sel": [p, p, i64, p, p, p, i32, p, p, p, i32, p, i64, i32, ctypes.c_uint64, p],
         "streamkv_fwd_pre": [p, i32, p, i64, p, p, p, p],
         "streamkv_fwd_attn": [p, i32, p, p, i32, p, p],
         "streamkv_fwd_post": [p, i32, p, i64, p, p],
