@@ -289,6 +289,7 @@ static void page_tile(const uint16_t *qt, const uint16_t *bounds, const int64_t 
 static uint16_t *split_queries(const void *q, int q_bf16, int R, int kvh, int g, int D, float scale, int nb) {
     int D2 = 2 * D;
     uint16_t *qt = calloc((size_t)kvh * nb * D2 * LANES, sizeof(uint16_t));
+    #pragma omp parallel for schedule(static) if (R * g >= 32)  /* a question's rows; heads write apart */
     for (int h = 0; h < kvh; h++)
         for (int r = 0; r < R; r++)
             for (int j = 0; j < g; j++) {
@@ -416,27 +417,42 @@ int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D
     int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16, passes, packed;
     int64_t *cp = padded(cand, P, Pp);
     uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
-    float *ub = upper_bounds(qt, bounds, cp, n, kvh, D2, nb, Pp, 1, &passes, &packed), inv[LANES];
-    memset(out, 0, sizeof(float) * (size_t)R * P);
+    float *ub = upper_bounds(qt, bounds, cp, n, kvh, D2, nb, Pp, 1, &passes, &packed);
+    float *inv = malloc(sizeof(float) * (size_t)passes * LANES);
+    /* each pass's (kv head, row block's) softmax on its own, then each page's best share over
+     * the passes: max is exact, so any split gives the same bits (rows share pages across
+     * heads, so the threads split the pages, not the passes) */
+    #pragma omp parallel for schedule(static) if (passes >= 4)
     for (int hb = 0; hb < passes; hb++) {
-        float *u = ub + (size_t)hb * Pp * LANES;
         int at = (hb % nb) * LANES, valid = n - at < LANES ? n - at : LANES;
-        lane_softmax(u, P, valid, inv);
-        for (int l = 0; l < valid; l++) {
-            float *row = out + (size_t)((at + l) / g) * P;
-            for (int p = 0; p < P; p++) row[p] = fmaxf(row[p], u[p * LANES + l] * inv[l]);
+        lane_softmax(ub + (size_t)hb * Pp * LANES, P, valid, inv + (size_t)hb * LANES);
+    }
+    memset(out, 0, sizeof(float) * (size_t)R * P);
+    const int span = 64, spans = (P + span - 1) / span;
+    #pragma omp parallel for schedule(static) if (passes >= 4)
+    for (int sp = 0; sp < spans; sp++) {
+        const int p0 = sp * span, p1 = p0 + span < P ? p0 + span : P;
+        for (int hb = 0; hb < passes; hb++) {
+            const float *u = ub + (size_t)hb * Pp * LANES, *iv = inv + (size_t)hb * LANES;
+            int at = (hb % nb) * LANES, valid = n - at < LANES ? n - at : LANES;
+            for (int l = 0; l < valid; l++) {
+                float *row = out + (size_t)((at + l) / g) * P;
+                for (int p = p0; p < p1; p++) row[p] = fmaxf(row[p], u[p * LANES + l] * iv[l]);
+            }
         }
     }
     if (keep > 0 && pos) {
-        int64_t o = 0;
+        const int64_t width = sink_len + (int64_t)keep * bs + first;  /* row r's slots: width + r */
+        #pragma omp parallel for schedule(static) if (R >= 8)
         for (int r = 0; r < R; r++) {
             int64_t *mine = pos + (size_t)r * keep;
             top_keep(out + (size_t)r * P, P, keep, mine);
-            if (!full) continue;
-            streamkv_compact_slots(full, sink_len, mine, keep, bs, tail_from, tail_from + first + r, slots + o);
-            o += sink_len + (int64_t)keep * bs + first + r;
+            if (full)
+                streamkv_compact_slots(full, sink_len, mine, keep, bs, tail_from, tail_from + first + r,
+                                       slots + r * width + (int64_t)r * (r - 1) / 2);
         }
     }
+    free(inv);
     free(ub);
     free(qt);
     free(cp);
