@@ -206,12 +206,13 @@ class SnapStreamPolicy(WritePolicy):
         if pre:
             qs.div_(root)
         kt = torch.empty(kvh, length, dim).copy_(keys.permute(1, 0, 2)).transpose(1, 2)  # [kvh, D, L]
-        # kvpress's one batched matmul over the keys repeated per query head, as one GEMM per
-        # head of the same shape ([obs, D] x [D, L]): the same products, without the repeated
-        # keys, and each GEMM split over every thread (a batch of 9 is not, over 2)
+        # kvpress's one batched matmul over the keys repeated per query head, as one batched
+        # matmul (the same routine) of one head at a time, of the same shape ([obs, D] x [D, L]):
+        # the same products, without the repeated keys, and each GEMM split over every thread
+        # (a batch of 9 is not, over 2)
         attn = torch.empty(1, heads, obs, length)
         for head in range(heads):
-            torch.mm(qs[head // group, head % group], kt[head // group], out=attn[0, head])
+            torch.bmm(qs[head // group, head % group][None], kt[head // group][None], out=attn[:, head])
         if by_root and not pre:
             attn.div_(root)
         elif not by_root:
