@@ -401,6 +401,23 @@ def test_a_server_default_quest_acts_like_the_same_object_in_a_request():
     assert pinned.read is not None and not pinned.read.rescore
 
 
+def _session_answer(engine, rescore: bool, max_tokens: int) -> tuple:
+    """(token ids, logprobs, read report) of one quest session question over 80 sensor records."""
+    from streamkv import SamplingParams
+    from streamkv.sessions.spec import SessionSpec
+
+    policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64, "rescore": rescore}
+    session = engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000,
+                                                 kv_read=policy))
+    engine.sessions.push(session.id, [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)])
+    _drain(engine)
+    question = ("Across every sensor listed above, what was the reading of sensor 3 at t=38, and which sensor "
+                "reported the largest reading near the end of the data?")
+    engine.sessions.query(session.id, "q", question, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3))
+    out = engine.run_to_completion(["q"])["q"]
+    return out.token_ids, [lp.logprob for lp in out.logprobs], out.kv
+
+
 @pytest.mark.parametrize("rescore", [False, True])
 def test_a_session_question_under_quest_is_the_same_chunked(rescore):
     """Determinism under chunking for session questions under ``quest``: each question row
@@ -409,24 +426,9 @@ def test_a_session_question_under_quest_is_the_same_chunked(rescore):
     read report) are the same whether the question
     goes in one chunk or in chunks of 5. (Before, a chunk's rows picked one page set
     together and the logprobs depended on the chunking.)"""
-    from streamkv import LLM, SamplingParams
-    from streamkv.sessions.spec import SessionSpec
+    from streamkv import LLM
 
-    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
-    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)]
-    policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64, "rescore": rescore}
-    question = ("Across every sensor listed above, what was the reading of sensor 3 at t=38, and which sensor "
-                "reported the largest reading near the end of the data?")
-    answers = []
-    for chunk in (None, 5):
-        engine = LLM(dtype="float32", max_chunk_tokens=chunk).engine
-        session = engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000,
-                                                     kv_read=policy))
-        engine.sessions.push(session.id, records)
-        _drain(engine)
-        engine.sessions.query(session.id, "q", question, params)
-        out = engine.run_to_completion(["q"])["q"]
-        answers.append((out.token_ids, [lp.logprob for lp in out.logprobs], out.kv))
+    answers = [_session_answer(LLM(dtype="float32", max_chunk_tokens=chunk).engine, rescore, 4) for chunk in (None, 5)]
     assert answers[0] == answers[1]
     assert answers[0][2]["pages_picked"] > 0 and answers[0][2]["attention_recall"] is not None
 
@@ -437,9 +439,8 @@ def test_a_fused_session_question_equals_the_per_layer_path(monkeypatch, rescore
     ranking the pages with its own query; the loop hands back the window rows' shares (the
     answer's picks) and the queries of every layer a row samples its recall in (two rows, two
     layers here). Through the per-layer Python path: the same bits and the same read report."""
-    from streamkv import LLM, SamplingParams
+    from streamkv import LLM
     from streamkv.attention.selection import LayerSelector
-    from streamkv.sessions.spec import SessionSpec
 
     fused, calls = LayerSelector.fused, []
 
@@ -447,22 +448,10 @@ def test_a_fused_session_question_equals_the_per_layer_path(monkeypatch, rescore
         calls.append(fused(self))
         return calls[-1]
 
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
-    records = [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)]
-    policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64, "rescore": rescore}
-    question = ("Across every sensor listed above, what was the reading of sensor 3 at t=38, and which sensor "
-                "reported the largest reading near the end of the data?")
     answers = []
     for path in (spy, lambda self: None):
         monkeypatch.setattr(LayerSelector, "fused", path)
-        engine = LLM().engine
-        session = engine.sessions.create(SessionSpec(system="Answer from the data.", retention_tokens=4000,
-                                                     kv_read=policy))
-        engine.sessions.push(session.id, records)
-        _drain(engine)
-        engine.sessions.query(session.id, "q", question, params)
-        out = engine.run_to_completion(["q"])["q"]
-        answers.append((out.token_ids, [lp.logprob for lp in out.logprobs], out.kv))
+        answers.append(_session_answer(LLM().engine, rescore, 6))
     questions = [c for c in calls if c is not None and any(e.rows for e in c.entries)]
     assert questions and any(len(c.recall_layers) > 1 for c in questions)
     assert answers[0] == answers[1]
