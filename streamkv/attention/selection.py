@@ -64,7 +64,9 @@ class FusedEntry:
     picked: torch.Tensor | None = None  # reused page positions [layers, keep] (None: re-scored)
     rows: int = 0                       # a question's rows, each picking its own pages (0: one decode row)
     first: int = 0                      # a question's: the tail slots its first row reads
-    shares: torch.Tensor | None = None  # a question's: [layers, rows, pages] float32, filled by the native loop
+    # a question's window rows' (the answer's) shares: [layers, rows in the window, pages] float32,
+    # filled by the native loop (None: no row of the span is in the window)
+    shares: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,8 @@ class LayerSelector:
             elif is_question(span):
                 first = span.start - c.slots.tail_from + 1
                 lengths = [c.slots.sink_len + c.plan.keep * bs + first + r for r in range(span.q_len)]
-                shares = torch.empty(self.layers, span.q_len, c.candidates.numel())
+                window = span.q_len - self._window_skip(span) if c.window is not None else 0
+                shares = torch.empty(self.layers, window, c.candidates.numel()) if window > 0 else None
                 entries.append(FusedEntry(span.q_start, c, offset, rows=span.q_len, first=first, shares=shares))
                 self._count_fused(span.seq_id, c, sum(lengths), scored=True, rows=span.q_len)
             else:
@@ -199,10 +202,9 @@ class LayerSelector:
         (same bounds, same scorer), so the per-layer path measures the same."""
         for e in fused.entries:
             span, c = self.spans[e.choice.index], e.choice
-            if e.rows and c.window is not None:
-                skip = max(0, span.num_prompt - WINDOW - span.start)
+            if e.shares is not None:  # the question's window rows: the answer's picks
                 for layer in range(self.layers):
-                    c.window.add_window(layer, self.layers, e.shares[layer, skip:], span.start + e.rows == span.num_prompt)
+                    c.window.add_window(layer, self.layers, e.shares[layer], span.start + e.rows == span.num_prompt)
         for layer, c, r in fused.sampled:
             span = self.spans[c.index]
             count = self.counts.get(span.seq_id)
@@ -277,8 +279,7 @@ class LayerSelector:
             share, picked, flat = span.read.rows_compact(rows, self.cache.bounds.data[layer], c.candidates,
                                                          c.plan.keep, self.scale, c.slots, first)
             if c.window is not None:
-                skip = max(0, span.num_prompt - WINDOW - span.start)                   # rows before the window
-                c.window.add_window(layer, self.layers, share[skip:], span.start + n == span.num_prompt)
+                c.window.add_window(layer, self.layers, share[self._window_skip(span):], span.start + n == span.num_prompt)
         out = question_rows(span, c.slots, picked, flat)
         count = self.counts.get(span.seq_id)
         if count is not None:  # each row counts as its own step (``picks.step_count``)
@@ -292,6 +293,11 @@ class LayerSelector:
                                                      compact)
                     count.recall_n += 1
         return out
+
+    @staticmethod
+    def _window_skip(span: SeqSpan) -> int:
+        """How many of a question span's rows come before the answer's window (its last rows)."""
+        return max(0, span.num_prompt - WINDOW - span.start)
 
     def _count(self, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice, compact: torch.Tensor,
                scored: bool) -> None:

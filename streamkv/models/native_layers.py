@@ -38,8 +38,8 @@ class SkSelect(ctypes.Structure):
     _fields_ = [("q_row", ctypes.c_int64), ("cand", ctypes.c_void_p), ("P", ctypes.c_int), ("keep", ctypes.c_int),
                 ("full", ctypes.c_void_p), ("sink_len", ctypes.c_int64), ("tail_from", ctypes.c_int64),
                 ("ctx_len", ctypes.c_int64), ("out_off", ctypes.c_int64), ("pos", ctypes.c_void_p),
-                ("picked", ctypes.c_void_p), ("rows", ctypes.c_int), ("first", ctypes.c_int64),
-                ("shares", ctypes.c_void_p)]
+                ("picked", ctypes.c_void_p), ("rows", ctypes.c_int), ("wrows", ctypes.c_int), ("first", ctypes.c_int64),
+                ("scratch", ctypes.c_void_p), ("shares", ctypes.c_void_p)]
 
 
 class SkModel(ctypes.Structure):
@@ -164,10 +164,12 @@ class NativeLayers:
         for j, e in enumerate(fused.entries):
             c = e.choice
             pos = torch.empty(max(1, e.rows) * c.plan.keep, dtype=torch.int64)
-            keep += [pos, c.candidates, c.slots.full, e.picked, e.shares]
+            scratch = torch.empty(e.rows, c.candidates.numel()) if e.rows else None  # a question's shares, per layer
+            keep += [pos, scratch, c.candidates, c.slots.full, e.picked, e.shares]
             entries[j] = SkSelect(e.q_row, _ptr(c.candidates), c.candidates.numel(), c.plan.keep, _ptr(c.slots.full),
                                   c.slots.sink_len, c.slots.tail_from, c.slots.full.numel(), e.offset, _ptr(pos),
-                                  _ptr(e.picked), e.rows, e.first, _ptr(e.shares))
+                                  _ptr(e.picked), e.rows, 0 if e.shares is None else e.shares.shape[1], e.first,
+                                  _ptr(scratch), _ptr(e.shares))
         bounds = cache.bounds.data
         layers = fused.recall_layers
         q = torch.empty(len(layers), x.shape[0], self.heads, self.head_dim, dtype=torch.float32) if layers else None

@@ -318,9 +318,10 @@ int streamkv_page_shares(const void* q, int q_bf16, int R, int kvh, int g, int D
  *                  [layers][keep] holds each layer's page positions (ascending);
  *   rows > 0:      a session question's rows q_row .. q_row + rows - 1, each ranking the pages
  *                  with its own query (streamkv_page_shares: a row's bits whatever rows come
- *                  with it); row r's slots (sinks, its pages, the first `first` + r tail slots)
- *                  follow row r - 1's, and shares [layers][rows][P] receives every row's share
- *                  of every page. */
+ *                  with it, its shares of every page in scratch [rows][P]); row r's slots
+ *                  (sinks, its pages, the first `first` + r tail slots) follow row r - 1's, and
+ *                  shares [layers][wrows][P] (when wrows > 0) keeps the last wrows rows' shares
+ *                  (the answer's window). */
 typedef struct {
     int64_t q_row;
     const int64_t* cand;
@@ -329,8 +330,9 @@ typedef struct {
     int64_t sink_len, tail_from, ctx_len, out_off;
     int64_t* pos;  /* [keep] scratch ([rows][keep] for a question) */
     const int64_t* picked;
-    int rows;
+    int rows, wrows;
     int64_t first;
+    float* scratch;
     float* shares;
 } SkSelect;
 
@@ -360,8 +362,11 @@ int streamkv_fwd_sel(const SkModel* m, float* x, int64_t T, const int64_t* pos, 
             const SkSelect* e = sel + s;
             if (e->rows > 0) {
                 rc = streamkv_page_shares(w.q + e->q_row * hd, 0, e->rows, m->Hk, m->H / m->Hk, m->D, bounds + l * stride,
-                                          e->cand, e->P, m->scale, e->shares + (int64_t)l * e->rows * e->P, e->keep,
-                                          e->pos, e->full, e->sink_len, e->tail_from, e->first, bs, slots + e->out_off);
+                                          e->cand, e->P, m->scale, e->scratch, e->keep, e->pos, e->full, e->sink_len,
+                                          e->tail_from, e->first, bs, slots + e->out_off);
+                if (e->wrows > 0)
+                    memcpy(e->shares + (int64_t)l * e->wrows * e->P, e->scratch + (int64_t)(e->rows - e->wrows) * e->P,
+                           sizeof(float) * (size_t)e->wrows * e->P);
                 continue;
             }
             if (e->picked) {
