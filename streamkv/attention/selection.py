@@ -216,9 +216,7 @@ class LayerSelector:
                 row = ql[span.q_start + r:span.q_start + r + 1].view(1, self.cache.k.shape[2], -1, ql.shape[2])
                 _, _, compact = span.read.rows_compact(row, self.cache.bounds.data[layer], c.candidates, c.plan.keep,
                                                        self.scale, c.slots, first)
-                count.recall_sum += self._recall(layer, ql[span.q_start + r], c.slots.full[:span.start + r + 1],
-                                                 compact)
-                count.recall_n += 1
+                self._add_recall(count, layer, ql, span, c, compact, r)
             elif c.picks is not None:  # reused: the pages that layer read
                 self._add_recall(count, layer, ql, span, c, c.slots.gather(c.picks.layers[layer]))
             else:
@@ -289,9 +287,7 @@ class LayerSelector:
             count.pages_picked += c.plan.keep * span.q_len
             for r, compact in enumerate(out[1]):  # rows sample their recall as answer rows do
                 if layer == self._recall_layer_at(span.start + r):
-                    count.recall_sum += self._recall(layer, q[span.q_start + r], c.slots.full[:span.start + r + 1],
-                                                     compact)
-                    count.recall_n += 1
+                    self._add_recall(count, layer, q, span, c, compact, r)
         return out
 
     @staticmethod
@@ -319,8 +315,11 @@ class LayerSelector:
         return span.read.compact(rows, bounds, c.candidates, c.plan.keep, self.scale, c.slots)
 
     def _add_recall(self, count: ReadCount, layer: int, q: torch.Tensor, span: SeqSpan, c: _Choice,
-                    compact: torch.Tensor) -> None:
-        count.recall_sum += self._recall(layer, q[span.q_start], c.slots.full, compact)
+                    compact: torch.Tensor, row: int | None = None) -> None:
+        """The recall of a decode row, or of a question's row ``row`` (whose context ends at it),
+        reading ``compact``."""
+        full = c.slots.full if row is None else c.slots.full[:span.start + row + 1]
+        count.recall_sum += self._recall(layer, q[span.q_start + (row or 0)], full, compact)
         count.recall_n += 1
 
     def _recall_layer(self, span: SeqSpan) -> int | None:
