@@ -401,9 +401,8 @@ def test_a_server_default_quest_acts_like_the_same_object_in_a_request():
     assert pinned.read is not None and not pinned.read.rescore
 
 
-def _session_answer(engine, rescore: bool, max_tokens: int) -> tuple:
-    """(token ids, logprobs, read report) of one quest session question over 80 sensor records."""
-    from streamkv import SamplingParams
+def _quest_session(engine, rescore: bool) -> str:
+    """A session under quest over 80 sensor records, ingested (the engine drained): its id."""
     from streamkv.sessions.spec import SessionSpec
 
     policy = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 32, "recent_tokens": 64, "rescore": rescore}
@@ -411,11 +410,25 @@ def _session_answer(engine, rescore: bool, max_tokens: int) -> tuple:
                                                  kv_read=policy))
     engine.sessions.push(session.id, [f"sensor {i % 7} reading {(i * 37) % 1000} at t={i}" for i in range(80)])
     _drain(engine)
+    return session.id
+
+
+def _ask(engine, sid: str, max_tokens: int) -> None:
+    from streamkv import SamplingParams
+
     question = ("Across every sensor listed above, what was the reading of sensor 3 at t=38, and which sensor "
                 "reported the largest reading near the end of the data?")
-    engine.sessions.query(session.id, "q", question, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3))
-    out = engine.run_to_completion(["q"])["q"]
+    engine.sessions.query(sid, "q", question, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3))
+
+
+def _answer(out) -> tuple:
     return out.token_ids, [lp.logprob for lp in out.logprobs], out.kv
+
+
+def _session_answer(engine, rescore: bool, max_tokens: int) -> tuple:
+    """(token ids, logprobs, read report) of one quest session question over 80 sensor records."""
+    _ask(engine, _quest_session(engine, rescore), max_tokens)
+    return _answer(engine.run_to_completion(["q"])["q"])
 
 
 @pytest.mark.parametrize("rescore", [False, True])
@@ -456,6 +469,43 @@ def test_a_fused_session_question_equals_the_per_layer_path(monkeypatch, rescore
     assert questions and any(len(c.recall_layers) > 1 for c in questions)
     assert answers[0] == answers[1]
     assert answers[0][2]["pages_picked"] > 0 and answers[0][2]["attention_recall"] is not None
+
+
+def test_a_fused_step_of_question_chunks_beside_a_requests_decode_equals_the_per_layer_path(monkeypatch):
+    """A session question in chunks of 8 (its answer window split across steps) while a quest
+    request decodes beside it: the fused steps hold both kinds of entry (and the request's row
+    samples its recall in one of them), and everything comes out as through the per-layer
+    Python path (tokens, logprobs, read reports)."""
+    from streamkv import LLM, SamplingParams
+    from streamkv.attention.selection import LayerSelector
+
+    fused, calls = LayerSelector.fused, []
+
+    def spy(self):
+        calls.append(fused(self))
+        return calls[-1]
+
+    prompt = " ".join(f"note {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} coins." for i in range(60))
+    quest = {"policy": "quest", "budget_tokens": 256, "sink_tokens": 16, "recent_tokens": 64, "rescore": True}
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = []
+    for path in (spy, lambda self: None):
+        monkeypatch.setattr(LayerSelector, "fused", path)
+        engine = LLM(max_chunk_tokens=8).engine
+        sid = _quest_session(engine, rescore=False)
+        engine.add_request("r", prompt, params, kv_read=quest)
+        while not any(o.request_id == "r" and o.token_ids                    # r's next row at position
+                      and (len(o.prompt_token_ids) + len(o.token_ids) - 1) % 16 == 12 for o in engine.step()):
+            pass                                                             # 12: it samples its recall at
+        _ask(engine, sid, 4)
+        outs = engine.run_to_completion(["q", "r"])
+        results += [_answer(outs["q"]), _answer(outs["r"])]
+    mixed = [c for c in calls if c is not None and any(e.rows for e in c.entries)
+             and any(not e.rows for e in c.entries)]
+    assert mixed, "no fused step held question rows beside a decode row"
+    decoders = [{id(e.choice) for e in c.entries if not e.rows} for c in mixed]   # 16 during the question
+    assert any(id(choice) in d for c, d in zip(mixed, decoders) for _, choice, _ in c.sampled)
+    assert results[:2] == results[2:]
 
 
 def test_a_session_question_under_quest_is_the_same_with_or_without_the_ready_fork(smol_fp32):
