@@ -153,9 +153,9 @@ class LayerSelector:
         if any((c.picks is not None and not self._reuses(c)) or c.plan.keep <= 0
                or not (self.spans[c.index].is_decode or is_question(self.spans[c.index])) for c in self.choices):
             return None
-        sampled = sorted(((layer, k, c, r) for k, c in enumerate(self.choices)
-                          for r, layer in self._sampling_rows(self.spans[c.index])), key=lambda t: t[:2] + t[3:])
-        if any(layer >= 64 for layer, *_ in sampled):
+        sampled = sorted((layer, k, r) for k, c in enumerate(self.choices)  # the per-layer path's order
+                         for r, layer in self._sampling_rows(self.spans[c.index]))
+        if any(layer >= 64 for layer, _, _ in sampled):
             return None
         bs = self.cache.block_size
         selecting = {c.index: c for c in self.choices}
@@ -179,12 +179,13 @@ class LayerSelector:
                 self._count_fused(span.seq_id, c, lengths[0], scored=picked is None)
             if c is not None:
                 flat.append(torch.empty(sum(lengths), dtype=torch.int64))
-            q_len = span.q_len if len(lengths) == 1 else 1
+            q_len = 1 if c is not None and is_question(span) else span.q_len  # a question: one span per row
             for r, length in enumerate(lengths):
                 rows.append((span.q_start + r, q_len, offset, length))
                 offset += length
         return FusedSelection(torch.tensor(rows, dtype=torch.int64), torch.cat(flat), entries,
-                              tuple(sorted({t[0] for t in sampled})), [(layer, c, r) for layer, _, c, r in sampled])
+                              tuple(sorted({layer for layer, _, _ in sampled})),
+                              [(layer, self.choices[k], r) for layer, k, r in sampled])
 
     def _sampling_rows(self, span: SeqSpan) -> list[tuple[int, int]]:
         """(row in the span, layer) of each of its rows that measures its recall this step."""

@@ -231,6 +231,13 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
     return 0;
 }
 
+/* The rows in the lanes of rows-in-lanes pass hb (nb blocks of LANES rows per head): *at, the
+ * first one's index among its head's n rows; returns how many lanes hold a row. */
+static inline int pass_rows(int hb, int nb, int n, int *at) {
+    *at = (hb % nb) * LANES;
+    return n - *at < LANES ? n - *at : LANES;
+}
+
 /* Each query row's own share of every page: out [R][P] = max over the row's (kv head, group
  * member) softmaxes over the pages (streamkv.policies.read.QuestPolicy.row_scores). Rows
  * always sit in lanes (tile()), so a row's bits are the same whatever rows come with it.
@@ -253,8 +260,8 @@ int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D
      * heads, so the threads split the pages, not the passes) */
     #pragma omp parallel for schedule(static) if (passes >= 4)
     for (int hb = 0; hb < passes; hb++) {
-        int at = (hb % nb) * LANES, valid = n - at < LANES ? n - at : LANES;
-        lane_softmax(ub + (size_t)hb * Pp * LANES, P, valid, inv + (size_t)hb * LANES);
+        int at;
+        lane_softmax(ub + (size_t)hb * Pp * LANES, P, pass_rows(hb, nb, n, &at), inv + (size_t)hb * LANES);
     }
     memset(out, 0, sizeof(float) * (size_t)R * P);
     const int span = 64, spans = (P + span - 1) / span;
@@ -263,7 +270,7 @@ int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D
         const int p0 = sp * span, p1 = p0 + span < P ? p0 + span : P;
         for (int hb = 0; hb < passes; hb++) {
             const float *u = ub + (size_t)hb * Pp * LANES, *iv = inv + (size_t)hb * LANES;
-            int at = (hb % nb) * LANES, valid = n - at < LANES ? n - at : LANES;
+            int at, valid = pass_rows(hb, nb, n, &at);
             for (int l = 0; l < valid; l++) {
                 float *row = out + (size_t)((at + l) / g) * P;
                 for (int p = p0; p < p1; p++) row[p] = fmaxf(row[p], u[p * LANES + l] * iv[l]);
