@@ -263,7 +263,8 @@ def _bench(fn, min_time: float = 0.3, warmup: int = 2) -> float:
 
 def fma_peak(threads: int = 2) -> dict | None:
     """The register-only float32 FMA peak (benchmarks/fma_peak.c, built here with the system C
-    compiler for this CPU): {"isa", "threads", "peak_gflops": {chains: GFLOP/s}, "fma_latency_ns"};
+    compiler for this CPU): {"isa", "threads", "peak_gflops": {chains: GFLOP/s}, "fma_latency_ns",
+    "bf16_dot_peak_gflops" (vdpbf16ps, 12 chains; -1 where the CPU has no AVX512-BF16)};
     None where no compiler or OpenMP is available."""
     import hashlib
     import shutil
@@ -292,7 +293,8 @@ def measure_ceilings(threads: int = 2, d_in: int = 576, d_out: int = 1536, vocab
     """Measured peaks on this machine: F.linear GFLOP/s at prefill (2048 rows) and batch-1
     decode shapes, the LM head at batch 1, memory bandwidth (large copy / large sum), and the
     register-only float32 FMA peak with 12 chains per thread (``fma_peak_gflops``, None without a
-    C compiler) and one fma's latency."""
+    C compiler) and one fma's latency; ``bf16_dot_peak_gflops``: the same loop of bf16 dot
+    products (None without AVX512-BF16)."""
     import torch
     import torch.nn.functional as F
 
@@ -318,6 +320,8 @@ def measure_ceilings(threads: int = 2, d_in: int = 576, d_out: int = 1536, vocab
     peak = fma_peak(threads)
     out["fma_peak_gflops"] = peak["peak_gflops"]["12"] if peak else None
     out["fma_latency_ns"] = peak["fma_latency_ns"] if peak else None
+    bf = peak.get("bf16_dot_peak_gflops", -1) if peak else -1
+    out["bf16_dot_peak_gflops"] = bf if bf > 0 else None
     return out
 
 

@@ -305,6 +305,13 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                        f"{ceil['fma_peak_gflops'] * 1e9 / fl:.0f} tok/s in float32 at this FMA rate; "
                        + ", ".join(f"{n.split(' (')[0]} {metric(res[n], 'prefill@2048') * fl / 1e9 / ceil['fma_peak_gflops']:.0%}"
                                    for n in names if "float32" in n and metric(res[n], "prefill@2048")) + " of it")
+        if ceil.get("bf16_dot_peak_gflops"):  # AVX512-BF16 CPUs, runs since 2026-12-06
+            fl = common.prefill_flops_per_token(cost, 2048)
+            out.append(f"- register-only bf16 dot-product (vdpbf16ps) peak {ceil['bf16_dot_peak_gflops']} GFLOP/s, "
+                       f"{ceil['bf16_dot_peak_gflops'] / ceil['fma_peak_gflops']:.2f}x the float32 FMA peak: prefill@2048 "
+                       f"at most {ceil['bf16_dot_peak_gflops'] * 1e9 / fl:.0f} tok/s on bf16 dot products; "
+                       + ", ".join(f"{n.split(' (')[0]} {metric(res[n], 'prefill@2048') * fl / 1e9 / ceil['bf16_dot_peak_gflops']:.0%}"
+                                   for n in names if "bfloat16" in n and metric(res[n], "prefill@2048")) + " of it")
         crow, report["ceiling_pct"] = [], {}
         dec_ctx = wl["decode_prompt"] + wl["max_tokens"] // 2
         for n in names:

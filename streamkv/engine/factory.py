@@ -103,7 +103,7 @@ def _packed_weights(kernels: KernelChoice, gguf: GGUFFile | None, arch: Any) -> 
     if gguf is None:
         return None
     out: dict[str, Any] = {}
-    if kernels.get("linear") in ("q4", "deq"):
+    if kernels.get("linear") in ("q4", "q4f", "deq"):
         out.update(read_q4_matrices(gguf, arch,
                                     permuted_qk=arch.architecture in ("LlamaForCausalLM", "MistralForCausalLM")))
     if kernels.get("lm_head") in ("q8", "deq"):
@@ -173,7 +173,8 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     kernels = kernel_choice(config, ckpt, dtype, device)
     log.info("kernels: %s", kernels.describe())
     q4 = _packed_weights(kernels, ckpt.gguf, arch)
-    options = KernelOptions(tiles=kernels.get("gemm") == "amx", deq_rows=kernels.packed_rows("linear"),
+    options = KernelOptions(tiles=kernels.get("gemm") == "amx", q4_fma=kernels.get("linear") == "q4f",
+                            deq_rows=kernels.packed_rows("linear"),
                             head_deq_rows=kernels.packed_rows("lm_head"))
     model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics,
                               options=options).eval()

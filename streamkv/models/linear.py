@@ -36,13 +36,15 @@ NUMERICS = ("invariant", "fast")
 class KernelOptions:
     """The measured kernel choice as the layers see it (``native/tuning.py``).
 
-    ``tiles``: dense bf16 GEMMs on AMX tiles. ``deq_rows`` / ``head_deq_rows``: a float32 model's
+    ``tiles``: dense bf16 GEMMs on AMX tiles. ``q4_fma``: bf16 4-bit layers on the q4 kernel's
+    float32 fma chain (``linear=q4f``). ``deq_rows`` / ``head_deq_rows``: a float32 model's
     GGUF 4-bit layers / Q8_0 LM head (a bf16 model's 4-bit layers: ``linear=deq``) are also kept
     packed, and steps of at most that many rows read them (``models/deq_linear.py``: the same bits
     as the dense weights); 0: never.
     """
 
     tiles: bool = False
+    q4_fma: bool = False
     deq_rows: int = 0
     head_deq_rows: int = 0
 
@@ -147,7 +149,7 @@ class InvariantLinear(Linear):
         if q4 is not None and (not bf16 or options.deq_rows):
             self.deq = DeqWeights.from_q4(q4, options.deq_rows, bf16, options.tiles) if options.deq_rows else None
         elif q4 is not None:
-            self.q4 = PackedQ4(q4.q, q4.scale, q4.zero)
+            self.q4 = PackedQ4(q4.q, q4.scale, q4.zero, fma=options.q4_fma)
             if not self.q4.native:
                 raise ValueError("numerics=invariant takes 4-bit bf16 weights only through the native q4 kernel")
         self.dense = DensePanels(weight, options.tiles) if self.q4 is None else None

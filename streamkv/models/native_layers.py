@@ -103,7 +103,7 @@ class NativeLayers:
         bias = self._f32(lin.bias)
         if lin.q4 is not None:
             packed = lin.q4.packed
-            return SkLinear(1, lin.q4.out_features, packed.shape[1] * 32, 1, 0, packed.data_ptr(),
+            return SkLinear(1, lin.q4.out_features, packed.shape[1] * 32, 1, int(lin.q4.fma), packed.data_ptr(),
                             lin.q4.scales_zeros.data_ptr(), bias)
         panels = lin.dense.panels
         wbf16 = panels.dtype == torch.bfloat16

@@ -52,9 +52,12 @@ def pack_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tup
 class PackedQ4(nn.Module):
     """One linear layer's weight as 4-bit groups: x [M, K] -> [M, N] in x's dtype."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, native: bool = True) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, native: bool = True,
+                 fma: bool = False) -> None:
+        """``fma``: the native kernel's float32 fma chain (``linear=q4f``; its own bits, every row)."""
         super().__init__()
         self.out_features = q.shape[0]
+        self.fma = fma
         kernel: Callable[..., torch.Tensor] | None = None
         if native:
             from streamkv.native import q4_gemm
@@ -85,13 +88,14 @@ class PackedQ4(nn.Module):
         if self.kernel is None:
             return self._torch(x)
         if x.dtype == torch.bfloat16:
-            return self.kernel(x, self.packed, self.scales_zeros, self.out_features, torch.bfloat16)
+            return self.kernel(x, self.packed, self.scales_zeros, self.out_features, torch.bfloat16, self.fma)
         return self.forward_f32(x).to(x.dtype)
 
     def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
         """Like :meth:`forward`, with a float32 result (the native kernel's own precision)."""
         if self.kernel is not None:
-            return self.kernel(x.to(torch.bfloat16), self.packed, self.scales_zeros, self.out_features)
+            return self.kernel(x.to(torch.bfloat16), self.packed, self.scales_zeros, self.out_features,
+                               fma=self.fma)
         return self._torch(x).float()
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:

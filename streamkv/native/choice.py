@@ -21,7 +21,7 @@ from typing import Iterator
 log = logging.getLogger(__name__)
 
 KINDS: dict[str, tuple[str, ...]] = {
-    "linear": ("q4", "dense", "deq"),
+    "linear": ("q4", "dense", "deq", "q4f"),
     "gemm": ("amx", "avx512"),
     "lm_head": ("q8", "dense", "deq"),
     "attention": ("bf16", "f32", "amx"),

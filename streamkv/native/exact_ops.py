@@ -21,8 +21,9 @@ def q4_gemm() -> Callable[..., torch.Tensor] | None:
 
 
 def _q4(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, n: int,
-        out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """x [M, K] bf16 @ the packed [n, K] weight -> [M, n] float32 or bfloat16 (layout in ``q4_gemm.c``)."""
+        out_dtype: torch.dtype = torch.float32, fma: bool = False) -> torch.Tensor:
+    """x [M, K] bf16 @ the packed [n, K] weight -> [M, n] float32 or bfloat16 (layout in ``q4_gemm.c``);
+    ``fma``: its float32 fma chain instead of vdpbf16ps (``linear=q4f``, its own bits)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise TypeError(f"q4 GEMM needs a 2-D bfloat16 input, got {x.dtype} {tuple(x.shape)}")
     if out_dtype not in (torch.float32, torch.bfloat16):
@@ -30,7 +31,8 @@ def _q4(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=out_dtype)
-    rc = fn(x.data_ptr(), m, k, w.data_ptr(), sz.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16))
+    rc = fn(x.data_ptr(), m, k, w.data_ptr(), sz.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
+            int(fma))
     if rc != 0:
         raise ValueError(f"q4 GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
     return out

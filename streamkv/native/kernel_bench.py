@@ -132,7 +132,9 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
                     for _ in range(_copies(params * 2, s.layers))]
     deq_layers = [[(*pack_deq_bf16(*_random_q4(n, k)), n) for n, k in shapes]
                   for _ in range(_copies(params * 3 // 4, s.layers))] if deq else []
-    out: dict[str, dict[str, float]] = {"q4": {}, "dense": {}, **({"deq": {}} if deq else {})}
+    q4f = not fast  # the fma chain: invariant numerics only (fast ones read prompt rows through torch)
+    out: dict[str, dict[str, float]] = {"q4": {}, "dense": {}, **({"deq": {}} if deq else {}),
+                                        **({"q4f": {}} if q4f else {})}
     for label, m in (EXACT_ROWS if deq else ROWS).items():
         xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
 
@@ -141,10 +143,10 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
                 for (q, dm, n), (_, k) in zip(layer, shapes):
                     deq(xs[k], q, dm, n, torch.bfloat16, tiles)
 
-        def run_q4() -> None:
+        def run_q4(fma: bool = False) -> None:
             for layer in q4_layers:
                 for (w, sz, n), (_, k) in zip(layer, shapes):
-                    q4k(xs[k], w, sz, n, torch.bfloat16)
+                    q4k(xs[k], w, sz, n, torch.bfloat16, fma)
 
         def run_dense() -> None:
             for layer in dense_layers:
@@ -154,11 +156,14 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
         # a fast-numerics prompt chunk takes torch's GEMM on either path: one time for both
         same = fast and label.startswith("prompt")
         t = _best_each({"dense": run_dense} if same else {"q4": run_q4, "dense": run_dense,
-                                                          **({"deq": run_deq} if deq else {})})
+                                                          **({"deq": run_deq} if deq else {}),
+                                                          **({"q4f": lambda: run_q4(True)} if q4f else {})})
         out["dense"][label] = t["dense"] / len(dense_layers)
         out["q4"][label] = out["dense"][label] if same else t["q4"] / len(q4_layers)
         if deq:
             out["deq"][label] = t["deq"] / len(deq_layers)
+        if q4f:
+            out["q4f"][label] = t["q4f"] / len(q4_layers)
     return out
 
 

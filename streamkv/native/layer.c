@@ -35,7 +35,7 @@
 int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
                       int use_tiles);
 int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
-                     int bf16_out);
+                     int bf16_out, int fma);
 int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uint16_t* dm, int bits, int N,
                       void* out, int out_bf16);
 int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act,
@@ -50,7 +50,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
 typedef struct {
     int kind;            /* 0: dense panels (inv_gemm.c), 1: GGUF 4-bit (q4_gemm.c) */
     int N, K, wbf16;     /* wbf16: dense panels are bf16 */
-    int tiles;           /* dense bf16: AMX tiles (where the CPU has them) */
+    int tiles;           /* dense bf16: AMX tiles (where the CPU has them); 4-bit: q4_gemm.c's fma chain */
     const void* w;       /* panels, or packed nibbles */
     const void* sz;      /* 4-bit: scales and zeros */
     const float* bias;   /* [N] or NULL */
@@ -137,7 +137,7 @@ int streamkv_rms_norm(const float* x, int64_t T, int d, const float* w, float ep
 
 static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
     int rc = l->kind == 1 ? streamkv_q4_gemm((const uint16_t*)x, (int)T, l->K, (const uint8_t*)l->w,
-                                             (const uint16_t*)l->sz, l->N, out, 0)
+                                             (const uint16_t*)l->sz, l->N, out, 0, l->tiles)
            : l->deq && T <= l->deq_rows
                ? (l->wbf16 ? streamkv_deq_gemm_bf16((const uint16_t*)x, T, l->K, (const uint8_t*)l->deq,
                                                     (const float*)(const void*)l->deq_dm, 4, l->N, out, 0, l->tiles)

@@ -14,6 +14,19 @@
  * (q - 8) is exact in bf16; xsum[m, g] is the group's sum of x in float32 (v_hsum of two
  * lane-wise halves). Lanes are 16 output rows n, so no horizontal sums are needed.
  *
+ * The fma chain (fma = 1, ``linear=q4f``) replaces each vdpbf16ps by two float32 fmas of the same
+ * exact products, the pair's odd k first, as the instruction's definition adds them:
+ *
+ *       s = fma(x[2p], q[2p] - 8, fma(x[2p + 1], q[2p + 1] - 8, s))
+ *
+ * the same for every M (both blockings below take it). vdpbf16ps rounds each addition to nearest
+ * even and flushes float32 denormals (inputs and results) to zero; the fmas round alike and keep
+ * denormals, so the two chains agree wherever no partial sum or x falls below 2^-126 (on the Intel
+ * Xeons: bit for bit over random prompts, tests/test_q4_fma.py). Where vdpbf16ps issues at
+ * half the float32 fma rate (Intel Xeons without AMX: 207 vs 422 GFLOP/s register-only, 2 vCPUs,
+ * benchmarks/fma_peak.c) it runs a 1,024-row prompt GEMM ~1.4x faster; the choice between the two
+ * is measured (native/tuning.py). x is widened to float32 once per call (exact).
+ *
  * Packed layout (streamkv/models/q4_linear.py: pack_native), per tile t of 16 output rows and
  * group g:  w [T][G][16 pairs][16 bytes]   byte = q[row][2p] | q[row][2p + 1] << 4
  *           sz [T][G][2][16] bf16          scale and zero of the 16 rows
@@ -99,6 +112,7 @@ static inline void store_row(void* out, int bf16_out, int64_t at, __mmask16 keep
 typedef struct {
     const uint16_t* x;   /* [M, K] bf16 */
     const float* xsum;   /* [M, G] (Q4 only) */
+    const float* xw;     /* [M, K] x widened to float32: the fma chain; NULL: vdpbf16ps */
     const uint8_t* w;
     const void* sz;      /* Q4: scale and zero bf16 [T][G][2][16]; Q8: d float32 [T][G][16] */
     void* out;
@@ -132,6 +146,22 @@ static inline __attribute__((always_inline)) __m512 group_end(const Q4* a, const
     return Q8 ? o : _mm512_fmadd_ps(zr, _mm512_set1_ps(a->xsum[m * a->G + g]), o);
 }
 
+/* the fma chain's step for R rows x P tiles: s[r][i] += x pair (m + r) . W[i], odd k first */
+static inline __attribute__((always_inline)) void fma_pair(const Q4* a, const int R, const int P, int64_t m, int g,
+                                                           int p, const __m512i* W, __m512 s[][P]) {
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
+    __m512 we[4], wo[4];
+    for (int i = 0; i < P; i++) {
+        we[i] = _mm512_castsi512_ps(_mm512_slli_epi32(W[i], 16));   /* q[2p] - 8 of each lane (low word) */
+        wo[i] = _mm512_castsi512_ps(_mm512_and_si512(W[i], hi));    /* q[2p + 1] - 8 (high word) */
+    }
+    for (int r = 0; r < R; r++) {
+        const float* xr = a->xw + (m + r) * a->K + 32 * g + 2 * p;
+        const __m512 x0 = _mm512_set1_ps(xr[0]), x1 = _mm512_set1_ps(xr[1]);
+        for (int i = 0; i < P; i++) s[r][i] = _mm512_fmadd_ps(x0, we[i], _mm512_fmadd_ps(x1, wo[i], s[r][i]));
+    }
+}
+
 static inline uint32_t xpair(const Q4* a, int64_t m, int g, int p) {
     uint32_t v;
     memcpy(&v, a->x + m * a->K + 32 * g + 2 * p, 4);
@@ -150,11 +180,15 @@ static inline __attribute__((always_inline)) void small(const Q4* a, const int Q
     __m512 o[7][4];
     for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = _mm512_setzero_ps();
     for (int g = 0; g < a->G; g++) {
-        __m512 s[7][4];
+        __m512 s[7][P];
         for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) s[r][i] = _mm512_setzero_ps();
         for (int p = 0; p < 16; p++) {
             __m512i W[4];
             for (int i = 0; i < P; i++) W[i] = wvec(a, Q8, t0 + i, g, p, ctrl, table);
+            if (a->xw) {
+                fma_pair(a, R, P, m0, g, p, W, s);
+                continue;
+            }
             for (int r = 0; r < R; r++) {
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xpair(a, m0 + r, g, p));
                 for (int i = 0; i < P; i++) s[r][i] = _mm512_dpbf16_ps(s[r][i], (__m512bh)W[i], xb);
@@ -200,9 +234,10 @@ static inline __attribute__((always_inline)) void blk(const Q4* a, const int Q8,
     __m512 o[6][2];
     for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = _mm512_setzero_ps();
     for (int g = 0; g < a->G; g++) {
-        __m512 s[6][2];
+        __m512 s[6][P];
         for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) s[r][i] = _mm512_setzero_ps();
-        for (int p = 0; p < 16; p++)
+        for (int p = 0; a->xw && p < 16; p++) fma_pair(a, R, P, m, g, p, buf + (g * 16 + p) * P, s);
+        for (int p = 0; !a->xw && p < 16; p++)
             for (int r = 0; r < R; r++) {
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xpair(a, m + r, g, p));
                 for (int i = 0; i < P; i++)
@@ -251,14 +286,22 @@ static void big_tiles(const Q4* a, int q8, int64_t m0, int64_t m1, int t, int P,
 }
 
 static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* sz, int N, void* out, int bf16_out,
-                int q8) {
+                int q8, int fma) {
     if (K % 32 != 0 || M <= 0 || N <= 0) return 1;
     const int G = K / 32, T = (N + 15) / 16;
     float* xsum = q8 ? NULL : malloc(sizeof(float) * (size_t)M * G);
     for (int64_t m = 0; !q8 && m < M; m++)
         for (int g = 0; g < G; g++)
             xsum[m * G + g] = v_hsum(v_add(v_load_bf16(x + m * K + 32 * g), v_load_bf16(x + m * K + 32 * g + 16)));
-    const Q4 a = {x, xsum, w, sz, out, M, K, G, N, T, bf16_out};
+    float* xw = fma ? malloc(sizeof(float) * (size_t)M * K) : NULL;
+    if (fma && !xw) {
+        free(xsum);
+        return 3;  /* no memory for the widened x: never the other chain's bits instead */
+    }
+    #pragma omp parallel for schedule(static) if (xw && M >= 8)
+    for (int64_t m = 0; m < (xw ? M : 0); m++)  /* exact: bf16 -> float32 is a shift */
+        for (int k = 0; k < K; k += 16) v_store(xw + m * K + k, v_load_bf16(x + m * K + k));
+    const Q4 a = {x, xsum, xw, w, sz, out, M, K, G, N, T, bf16_out};
     void (*small_rows)(const Q4*, int, int64_t, int, int) = q8 ? small_rows_q8 : small_rows_q4;
     if (M < 8) {
         /* each thread takes a contiguous range of tiles (balanced to one tile) */
@@ -283,25 +326,26 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
         }
     }
     free(xsum);
+    free(xw);
     return 0;
 }
 
-/* out [M, N]: float32, or bf16 when bf16_out (nearest even) */
+/* out [M, N]: float32, or bf16 when bf16_out (nearest even); fma: the fma chain (above) */
 int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
-                     int bf16_out) {
-    return gemm(x, M, K, w, sz, N, out, bf16_out, 0);
+                     int bf16_out, int fma) {
+    return gemm(x, M, K, w, sz, N, out, bf16_out, 0, fma);
 }
 
 /* Q8_0 weights, out [M, N] float32 */
 int streamkv_q8_gemm(const uint16_t* x, int M, int K, const int8_t* w, const float* d, int N, float* out) {
-    return gemm(x, M, K, (const uint8_t*)w, d, N, out, 0, 1);
+    return gemm(x, M, K, (const uint8_t*)w, d, N, out, 0, 1, 0);
 }
 
 int streamkv_q4_available(void) { return 1; }
 #else
 int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
-                     int bf16_out) {
-    (void)x; (void)M; (void)K; (void)w; (void)sz; (void)N; (void)out; (void)bf16_out;
+                     int bf16_out, int fma) {
+    (void)x; (void)M; (void)K; (void)w; (void)sz; (void)N; (void)out; (void)bf16_out; (void)fma;
     return 2;
 }
 

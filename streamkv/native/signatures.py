@@ -18,7 +18,7 @@ def declare(lib: ctypes.CDLL) -> None:
     fn = lib.streamkv_q4_gemm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_int]
+                   ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.streamkv_q4_available.restype = ctypes.c_int
     fn = lib.streamkv_q8_gemm
     fn.restype = ctypes.c_int

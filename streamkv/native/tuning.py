@@ -5,7 +5,9 @@ Kinds and their paths (a kind only exists where more than one path can run):
 
     kind               paths            what it decides
     linear             q4 | dense | deq GGUF 4-bit layers: the 4-bit kernel, dense weights, or (bf16) both
-                                        with the dense bits: 4-bit blocks for small steps (deq_bf16.c)
+                 | q4f                  with the dense bits: 4-bit blocks for small steps (deq_bf16.c); q4f:
+                                        the 4-bit kernel's float32 fma chain (bf16, invariant numerics; its
+                                        own bits), for CPUs whose bf16 dot products run at half the fma rate
     gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on the vector units (AMX CPUs only)
     lm_head            q8 | dense | deq a Q8_0 LM head read as int8, dense, or (bf16) both with the dense
                                         bits: the int8 blocks for small steps (deq_bf16.c)
@@ -83,6 +85,7 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
         ("linear", "q4"): s.q4 and (exact or s.bf16 and (fast or native.q4_gemm() is not None)),
         ("linear", "dense"): True,
         ("linear", "deq"): s.q4 and s.bf16 and not fast and native.deq_gemm_bf16() is not None,
+        ("linear", "q4f"): s.q4 and s.bf16 and not fast and native.q4_gemm() is not None,
         ("gemm", "amx"): s.bf16 and amx,
         ("gemm", "avx512"): True,
         ("lm_head", "q8"): s.q8_head and (exact or s.bf16 and (fast or native.q8_gemm() is not None)),
