@@ -334,7 +334,7 @@ def decode_bytes(cost: dict, dtype: str, weights: str = "dense") -> float:
     if weights == "gguf":
         return cost["gguf_tensor_bytes"]
     bpe = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    if weights == "q4":
+    if weights in ("q4", "q4f"):  # q4f: the same blocks on float32 fmas
         return cost["gguf_linear_bytes"] + cost["params_lm_head"] * 1.25
     if weights == "deq":
         return cost["gguf_linear_bytes"] * 0.75 / 0.625 + cost["params_lm_head"] * bpe

@@ -422,7 +422,7 @@ def main(argv=None) -> int:
         r["attempts"] = len(tries)
         info = r.get("info") or {}
         if cfg["key"].startswith("streamkv") and info.get("dtype"):  # "streamkv bfloat16 (auto, q4 decode)"
-            extra = ["auto"] * (args.dtype == "auto") + ["q4 decode"] * (info.get("decode_weights") == "q4")
+            extra = ["auto"] * (args.dtype == "auto") + [f"{info['decode_weights']} decode"] * (info.get("decode_weights") in ("q4", "q4f"))
             cfg["name"] = (f"streamkv {info['dtype']}" + (f" ({', '.join(extra)})" if extra else "")
                            + " fast" * (cfg["key"] == "streamkv_fast"))
         res[cfg["name"]] = r

@@ -35,13 +35,13 @@ def _resolved_dtype(llm, asked: str) -> str:
 
 
 def _decode_weights(llm, dtype: str) -> str:
-    """Which weights a decode step reads: 'q4' (the GGUF's packed blocks), 'deq' (those blocks rebuilt
-    to the dense bits, for steps of few rows) or 'dense'.
+    """Which weights a decode step reads: 'q4' (the GGUF's packed blocks), 'q4f' (the same on float32
+    fmas), 'deq' (those blocks rebuilt to the dense bits, for steps of few rows) or 'dense'.
     Prefers an engine attribute; else mirrors the engine's documented 'auto' rule (packed
     blocks for a GGUF model in bfloat16 on CPU)."""
     for path in ("engine.bundle.decode_weights", "decode_weights"):
         v = _attr(llm, path)
-        if v in ("q4", "dense", "deq"):
+        if v in ("q4", "q4f", "dense", "deq"):
             return v
     mode = _attr(llm, "config.model.decode_weights")
     if mode in ("q4", "dense"):
