@@ -311,7 +311,7 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                        f"{ceil['bf16_dot_peak_gflops'] / ceil['fma_peak_gflops']:.2f}x the float32 FMA peak: prefill@2048 "
                        f"at most {ceil['bf16_dot_peak_gflops'] * 1e9 / fl:.0f} tok/s on bf16 dot products; "
                        + ", ".join(f"{n.split(' (')[0]} {metric(res[n], 'prefill@2048') * fl / 1e9 / ceil['bf16_dot_peak_gflops']:.0%}"
-                                   for n in names if "bfloat16" in n and metric(res[n], "prefill@2048")) + " of it")
+                                   for n in names if "bfloat16" in n and "q4f" not in n and metric(res[n], "prefill@2048")) + " of it")
         crow, report["ceiling_pct"] = [], {}
         dec_ctx = wl["decode_prompt"] + wl["max_tokens"] // 2
         for n in names:
