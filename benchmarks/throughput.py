@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -298,20 +299,24 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
                    f"{ceil['lm_head_1_bfloat16_gflops']}; memory read {ceil['read_gbs']} GB/s, "
                    f"copy {ceil['copy_gbs']} GB/s (read+write); other processes meanwhile: "
                    f"{ceil['foreign_load_cores']} cores")
+        fl = common.prefill_flops_per_token(cost, 2048)
+
+        def shares(peak: float, keep: Callable[[str], bool]) -> str:
+            """The kept engines' prefill@2048 as shares of ``peak`` GFLOP/s."""
+            return ", ".join(f"{n.split(' (')[0]} {metric(res[n], 'prefill@2048') * fl / 1e9 / peak:.0%}"
+                             for n in names if keep(n) and metric(res[n], "prefill@2048"))
         if ceil.get("fma_peak_gflops"):  # runs saved before the probe existed lack it
-            fl = common.prefill_flops_per_token(cost, 2048)
-            out.append(f"- register-only float32 FMA peak {ceil['fma_peak_gflops']} GFLOP/s (12 chains per thread, "
+            peak = ceil["fma_peak_gflops"]
+            out.append(f"- register-only float32 FMA peak {peak} GFLOP/s (12 chains per thread, "
                        f"one fma {ceil['fma_latency_ns']} ns): prefill@2048 at most "
-                       f"{ceil['fma_peak_gflops'] * 1e9 / fl:.0f} tok/s in float32 at this FMA rate; "
-                       + ", ".join(f"{n.split(' (')[0]} {metric(res[n], 'prefill@2048') * fl / 1e9 / ceil['fma_peak_gflops']:.0%}"
-                                   for n in names if "float32" in n and metric(res[n], "prefill@2048")) + " of it")
+                       f"{peak * 1e9 / fl:.0f} tok/s in float32 at this FMA rate; "
+                       + shares(peak, lambda n: "float32" in n) + " of it")
         if ceil.get("bf16_dot_peak_gflops"):  # AVX512-BF16 CPUs, runs since 2026-12-06
-            fl = common.prefill_flops_per_token(cost, 2048)
-            out.append(f"- register-only bf16 dot-product (vdpbf16ps) peak {ceil['bf16_dot_peak_gflops']} GFLOP/s, "
-                       f"{ceil['bf16_dot_peak_gflops'] / ceil['fma_peak_gflops']:.2f}x the float32 FMA peak: prefill@2048 "
-                       f"at most {ceil['bf16_dot_peak_gflops'] * 1e9 / fl:.0f} tok/s on bf16 dot products; "
-                       + ", ".join(f"{n.split(' (')[0]} {metric(res[n], 'prefill@2048') * fl / 1e9 / ceil['bf16_dot_peak_gflops']:.0%}"
-                                   for n in names if "bfloat16" in n and "q4f" not in n and metric(res[n], "prefill@2048")) + " of it")
+            peak = ceil["bf16_dot_peak_gflops"]
+            out.append(f"- register-only bf16 dot-product (vdpbf16ps) peak {peak} GFLOP/s, "
+                       f"{peak / ceil['fma_peak_gflops']:.2f}x the float32 FMA peak: prefill@2048 "
+                       f"at most {peak * 1e9 / fl:.0f} tok/s on bf16 dot products; "
+                       + shares(peak, lambda n: "bfloat16" in n and "q4f" not in n) + " of it")
         crow, report["ceiling_pct"] = [], {}
         dec_ctx = wl["decode_prompt"] + wl["max_tokens"] // 2
         for n in names:

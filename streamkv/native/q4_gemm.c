@@ -293,14 +293,16 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
     for (int64_t m = 0; !q8 && m < M; m++)
         for (int g = 0; g < G; g++)
             xsum[m * G + g] = v_hsum(v_add(v_load_bf16(x + m * K + 32 * g), v_load_bf16(x + m * K + 32 * g + 16)));
-    float* xw = fma ? malloc(sizeof(float) * (size_t)M * K) : NULL;
-    if (fma && !xw) {
-        free(xsum);
-        return 3;  /* no memory for the widened x: never the other chain's bits instead */
+    float* xw = NULL;
+    if (fma) {
+        if (!(xw = malloc(sizeof(float) * (size_t)M * K))) {
+            free(xsum);
+            return 3;  /* no memory for the widened x: never the other chain's bits instead */
+        }
+        #pragma omp parallel for schedule(static) if (M >= 8)
+        for (int64_t m = 0; m < M; m++)  /* exact: bf16 -> float32 is a shift */
+            for (int k = 0; k < K; k += 16) v_store(xw + m * K + k, v_load_bf16(x + m * K + k));
     }
-    #pragma omp parallel for schedule(static) if (xw && M >= 8)
-    for (int64_t m = 0; m < (xw ? M : 0); m++)  /* exact: bf16 -> float32 is a shift */
-        for (int k = 0; k < K; k += 16) v_store(xw + m * K + k, v_load_bf16(x + m * K + k));
     const Q4 a = {x, xsum, xw, w, sz, out, M, K, G, N, T, bf16_out};
     void (*small_rows)(const Q4*, int, int64_t, int, int) = q8 ? small_rows_q8 : small_rows_q4;
     if (M < 8) {
