@@ -40,10 +40,11 @@ def _chain(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 3, 7, 8, 13, 100])
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 13, 100, 397])
 def test_the_fma_chain_gives_its_documented_bits(m):
-    """Both blockings (fewer than 8 rows, and 8 or more) against the chain computed in numpy,
-    with an odd number of 16-row tiles (72 outputs). Each x has its own power of two in
+    """Both blockings (fewer than 8 rows, and 8 or more: 397 rows are three blocks of rows, the
+    last of 13) against the chain computed in numpy, with an odd number of 16-row tiles (72
+    outputs) and 10 groups (passes of 8 groups and of 2). Each x has its own power of two in
     [2^-12, 2^12], so that most additions round and the order of a pair's two products shows
     (with the even one first, most of these outputs differ)."""
     q, scale, zero = _weights(72, 320, seed=m, zero=False)
@@ -58,9 +59,9 @@ def test_the_fma_chain_gives_its_documented_bits(m):
 def test_the_fma_chain_is_row_invariant_and_close_to_the_dense_product():
     q, scale, zero = _weights(200, 576, seed=3)
     w, sz = pack_native(q, scale, zero)
-    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    x = torch.randn(400, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
     full = KERNEL(x, w, sz, 200, torch.float32, True)
-    for lo, hi in ((0, 1), (5, 6), (3, 10), (10, 17), (40, 70), (69, 70)):
+    for lo, hi in ((0, 1), (5, 6), (3, 10), (10, 17), (40, 70), (69, 70), (150, 400), (1, 390)):
         assert torch.equal(KERNEL(x[lo:hi], w, sz, 200, torch.float32, True), full[lo:hi]), (lo, hi)
     dense = (q.float() - 8) * scale.bfloat16().float().repeat_interleave(32, 1) \
         + zero.bfloat16().float().repeat_interleave(32, 1)
