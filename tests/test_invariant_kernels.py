@@ -11,11 +11,12 @@ import torch
 
 from streamkv.models.linear import pack_dense
 from streamkv.native import (compile_steps, invariant_attention, invariant_attention_amx, invariant_attention_bf16,
-                             invariant_gemm,
-                             invariant_gemm_bf16_path, invariant_isa, run_all)
+                             invariant_attention_bf16f, invariant_gemm, invariant_gemm_bf16_path, invariant_isa,
+                             run_all)
 
 gemm, attn, attn_bf16, attn_amx = invariant_gemm(), invariant_attention(), invariant_attention_bf16(), \
     invariant_attention_amx()
+attn_bf16f = invariant_attention_bf16f()
 pytestmark = pytest.mark.skipif(gemm is None, reason="no C compiler: the native kernels are not built")
 
 
@@ -223,6 +224,9 @@ KERNELS = [pytest.param((attn, torch.float32, 1e-5), id="f32-float32"),
            pytest.param((attn_bf16, torch.bfloat16, 2e-2), id="bf16-bfloat16",
                         marks=pytest.mark.skipif(attn_bf16 is None, reason="no AVX512-BF16: the bf16 kernel "
                                                                             "is not built on this CPU")),
+           pytest.param((attn_bf16f, torch.bfloat16, 2e-2), id="bf16f-bfloat16",
+                        marks=pytest.mark.skipif(attn_bf16f is None, reason="no AVX512-BF16: the bf16 kernel "
+                                                                             "is not built on this CPU")),
            pytest.param((attn_amx, torch.bfloat16, 2e-2), id="amx-bfloat16",
                         marks=pytest.mark.skipif(attn_amx is None, reason="no AMX on this CPU: the tile attention "
                                                                            "is not compiled"))]

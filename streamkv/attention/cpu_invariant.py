@@ -33,12 +33,15 @@ class InvariantMeta(RefMeta):
 class InvariantCpuBackend(TorchReferenceBackend):
     meta_type = InvariantMeta
 
-    def __init__(self, cache: KVCache, scale: float, bf16: bool | None = None, tiles: bool = False) -> None:
+    def __init__(self, cache: KVCache, scale: float, bf16: bool | None = None, tiles: bool = False,
+                 fma: bool = False) -> None:
         """``bf16``: the bf16 dot-product kernel (the measured ``attention`` choice); None = it
         wherever it fits (bf16 cache, head_dim a multiple of 16 up to 128, AVX512-BF16).
-        ``tiles``: that kernel on AMX tiles (the ``amx`` path; its own bits)."""
+        ``tiles``: that kernel on AMX tiles (the ``amx`` path; its own bits). ``fma``: its products
+        as float32 fmas (the ``bf16f`` path)."""
         super().__init__(cache, scale)
-        from streamkv.native import invariant_attention, invariant_attention_amx, invariant_attention_bf16
+        from streamkv.native import (invariant_attention, invariant_attention_amx, invariant_attention_bf16,
+                                     invariant_attention_bf16f)
 
         kernel, bf16_kernel = invariant_attention(), invariant_attention_bf16()
         if kernel is None:
@@ -50,12 +53,18 @@ class InvariantCpuBackend(TorchReferenceBackend):
                              "and an AVX512-BF16 CPU")
         self.bf16 = fits if bf16 is None else bf16
         self.kernel = bf16_kernel if self.bf16 else kernel
+        if fma and (tiles or not self.bf16):
+            raise ValueError("the bf16f attention path is the bf16 kernel's chain as float32 fmas: it needs what "
+                             "that kernel needs and excludes tiles")
         if tiles:
             amx = invariant_attention_amx()
             if not self.bf16 or amx is None:
                 raise ValueError("the amx attention path needs what the bf16 kernel needs and a CPU with AMX")
             self.kernel = amx
-        self.path = "amx" if tiles else "bf16" if self.bf16 else "f32"  # the native layers take the same
+        if fma:
+            self.kernel = invariant_attention_bf16f()
+        # the native layers take the same
+        self.path = "amx" if tiles else "bf16f" if fma else "bf16" if self.bf16 else "f32"
 
     def _build(self, spans: list[SeqSpan], slots: list[torch.Tensor], mapping: torch.Tensor) -> InvariantMeta:
         offsets = accumulate((span.ctx_len for span in spans), initial=0)

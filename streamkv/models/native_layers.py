@@ -49,7 +49,7 @@ class SkModel(ctypes.Structure):
                 ("cos_t", ctypes.c_void_p), ("sin_t", ctypes.c_void_p), ("layers", ctypes.POINTER(SkLayer)),
                 ("prof", ctypes.c_void_p)]
 
-ATTENTION_MODES = {"f32": 0, "bf16": 1, "amx": 2}  # SkModel.attn_bf16 (native/layer.c)
+ATTENTION_MODES = {"f32": 0, "bf16": 1, "amx": 2, "bf16f": 3}  # SkModel.attn_bf16 (native/layer.c)
 PHASES = ("norm", "gemm", "rope_kv", "attention", "silu", "residual", "select")  # native/layer.c's timed phases
 # ("silu" is 0 where the gate_up GEMM applies it itself: bf16 dense weights on AMX tiles, in "gemm")
 
@@ -62,7 +62,7 @@ class NativeLayers:
     """Every decoder layer of ``model`` over ``cache``: hidden states in, hidden states out.
 
     ``attention`` picks the attention kernel (``f32``: ``inv_attn.c``; ``bf16``: ``inv_attn_bf16.c``;
-    ``amx``: that one on AMX tiles), the same one the attention backend uses, so both paths agree
+    ``amx``: that one on AMX tiles; ``bf16f``: that one's products as float32 fmas), the same one the attention backend uses, so both paths agree
     with the backend's own ``forward``.
     """
 

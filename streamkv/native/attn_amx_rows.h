@@ -161,7 +161,19 @@ static inline void rows_block(const Ctx* cx, const uint32_t (*qp)[64], int padde
 #else
     (void)padded; (void)tr;
 #endif
-    super_block(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st);
+    if (cx->fma && R < FMA_WIDEN_ROWS) {   /* a few rows: each pair widened where it is used */
+        super_block_fma_few(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st);
+        return;
+    }
+    if (cx->fma) {   /* more: the super-block's K and V blocks widened once for every row */
+        __m512 Kf[2 * NB * 16 * MAXDB], Vf[2 * NB * 16 * MAXDB];
+        const int n = (nk + 15) / 16 * 16 * cx->DB;
+        widen_blocks(n, Kt, Kf);
+        widen_blocks(n, Vp, Vf);
+        super_block_fma(cx->D, cx->scale, qp, pos, R, nk, Kf, Vf, st);
+        return;
+    }
+    super_block_dp(cx->D, cx->scale, qp, pos, R, nk, Kt, Vp, st);
 }
 
 /* q pairs of one row (bf16, low half the even dim), zero past D/2 up to whole 32-dim blocks */

@@ -11,6 +11,17 @@
  *
  * Whatever the grouping (four rows, two, or one row with a partly visible block), each element
  * sees the same operations in the same order: a row's bits never depend on its neighbours.
+ *
+ * The fma chain (F = 1, attention path "bf16f"): every vdpbf16ps above as two float32 fmas of the
+ * same exact products, the pair's odd element first (as the instruction's definition adds them):
+ *
+ *   acc = fma(q[2p], k[2p], fma(q[2p + 1], k[2p + 1], acc))       o = fma(p[2kp], v[2kp], fma(p[2kp + 1], ...))
+ *
+ * from blocks widened once per super-block (widen_blocks(): Kf[2 (16 DB x + p) + {0, 1}] the even /
+ * odd dim of K's pair p, Vf[2 ((8 x + kp) 2 DB + j) + {0, 1}] key 2kp's / 2kp + 1's element), q and
+ * P widened per group of rows (exact). vdpbf16ps flushes denormal inputs and sums to zero, the fmas
+ * keep them; otherwise the bits are the same (tests/test_attention_fma.py). Where vdpbf16ps issues
+ * at half the float32 fma rate (the Intel Xeon without AMX) this is the faster of the two.
  */
 #ifndef STREAMKV_ATTN_BF16_ROWS_H
 #define STREAMKV_ATTN_BF16_ROWS_H
@@ -185,6 +196,118 @@ static inline __attribute__((always_inline)) void qk_rows(const int nr, const in
         }
 }
 
+/* q's pairs of rows [0, nr), widened: qe[r][p] = q_r[2p], qo[r][p] = q_r[2p + 1] (exact) */
+static inline __attribute__((always_inline)) void widen_q(const int nr, int P, const uint32_t (*qp)[64],
+                                                          float qe[4][64], float qo[4][64]) {
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
+    for (int r = 0; r < nr; r++)
+        for (int p = 0; p < P; p += 16) {   /* qp is zero past D/2 up to whole 16-pair vectors */
+            const __m512i v = _mm512_loadu_si512((const void*)(qp[r] + p));
+            _mm512_storeu_ps(qe[r] + p, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            _mm512_storeu_ps(qo[r] + p, _mm512_castsi512_ps(_mm512_and_si512(v, hi)));
+        }
+}
+
+/* vector i of a block array as its pairs' even and odd elements: W = 1 widened (2 float32 vectors
+ * per pair vector), W = 0 bf16 pairs widened here (the same values) */
+static inline __attribute__((always_inline)) void kv_pair(const int W, const void* base, int64_t i, __m512* e,
+                                                          __m512* o) {
+    if (W) {
+        *e = ((const __m512*)base)[2 * i];
+        *o = ((const __m512*)base)[2 * i + 1];
+        return;
+    }
+    const __m512i v = ((const __m512i*)base)[i];
+    *e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *o = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+/* qk_rows() as the fma chain over K blocks (Kf: widened if W) */
+static inline __attribute__((always_inline)) void qk_rows_f(const int W, const int nr, const int nbk, int P, int KS,
+                                                            const uint32_t (*qp)[64], const void* Kf,
+                                                            __m512 acc[4][NB]) {
+    float qe[4][64], qo[4][64];
+    widen_q(nr, P, qp, qe, qo);
+    for (int r = 0; r < nr; r++) for (int x = 0; x < nbk; x++) acc[r][x] = _mm512_setzero_ps();
+    for (int p = 0; p < P; p++) {
+        __m512 be[4], bo[4];
+        for (int r = 0; r < nr; r++) { be[r] = _mm512_set1_ps(qe[r][p]); bo[r] = _mm512_set1_ps(qo[r][p]); }
+        for (int x = 0; x < nbk; x++) {
+            __m512 ke, ko;
+            kv_pair(W, Kf, x * KS + p, &ke, &ko);
+            for (int r = 0; r < nr; r++) acc[r][x] = _mm512_fmadd_ps(be[r], ke, _mm512_fmadd_ps(bo[r], ko, acc[r][x]));
+        }
+    }
+}
+
+/* row r's P of nb key blocks as float32 in key order (exact: bf16 -> float32) */
+static inline void widen_p(int nb, uint32_t pp[NB][8], float* pf) {
+    for (int x = 0; x < nb; x++) v_store(pf + 16 * x, v_load_bf16((const uint16_t*)pp[x]));
+}
+
+/* pv_rows() as the fma chain over V blocks (Vf: widened if W) */
+static inline __attribute__((always_inline)) void pv_rows_f(const int W, const int NR, const int NV, int nb,
+                                                            const void* Vf, uint32_t pp[][NB][8], const float* a,
+                                                            RowState* st) {
+    float pf[4][SB];
+    __m512 o[4][8];
+    for (int r = 0; r < NR; r++) {
+        widen_p(nb, pp[r], pf[r]);
+        const __m512 va = _mm512_set1_ps(a[r]);
+        for (int j = 0; j < NV; j++) o[r][j] = _mm512_mul_ps(st[r].o[j], va);
+    }
+    for (int k = 0; k < 16 * nb; k += 2) {            /* key pair (k, k + 1) */
+        __m512 ve[8], vo[8];
+        for (int j = 0; j < NV; j++) kv_pair(W, Vf, (k / 2) * NV + j, &ve[j], &vo[j]);
+        for (int r = 0; r < NR; r++) {
+            const __m512 pe = _mm512_set1_ps(pf[r][k]), po = _mm512_set1_ps(pf[r][k + 1]);
+            for (int j = 0; j < NV; j++) o[r][j] = _mm512_fmadd_ps(pe, ve[j], _mm512_fmadd_ps(po, vo[j], o[r][j]));
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NV; j++) st[r].o[j] = o[r][j];
+}
+
+/* pv_row() as the fma chain (the same key pairs skipped) */
+static inline __attribute__((always_inline)) void pv_row_f(const int W, int nv, int lim, const void* Vf,
+                                                           uint32_t pp[NB][8], float a, RowState* s) {
+    const int rb = (lim + 15) / 16;
+    float pf[SB];
+    widen_p(rb, pp, pf);
+    const __m512 va = _mm512_set1_ps(a);
+    __m512 o[2 * MAXDB];
+    for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(s->o[j], va);
+    for (int x = 0; x < rb; x++) {
+        const int left = lim - 16 * x, npairs = left >= 16 ? 8 : (left + 1) / 2;
+        for (int kp = 0; kp < npairs; kp++) {
+            const __m512 pe = _mm512_set1_ps(pf[16 * x + 2 * kp]), po = _mm512_set1_ps(pf[16 * x + 2 * kp + 1]);
+            for (int j = 0; j < nv; j++) {
+                __m512 ve, vo;
+                kv_pair(W, Vf, (8 * x + kp) * nv + j, &ve, &vo);
+                o[j] = _mm512_fmadd_ps(pe, ve, _mm512_fmadd_ps(po, vo, o[j]));
+            }
+        }
+    }
+    for (int j = 0; j < nv; j++) s->o[j] = o[j];
+}
+
+/* n vectors of bf16 pairs -> 2n float32 vectors: each pair's low (even) then high (odd) element */
+static inline void widen_blocks(int n, const __m512i* src, __m512* dst) {
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
+    for (int i = 0; i < n; i++) {
+        dst[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(src[i], 16));
+        dst[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(src[i], hi));
+    }
+}
+
+/* the chain F picks: 0 vdpbf16ps, 1 fmas over widened K and V blocks, 2 fmas widening as they go */
+#define QK_ROWS(F, nr, nbk, P, KS, qp, Kt, acc) \
+    (F ? qk_rows_f(F == 1, nr, nbk, P, KS, qp, Kt, acc) : qk_rows(nr, nbk, P, KS, qp, Kt, acc))
+#define PV_ROWS(F, NR, NV, nb, Vp, pp, a, st) \
+    (F ? pv_rows_f(F == 1, NR, NV, nb, Vp, pp, a, st) : pv_rows(NR, NV, nb, Vp, pp, a, st))
+#define PV_ROW(F, nv, lim, Vp, pp, a, st) \
+    (F ? pv_row_f(F == 1, nv, lim, Vp, pp, a, st) : pv_row(nv, lim, Vp, pp, a, st))
+
 /* P V of one row over its lim visible keys (the partly visible super-blocks of a prompt's diagonal,
  * a decode row's last block): key pairs the row does not see at all are skipped. */
 static void pv_row(int nv, int lim, const __m512i* Vp, uint32_t pp[NB][8], float a, RowState* s) {
@@ -208,12 +331,13 @@ static void pv_row(int nv, int lim, const __m512i* Vp, uint32_t pp[NB][8], float
  * accumulators in registers), else row by row (pv_row()). Per element the same operations as
  * super_block()'s four-row groups. (Those groups' code run with fewer rows measured ~6% slower on
  * decode kv groups of 3.) */
-static void few_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int rn, int nk,
-                     const __m512i* Kt, const __m512i* Vp, RowState* st) {
+static inline __attribute__((always_inline)) void few_rows(const int F, int D, float scale, const uint32_t (*qp)[64],
+                                                          const int64_t* pos, int rn, int nk, const __m512i* Kt,
+                                                          const __m512i* Vp, RowState* st) {
     const int DB = (D + 31) / 32, P = D / 2, nv = 2 * DB, nb = (nk + 15) / 16, KS = 16 * DB;
     __m512 acc[4][NB];
-    if (rn == 3 && nb == NB) qk_rows(3, NB, P, KS, qp, Kt, acc);   /* constant bounds: unrolled */
-    else qk_rows(rn, nb, P, KS, qp, Kt, acc);
+    if (rn == 3 && nb == NB) QK_ROWS(F, 3, NB, P, KS, qp, Kt, acc);   /* constant bounds: unrolled */
+    else QK_ROWS(F, rn, nb, P, KS, qp, Kt, acc);
     uint32_t pp[4][NB][8];
     float a[4];
     int lims[4], whole = rn == 3 && nk == SB && nv <= 4;
@@ -222,11 +346,11 @@ static void few_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t
         whole &= lims[r] == nk;
     }
     rows_softmax(rn, acc, lims, scale, pp, a, st);
-    if (whole && nv == 2) pv_rows(3, 2, NB, Vp, pp, a, st);
-    else if (whole) pv_rows(3, 4, NB, Vp, pp, a, st);
+    if (whole && nv == 2) PV_ROWS(F, 3, 2, NB, Vp, pp, a, st);
+    else if (whole) PV_ROWS(F, 3, 4, NB, Vp, pp, a, st);
     else
         for (int r = 0; r < rn; r++)
-            if (lims[r] > 0) pv_row(nv, lims[r], Vp, pp[r], a[r], st + r);
+            if (lims[r] > 0) PV_ROW(F, nv, lims[r], Vp, pp[r], a[r], st + r);
 }
 
 /* One super-block for rows [0, R): scores, softmax update, P V. pos[r] is row r's context index
@@ -234,14 +358,16 @@ static void few_rows(int D, float scale, const uint32_t (*qp)[64], const int64_t
  * each row's softmax, then their P V together when all four see every key of the block (whole
  * 16-key blocks), else row by row; the last R % 4 rows go through few_rows(). Either way the
  * same operations per element. */
-static void super_block(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
-                        const __m512i* Kt, const __m512i* Vp, RowState* st) {
+static inline __attribute__((always_inline)) void super_block(const int F, int D, float scale,
+                                                             const uint32_t (*qp)[64], const int64_t* pos, int R,
+                                                             int nk, const __m512i* Kt, const __m512i* Vp,
+                                                             RowState* st) {
     const int DB = (D + 31) / 32, P = D / 2, nv = 2 * DB, nb = (nk + 15) / 16, KS = 16 * DB;
     int r0 = 0;
     for (; r0 + 4 <= R; r0 += 4) {
         __m512 acc[4][NB];
-        if (nb == NB) qk_rows(4, NB, P, KS, qp + r0, Kt, acc);   /* constant bounds: unrolled */
-        else qk_rows(4, nb, P, KS, qp + r0, Kt, acc);
+        if (nb == NB) QK_ROWS(F, 4, NB, P, KS, qp + r0, Kt, acc);   /* constant bounds: unrolled */
+        else QK_ROWS(F, 4, nb, P, KS, qp + r0, Kt, acc);
         uint32_t pp[4][NB][8];
         float a[4];
         int lims[4], whole = nk % 16 == 0;
@@ -251,18 +377,35 @@ static void super_block(int D, float scale, const uint32_t (*qp)[64], const int6
         }
         rows_softmax(4, acc, lims, scale, pp, a, st + r0);
         if (whole && nv <= 4) {                            /* D <= 64: 4 rows x nv chains */
-            if (nv == 2) pv_rows(4, 2, nb, Vp, pp, a, st + r0);
-            else pv_rows(4, 4, nb, Vp, pp, a, st + r0);
+            if (nv == 2) PV_ROWS(F, 4, 2, nb, Vp, pp, a, st + r0);
+            else PV_ROWS(F, 4, 4, nb, Vp, pp, a, st + r0);
         } else if (whole) {                                /* D <= 128: two rows at a time */
             for (int h = 0; h < 4; h += 2)
-                if (nv == 6) pv_rows(2, 6, nb, Vp, pp + h, a + h, st + r0 + h);
-                else pv_rows(2, 8, nb, Vp, pp + h, a + h, st + r0 + h);
+                if (nv == 6) PV_ROWS(F, 2, 6, nb, Vp, pp + h, a + h, st + r0 + h);
+                else PV_ROWS(F, 2, 8, nb, Vp, pp + h, a + h, st + r0 + h);
         } else {
             for (int r = 0; r < 4; r++)
-                if (lims[r] > 0) pv_row(nv, lims[r], Vp, pp[r], a[r], st + r0 + r);
+                if (lims[r] > 0) PV_ROW(F, nv, lims[r], Vp, pp[r], a[r], st + r0 + r);
         }
     }
-    if (r0 < R) few_rows(D, scale, qp + r0, pos + r0, R - r0, nk, Kt, Vp, st + r0);
+    if (r0 < R) few_rows(F, D, scale, qp + r0, pos + r0, R - r0, nk, Kt, Vp, st + r0);
+}
+
+/* the chains' super-blocks (F = 0: vdpbf16ps over Kt, Vp; F = 1: fmas over the widened blocks;
+ * F = 2: fmas over Kt, Vp, widened as they are read: the same values, for a few rows) */
+static void super_block_dp(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
+                           const __m512i* Kt, const __m512i* Vp, RowState* st) {
+    super_block(0, D, scale, qp, pos, R, nk, Kt, Vp, st);
+}
+
+static void super_block_fma(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
+                            const __m512* Kf, const __m512* Vf, RowState* st) {
+    super_block(1, D, scale, qp, pos, R, nk, (const __m512i*)Kf, (const __m512i*)Vf, st);
+}
+
+static void super_block_fma_few(int D, float scale, const uint32_t (*qp)[64], const int64_t* pos, int R, int nk,
+                                const __m512i* Kt, const __m512i* Vp, RowState* st) {
+    super_block(2, D, scale, qp, pos, R, nk, Kt, Vp, st);
 }
 
 #endif

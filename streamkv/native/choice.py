@@ -24,7 +24,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "linear": ("q4", "dense", "deq", "q4f"),
     "gemm": ("amx", "avx512"),
     "lm_head": ("q8", "dense", "deq"),
-    "attention": ("bf16", "f32", "amx"),
+    "attention": ("bf16", "f32", "amx", "bf16f"),
     "prefill_attention": ("native", "sdpa"),
 }
 EXACT_PACKED = {"linear": "q4", "lm_head": "q8"}  # exact kinds (float32 models) and their packed path

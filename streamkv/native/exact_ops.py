@@ -283,19 +283,30 @@ def invariant_attention_amx() -> Callable[..., torch.Tensor] | None:
     lib = loader._library()
     if lib is None or not lib.streamkv_inv_attn_bf16_available() or not lib.streamkv_inv_attn_amx_available():
         return None
-    return functools.partial(_inv_attn_bf16, lib.streamkv_inv_attn_bf16, tiles=True)
+    return functools.partial(_inv_attn_bf16, lib.streamkv_inv_attn_bf16, mode=1)
+
+
+def invariant_attention_bf16f() -> Callable[..., torch.Tensor] | None:
+    """The same kernel with each bf16 dot product as two float32 fmas (``attn_bf16_rows.h``'s fma
+    chain, the ``bf16f`` path: its own bits, those of vdpbf16ps wherever no denormal shows), or None
+    where the bf16 kernel is not built."""
+    lib = loader._library()
+    if lib is None or not lib.streamkv_inv_attn_bf16_available():
+        return None
+    return functools.partial(_inv_attn_bf16, lib.streamkv_inv_attn_bf16, mode=2)
 
 
 def _inv_attn_bf16(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: torch.Tensor,
-                   slots: torch.Tensor, scale: float, tiles: bool = False) -> torch.Tensor:
+                   slots: torch.Tensor, scale: float, mode: int = 0) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D] float32 over a bf16 cache (contract of ``inv_attn_bf16.c``;
-    ``tiles``: on AMX tiles, only where ``invariant_attention_amx()`` exists)."""
+    ``mode``: 0 vdpbf16ps, 1 AMX tiles (only where ``invariant_attention_amx()`` exists), 2 the fma
+    chain)."""
     if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16:
         raise TypeError(f"bf16 invariant attention needs a bfloat16 cache, got {kc.dtype}")
     q, seqs, slots, out = _attn_args(q, kc, vc, seqs, slots)
     t, h, d = q.shape
     rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), seqs.data_ptr(), seqs.shape[0], slots.data_ptr(), h,
-            kc.shape[1], d, float(scale), out.data_ptr(), int(tiles))
+            kc.shape[1], d, float(scale), out.data_ptr(), mode)
     if rc != 0:
         raise ValueError(f"bf16 invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
     return out

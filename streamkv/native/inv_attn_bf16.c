@@ -65,6 +65,7 @@
 #define MAXDB 4          /* 32-dim blocks: D <= 128 */
 #define ROWS 48          /* query rows (query, head of the kv group) per item */
 #define PRE_AHEAD 2      /* pretranspose() prefetches the cache rows this many 16-key blocks ahead */
+#define FMA_WIDEN_ROWS 8  /* the fma chain widens a super-block's blocks once for this many rows or more */
 #define SPLIT_MIN 1      /* a lone few-row sequence with more chunks than this is split one item per chunk */
 /* Few-row sequences (nq H <= ROWS: decode rows, a decode row with its speculative drafts) run as
  * one item per chunk (run_heads) when there are several of them or more than one chunk; a lone
@@ -92,6 +93,7 @@ typedef struct {
     __m512i* pre;             /* prompts' blocks transposed once per call (pre_at[b] >= 0), or NULL */
     const int64_t* pre_at;    /* per sequence: offset of its blocks in pre, in vectors, or -1 */
     int tiles;                /* every super-block on AMX tiles (attn_amx_rows.h) */
+    int fma;                  /* every super-block on the fma chain (attn_bf16_rows.h) */
 } Ctx;
 
 /* 32 bf16 of one key row at dims [32h, 32h + 32), zeros past D */
@@ -339,17 +341,16 @@ static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew) {
     return at;
 }
 
-/* tiles: every row on AMX tiles where this build and CPU have them (else ignored: check
- * streamkv_inv_attn_amx_available()) */
+/* mode: 0 vdpbf16ps; 1 every row on AMX tiles where this build and CPU have them (else ignored:
+ * check streamkv_inv_attn_amx_available()); 2 the fma chain */
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
-                           const int64_t* slots, int H, int Hk, int D, float scale, float* out, int tiles) {
+                           const int64_t* slots, int H, int Hk, int D, float scale, float* out, int mode) {
     if (D % 16 != 0 || D > 32 * MAXDB || Hk <= 0 || H % Hk != 0 || H / Hk > ROWS || B <= 0) return 1;
+    if (mode < 0 || mode > 2) return 4;
     const int G = H / Hk, TQ = ROWS / G, nv = 2 * ((D + 31) / 32), W = 2 + 16 * nv;
-    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL, 0};
+    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL, 0, mode == 2};
 #ifdef AMX
-    cx.tiles = tiles && amx_enabled();
-#else
-    (void)tiles;
+    cx.tiles = mode == 1 && amx_enabled();
 #endif
     int64_t nitems = 0, npart = 0, nsplit = 0;
     int nfew = 0;
@@ -435,9 +436,9 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
 int streamkv_inv_attn_bf16_available(void) { return 1; }
 #else
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
-                           const int64_t* slots, int H, int Hk, int D, float scale, float* out, int tiles) {
+                           const int64_t* slots, int H, int Hk, int D, float scale, float* out, int mode) {
     (void)q; (void)kc; (void)vc; (void)seqs; (void)B; (void)slots; (void)H; (void)Hk; (void)D; (void)scale; (void)out;
-    (void)tiles;
+    (void)mode;
     return 3;
 }
 

@@ -232,13 +232,18 @@ def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     return out
 
 
+PAGE = 16  # the engine's default KV block (EngineConfig.block_size): its slots are contiguous
+
+
 def _attention_case(s, rows: list[tuple[int, int]]):
-    """A step of sequences (query rows, context length) over a scattered bf16 cache."""
-    slots_total = 2 * sum(length for _, length in rows) + 16
+    """A step of sequences (query rows, context length) over a paged bf16 cache: blocks of PAGE
+    slots in scattered order, as a pool that has served a while holds them."""
+    pages = -(-2 * sum(length for _, length in rows) // PAGE) + 1
+    slots_total = pages * PAGE
     kc = (torch.randn(slots_total, s.kv_heads, s.head_dim) * 0.5).to(torch.bfloat16)
     vc = torch.randn(slots_total, s.kv_heads, s.head_dim).to(torch.bfloat16)
     seqs, parts, r0, off = [], [], 0, 0
-    perm = torch.randperm(slots_total)
+    perm = (torch.randperm(pages)[:, None] * PAGE + torch.arange(PAGE)).flatten()
     for nq, length in rows:
         seqs.append((r0, nq, off, length))
         parts.append(perm[off:off + length])
@@ -251,9 +256,11 @@ ATTENTION_CASES = {"prompt 512": [(512, 512)], "decode ctx 2048": [(1, 2048)], "
 
 
 def _attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
-    from streamkv.native import invariant_attention, invariant_attention_amx, invariant_attention_bf16
+    from streamkv.native import (invariant_attention, invariant_attention_amx, invariant_attention_bf16,
+                                 invariant_attention_bf16f)
 
-    found = {"bf16": invariant_attention_bf16(), "f32": invariant_attention(), "amx": invariant_attention_amx()}
+    found = {"bf16": invariant_attention_bf16(), "f32": invariant_attention(), "amx": invariant_attention_amx(),
+             "bf16f": invariant_attention_bf16f()}
     kernels = {path: fn for path, fn in found.items() if fn is not None}
     out: dict[str, dict[str, float]] = {p: {} for p in kernels}
     for label, rows in ATTENTION_CASES.items():

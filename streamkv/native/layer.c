@@ -45,7 +45,7 @@ int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
                       const int64_t* slots, int H, int Hk, int D, float scale, float* out);
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
-                           const int64_t* slots, int H, int Hk, int D, float scale, float* out, int tiles);
+                           const int64_t* slots, int H, int Hk, int D, float scale, float* out, int mode);
 
 typedef struct {
     int kind;            /* 0: dense panels (inv_gemm.c), 1: GGUF 4-bit (q4_gemm.c) */
@@ -73,7 +73,7 @@ typedef struct {
     int n_layers, d, H, Hk, D, inter;
     int act_bf16;            /* GEMM inputs in bf16 */
     int kv_bf16;             /* cache dtype */
-    int attn_bf16;           /* attention through inv_attn_bf16.c: 1, or 2 on AMX tiles (0: inv_attn.c) */
+    int attn_bf16;           /* attention through inv_attn_bf16.c: 1, 2 on AMX tiles, 3 the fma chain (0: inv_attn.c) */
     float eps, scale;
     const float* cos_t;      /* [positions, D]: cos, and sin with the rotate-half sign folded in */
     const float* sin_t;
@@ -233,7 +233,7 @@ int streamkv_fwd_attn(const SkModel* m, int layer, const float* q, const int64_t
     TIC(m);
     const int rc = m->attn_bf16
         ? streamkv_inv_attn_bf16(q, (const uint16_t*)L->kc, (const uint16_t*)L->vc, seqs, B, slots, m->H, m->Hk,
-                                 m->D, m->scale, out, m->attn_bf16 == 2)
+                                 m->D, m->scale, out, m->attn_bf16 - 1)
         : streamkv_inv_attn(q, L->kc, L->vc, m->kv_bf16, seqs, B, slots, m->H, m->Hk, m->D, m->scale, out);
     TOC(m, P_ATTN);
     return rc;

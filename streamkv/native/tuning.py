@@ -11,7 +11,9 @@ Kinds and their paths (a kind only exists where more than one path can run):
     gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on the vector units (AMX CPUs only)
     lm_head            q8 | dense | deq a Q8_0 LM head read as int8, dense, or (bf16) both with the dense
                                         bits: the int8 blocks for small steps (deq_bf16.c)
-    attention          bf16 | f32 | amx invariant attention: bf16 dot products, float32, or bf16 on AMX tiles
+    attention          bf16 | f32 | amx invariant attention: bf16 dot products, float32, bf16 on AMX tiles, or
+                 | bf16f                bf16f: the bf16 kernel's products as float32 fmas (vdpbf16ps's bits but
+                                        for denormals), for CPUs whose bf16 dot products run at half the fma rate
     prefill_attention  native | sdpa    fast numerics: the paged prefill kernel or torch's SDPA
 
 With the default invariant numerics one path serves every row of every step (a row's bits must
@@ -93,6 +95,7 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
         ("lm_head", "deq"): s.q8_head and s.bf16 and not fast and native.deq_gemm_bf16() is not None,
         ("attention", "bf16"): not fast and fits and native.invariant_attention_bf16() is not None,
         ("attention", "f32"): not fast,
+        ("attention", "bf16f"): not fast and fits and native.invariant_attention_bf16f() is not None,
         ("attention", "amx"): not fast and fits and native.invariant_attention_amx() is not None,
         ("prefill_attention", "native"): fast and s.backend == "cpu" and s.bf16 and s.kv_bf16 and s.head_dim == 64
                                          and native.paged_attention() is not None,
