@@ -44,12 +44,12 @@
  *   more rows:         two tiles' pairs are expanded once per block of 96 rows (x stays in L2),
  *                      then 6 rows at a time stream past them (4 + 3 or 4 + 4 for a remainder of
  *                      7 or 8: no block of 1-2 rows); threads split the tile pairs. The fma chain
- *                      stores the pairs widened to float32 (no widening in the inner loop: its 24
- *                      fmas per pair for 6 rows x 2 tiles read memory operands), per block of 192
- *                      rows, and runs the block's rows 8 groups at a time (32 KB of widened pairs
- *                      stay in L1; the outputs wait in memory between passes). One 512 x 576 x
- *                      1,536 GEMM, 1 thread, Intel Xeon without AMX: 133 -> 155-166 GFLOP/s
- *                      (torch float32: 189; the fma peak: 213).
+ *                      takes three tiles at a time, their pairs widened to float32 once per block
+ *                      of 192 rows (no widening in the inner loop: 36 fmas per pair for 6 rows x 3
+ *                      tiles, 6 vector and 12 broadcast loads), and runs the block's rows 4 groups
+ *                      at a time (48 KB of widened pairs, in L1; the outputs wait in memory between
+ *                      passes). One 512 x 576 x 1,536 GEMM, 1 thread, Intel Xeon without AMX:
+ *                      133 -> 150-165 GFLOP/s (torch float32: ~189; the fma peak: 213).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -64,7 +64,8 @@
 
 #define MB 96    /* rows per block (x stays in L2) */
 #define MBF 192  /* the fma chain's rows per block: its pairs, widened, cost twice as much to expand */
-#define KG 8     /* the fma chain: groups per pass over a block's rows (their widened pairs stay in L1) */
+#define PF 3     /* the fma chain's tiles per item (6 rows x 3 tiles of accumulators) */
+#define KG 4     /* the fma chain: groups per pass over a block's rows (their widened pairs stay in L1) */
 
 /* bf16 bits of q - 8 for q = 0..15, twice (vpermw reads 5 index bits; the 5th is don't-care) */
 static inline __m512i q4_table(void) {
@@ -271,14 +272,14 @@ static inline __attribute__((always_inline)) void blk(const Q4* a, const int Q8,
 BLK_ROWS(1) BLK_ROWS(2) BLK_ROWS(3) BLK_ROWS(4) BLK_ROWS(5) BLK_ROWS(6)
 
 /* the fma chain, groups [g0, g1) of R rows from m x P tiles: the pairs read widened (wp [G][16][P][2]
- * float32: big_tiles), s and o in registers (fixed sizes: no spills), o [R][2] kept in memory between
- * calls (a block's rows run a few groups at a time, so those groups' pairs, 4 KB each, stay in L1) */
+ * float32: big_tiles), s and o in registers (fixed sizes: no spills), o [R][PF] kept in memory between
+ * calls (a block's rows run KG groups at a time, so those groups' pairs, 6 KB each, stay in L1) */
 static inline __attribute__((always_inline)) void fma_blk(const Q4* a, const int R, const int P, int64_t m, int g0,
                                                           int g1, const __m512* wp, const __m512* scz, __m512* ob) {
-    __m512 o[6][2];
-    for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = ob[2 * r + i];
+    __m512 o[6][PF];
+    for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) o[r][i] = ob[PF * r + i];
     for (int g = g0; g < g1; g++) {
-        __m512 s[6][2];
+        __m512 s[6][PF];
         for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) s[r][i] = _mm512_setzero_ps();
         const float* x = a->xw + m * a->K + 32 * g;
         const __m512* w = wp + g * 32 * P;
@@ -291,13 +292,14 @@ static inline __attribute__((always_inline)) void fma_blk(const Q4* a, const int
             for (int i = 0; i < P; i++)
                 o[r][i] = group_end(a, 0, s[r][i], scz[(g * P + i) * 2], scz[(g * P + i) * 2 + 1], m + r, g, o[r][i]);
     }
-    for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) ob[2 * r + i] = o[r][i];
+    for (int r = 0; r < R; r++) for (int i = 0; i < P; i++) ob[PF * r + i] = o[r][i];
 }
 
 #define FMA_ROWS(R)                                                                                           \
     static void fma##R(const Q4* a, int P, int64_t m, int g0, int g1, const __m512* wp, const __m512* scz,     \
                        __m512* ob) {                                                                          \
-        if (P == 2) fma_blk(a, R, 2, m, g0, g1, wp, scz, ob); else fma_blk(a, R, 1, m, g0, g1, wp, scz, ob);   \
+        if (P == 3) fma_blk(a, R, 3, m, g0, g1, wp, scz, ob);                                                  \
+        else if (P == 2) fma_blk(a, R, 2, m, g0, g1, wp, scz, ob); else fma_blk(a, R, 1, m, g0, g1, wp, scz, ob); \
     }
 FMA_ROWS(1) FMA_ROWS(2) FMA_ROWS(3) FMA_ROWS(4) FMA_ROWS(5) FMA_ROWS(6)
 
@@ -329,15 +331,15 @@ static void big_tiles(const Q4* a, int q8, int64_t m0, int64_t m1, int t, int P,
         }
     int sz[MBF / 6 + 2];
     const int nb = row_blocks(m1 - m0, sz);
-    if (a->xw) {  /* the fma chain: group by group over every block of rows, o in ob [MBF][2] */
+    if (a->xw) {  /* the fma chain: group by group over every block of rows, o in ob [MBF][PF] */
         void (*const f[7])(const Q4*, int, int64_t, int, int, const __m512*, const __m512*, __m512*) = {
             NULL, fma1, fma2, fma3, fma4, fma5, fma6};
-        for (int r = 0; r < 2 * (m1 - m0); r++) ob[r] = _mm512_setzero_ps();
+        for (int r = 0; r < PF * (m1 - m0); r++) ob[r] = _mm512_setzero_ps();
         for (int g = 0; g < a->G; g += KG)
             for (int64_t b = 0, m = m0; b < nb; m += sz[b++])
-                f[sz[b]](a, P, m, g, g + KG < a->G ? g + KG : a->G, (const __m512*)buf, scz, ob + 2 * (m - m0));
+                f[sz[b]](a, P, m, g, g + KG < a->G ? g + KG : a->G, (const __m512*)buf, scz, ob + PF * (m - m0));
         for (int64_t m = m0; m < m1; m++)
-            for (int i = 0; i < P; i++) store_row(a->out, a->bf16_out, m * a->N + 16 * (t + i), keep_of(a, t + i), ob[2 * (m - m0) + i]);
+            for (int i = 0; i < P; i++) store_row(a->out, a->bf16_out, m * a->N + 16 * (t + i), keep_of(a, t + i), ob[PF * (m - m0) + i]);
         return;
     }
     void (*const f[7])(const Q4*, int, int, int64_t, int, const __m512i*, const __m512*) = {
@@ -380,11 +382,12 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
             const int64_t m1 = m0 + mb < M ? m0 + mb : M;
             #pragma omp parallel
             {
-                __m512i* buf = aligned_alloc(64, sizeof(__m512i) * (a.xw ? 64 : 32) * G);  /* fma: widened */
-                __m512* scz = aligned_alloc(64, sizeof(__m512) * 4 * G);
-                __m512* ob = aligned_alloc(64, sizeof(__m512) * 2 * MBF);  /* the fma chain's outputs */
+                __m512i* buf = aligned_alloc(64, sizeof(__m512i) * (a.xw ? 32 * PF : 32) * G);  /* fma: widened */
+                __m512* scz = aligned_alloc(64, sizeof(__m512) * 2 * PF * G);
+                __m512* ob = aligned_alloc(64, sizeof(__m512) * PF * MBF);  /* the fma chain's outputs */
+                const int step = fma ? PF : 2;   /* tiles per item */
                 #pragma omp for schedule(static)
-                for (int t = 0; t < T; t += 2) big_tiles(&a, q8, m0, m1, t, t + 1 < T ? 2 : 1, buf, scz, ob);
+                for (int t = 0; t < T; t += step) big_tiles(&a, q8, m0, m1, t, T - t < step ? T - t : step, buf, scz, ob);
                 free(buf);
                 free(scz);
                 free(ob);
