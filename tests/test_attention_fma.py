@@ -48,7 +48,7 @@ def test_where_vdpbf16ps_adds_as_documented_the_fma_chain_gives_its_bits(heads):
 @needs_kernel
 def test_forcing_bf16f_runs_the_backend_and_the_native_layers_on_the_fma_chain(tmp_path):
     from streamkv import LLM, SamplingParams
-    from streamkv.models.native_layers import ATTENTION_MODES
+    from streamkv.models.native_layers import ATTENTION_MODES, DIRECT
     from tests.tiny_checkpoints import Q4_LINEARS, make_tiny_gguf, make_tiny_hf_checkpoint
 
     path = make_tiny_hf_checkpoint(tmp_path, "llama3")
@@ -61,7 +61,7 @@ def test_forcing_bf16f_runs_the_backend_and_the_native_layers_on_the_fma_chain(t
         runner = llm.engine.bundle.runner
         assert runner.backend.path == path_name
         native = runner.model.native
-        assert native is not None and native.model.attn_bf16 == ATTENTION_MODES[path_name]
+        assert native is not None and native.model.attn_bf16 & ~DIRECT == ATTENTION_MODES[path_name]
         outs[path_name] = [o.token_ids for o in llm.generate(prompts, params)]
         assert all(len(t) == 8 for t in outs[path_name])
     if _documented_vdpbf16ps():
@@ -78,3 +78,48 @@ def test_the_backend_refuses_bf16f_where_it_cannot_run():
     f32 = KVCache(1, 4, 16, 2, 64, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError):
         make_backend("cpu_invariant", f32, 0.125, bf16=False, fma=True)
+
+
+@pytest.mark.skipif(DOT is None, reason="no AVX512-BF16: the bf16 attention kernels are not built here")
+@pytest.mark.parametrize("path", ["bf16", "bf16f"])
+def test_gathering_from_the_pool_gives_the_staged_bits(path):
+    """``attention_gather=direct``: decode items (split per chunk: one row, a row with drafts, a
+    lone short decode per kv head) transpose each head's blocks straight from the pool instead of
+    from a staging copy; super-blocks in one run of slots, scattered 16-slot pages and single
+    scattered slots all give the staged bits."""
+    fn = DOT if path == "bf16" else FMA
+    for h, hk, d in ((9, 3, 64), (6, 2, 48), (4, 4, 128)):
+        shapes = [(1, 1700), (1, 600), (4, 1026), (3, 6000), (1, 77)]
+        q, kc, vc, seqs, slots = _step(shapes, h, hk, d, torch.bfloat16, seed=d + 3)
+        staged = fn(q, kc, vc, seqs, slots, d ** -0.5)
+        assert torch.equal(fn(q, kc, vc, seqs, slots, d ** -0.5, direct=True), staged), (h, hk, d)
+        n, pages = len(slots), 2 * (len(slots) // 16 + 1)
+        paged = (torch.randperm(pages)[:, None] * 16 + torch.arange(16)).flatten()[:n]
+        run = torch.arange(n)
+        for layout in (paged, run):
+            kc2, vc2 = kc.new_zeros(pages * 16, hk, d), vc.new_zeros(pages * 16, hk, d)
+            kc2[layout], vc2[layout] = kc[slots], vc[slots]
+            assert torch.equal(fn(q, kc2, vc2, seqs, layout, d ** -0.5, direct=True), staged), (h, hk, d)
+            assert torch.equal(fn(q, kc2, vc2, seqs, layout, d ** -0.5), staged), (h, hk, d)
+
+
+@pytest.mark.skipif(DOT is None, reason="no AVX512-BF16: the bf16 attention kernels are not built here")
+def test_the_gather_choice_reaches_the_backend_and_the_native_layers(tmp_path):
+    from streamkv import LLM, SamplingParams
+    from streamkv.models.native_layers import DIRECT
+    from tests.tiny_checkpoints import make_tiny_hf_checkpoint
+
+    path = str(make_tiny_hf_checkpoint(tmp_path, "llama3"))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3, 90)), [7, 8, 9]]
+    outs = []
+    for gather in ("stage", "direct"):
+        llm = LLM(model=path, dtype="bfloat16", num_blocks=64, block_size=4,
+                  kernels=f"attention=bf16,attention_gather={gather}")
+        runner = llm.engine.bundle.runner
+        assert runner.backend.gather == gather
+        assert bool(runner.model.native.model.attn_bf16 & DIRECT) == (gather == "direct")
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    f32 = LLM(model=path, dtype="bfloat16", num_blocks=64, block_size=4, kernels="attention=f32,attention_gather=direct")
+    assert f32.engine.bundle.runner.backend.gather == "stage"  # the float32 kernel never stages: nothing to pick

@@ -38,7 +38,7 @@ def test_the_flag_parses_and_rejects_what_it_cannot_mean():
             parse_kernels(bad)
     with pytest.raises(ValueError, match="one of"):
         RuntimeConfig(kernels="attention=fast")
-    assert set(KINDS) == {"linear", "gemm", "lm_head", "attention", "prefill_attention"}
+    assert set(KINDS) == {"linear", "gemm", "lm_head", "attention_gather", "attention", "prefill_attention"}
 
 
 def test_the_score_is_the_geometric_mean_of_each_paths_slowdown():

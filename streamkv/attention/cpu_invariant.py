@@ -13,6 +13,8 @@ recomputed prompt row (see the kernel's header for the arithmetic).
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -34,11 +36,13 @@ class InvariantCpuBackend(TorchReferenceBackend):
     meta_type = InvariantMeta
 
     def __init__(self, cache: KVCache, scale: float, bf16: bool | None = None, tiles: bool = False,
-                 fma: bool = False) -> None:
+                 fma: bool = False, gather: str = "stage") -> None:
         """``bf16``: the bf16 dot-product kernel (the measured ``attention`` choice); None = it
         wherever it fits (bf16 cache, head_dim a multiple of 16 up to 128, AVX512-BF16).
         ``tiles``: that kernel on AMX tiles (the ``amx`` path; its own bits). ``fma``: its products
-        as float32 fmas (the ``bf16f`` path)."""
+        as float32 fmas (the ``bf16f`` path). ``gather``: ``direct`` has the bf16 kernels' few-row
+        items transpose each head's blocks straight from the pool instead of staging the rows first
+        (the measured ``attention_gather``; the same bits)."""
         super().__init__(cache, scale)
         from streamkv.native import (invariant_attention, invariant_attention_amx, invariant_attention_bf16,
                                      invariant_attention_bf16f)
@@ -63,6 +67,14 @@ class InvariantCpuBackend(TorchReferenceBackend):
             self.kernel = amx
         if fma:
             self.kernel = invariant_attention_bf16f()
+        if gather not in ("stage", "direct"):
+            raise ValueError(f"attention gather must be 'stage' or 'direct', not {gather!r}")
+        if gather == "direct":
+            if not self.bf16:
+                raise ValueError("attention_gather=direct applies to the bf16 attention kernels (attention=bf16, "
+                                 "bf16f or amx), not to attention=f32")
+            self.kernel = functools.partial(self.kernel, direct=True)
+        self.gather = gather
         # the native layers take the same
         self.path = "amx" if tiles else "bf16f" if fma else "bf16" if self.bf16 else "f32"
 

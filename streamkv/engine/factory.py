@@ -142,7 +142,9 @@ def _backend_options(kernels: KernelChoice) -> dict[str, Any]:
     """The attention kernels the choice names, as backend constructor options."""
     if "attention" in kernels.paths:
         path = kernels.paths["attention"]
-        return {"bf16": path in ("bf16", "amx", "bf16f"), "tiles": path == "amx", "fma": path == "bf16f"}
+        gather = kernels.paths.get("attention_gather", "stage")  # the bf16 kernels' only: f32 never stages
+        return {"bf16": path in ("bf16", "amx", "bf16f"), "tiles": path == "amx", "fma": path == "bf16f",
+                "gather": gather if path != "f32" else "stage"}
     if "prefill_attention" in kernels.paths:
         return {"paged": kernels.paths["prefill_attention"] == "native"}
     return {}

@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         lib = layer_library()
         if self.numerics != "invariant" or lib is None:
             raise ValueError("native layers need numerics=invariant and the native kernels")
-        self.native = NativeLayers(lib, self, backend.cache, backend.scale, backend.path)
+        self.native = NativeLayers(lib, self, backend.cache, backend.scale, backend.path, backend.gather)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -50,6 +50,7 @@ class SkModel(ctypes.Structure):
                 ("prof", ctypes.c_void_p)]
 
 ATTENTION_MODES = {"f32": 0, "bf16": 1, "amx": 2, "bf16f": 3}  # SkModel.attn_bf16 (native/layer.c)
+DIRECT = 4  # SkModel.attn_bf16 bit: the bf16 kernels' few-row items gather from the pool (attention_gather)
 PHASES = ("norm", "gemm", "rope_kv", "attention", "silu", "residual", "select")  # native/layer.c's timed phases
 # ("silu" is 0 where the gate_up GEMM applies it itself: bf16 dense weights on AMX tiles, in "gemm")
 
@@ -62,11 +63,13 @@ class NativeLayers:
     """Every decoder layer of ``model`` over ``cache``: hidden states in, hidden states out.
 
     ``attention`` picks the attention kernel (``f32``: ``inv_attn.c``; ``bf16``: ``inv_attn_bf16.c``;
-    ``amx``: that one on AMX tiles; ``bf16f``: that one's products as float32 fmas), the same one the attention backend uses, so both paths agree
+    ``amx``: that one on AMX tiles; ``bf16f``: that one's products as float32 fmas; ``gather``:
+    ``direct`` for the bf16 kernels' pool gathers, see ``attention_gather``), the same one the attention backend uses, so both paths agree
     with the backend's own ``forward``.
     """
 
-    def __init__(self, lib: ctypes.CDLL, model: Any, cache: KVCache, scale: float, attention: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, model: Any, cache: KVCache, scale: float, attention: str,
+                 gather: str = "stage") -> None:
         arch = model.arch
         d, inter = arch.hidden_size, arch.intermediate_size
         h, hk, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -83,7 +86,7 @@ class NativeLayers:
         bf16 = model.dtype == torch.bfloat16
         rope = model.rope
         self.model = SkModel(len(model.layers), d, h, hk, hd, inter, int(bf16), int(cache.k.dtype == torch.bfloat16),
-                             ATTENTION_MODES[attention], arch.rms_norm_eps, scale, self._f32(rope.cos_table),
+                             ATTENTION_MODES[attention] | (DIRECT if gather == "direct" else 0), arch.rms_norm_eps, scale, self._f32(rope.cos_table),
                              self._f32(rope.sin_table), layers, None)
         self.layers = layers
         self.embed = model.embed

@@ -24,6 +24,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "linear": ("q4", "dense", "deq", "q4f"),
     "gemm": ("amx", "avx512"),
     "lm_head": ("q8", "dense", "deq"),
+    "attention_gather": ("stage", "direct"),   # measured before attention: its bf16 paths run on it
     "attention": ("bf16", "f32", "amx", "bf16f"),
     "prefill_attention": ("native", "sdpa"),
 }

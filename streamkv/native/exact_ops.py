@@ -297,16 +297,17 @@ def invariant_attention_bf16f() -> Callable[..., torch.Tensor] | None:
 
 
 def _inv_attn_bf16(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, seqs: torch.Tensor,
-                   slots: torch.Tensor, scale: float, mode: int = 0) -> torch.Tensor:
+                   slots: torch.Tensor, scale: float, mode: int = 0, direct: bool = False) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D] float32 over a bf16 cache (contract of ``inv_attn_bf16.c``;
     ``mode``: 0 vdpbf16ps, 1 AMX tiles (only where ``invariant_attention_amx()`` exists), 2 the fma
-    chain)."""
+    chain; ``direct``: few-row items gather each head's blocks from the pool instead of staging the
+    rows, the same bits)."""
     if kc.dtype != torch.bfloat16 or vc.dtype != torch.bfloat16:
         raise TypeError(f"bf16 invariant attention needs a bfloat16 cache, got {kc.dtype}")
     q, seqs, slots, out = _attn_args(q, kc, vc, seqs, slots)
     t, h, d = q.shape
     rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), seqs.data_ptr(), seqs.shape[0], slots.data_ptr(), h,
-            kc.shape[1], d, float(scale), out.data_ptr(), mode)
+            kc.shape[1], d, float(scale), out.data_ptr(), mode | (4 if direct else 0))
     if rc != 0:
         raise ValueError(f"bf16 invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
     return out

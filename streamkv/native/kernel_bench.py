@@ -9,6 +9,8 @@ the candidates of a kind measured in turn (`_best_each`) so a passing load slows
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import statistics
 import time
@@ -262,12 +264,35 @@ def _attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     found = {"bf16": invariant_attention_bf16(), "f32": invariant_attention(), "amx": invariant_attention_amx(),
              "bf16f": invariant_attention_bf16f()}
     kernels = {path: fn for path, fn in found.items() if fn is not None}
+    if chosen.get("attention_gather") == "direct":  # the bf16 kernels' decode items as they will run
+        kernels = {p: functools.partial(fn, direct=True) if p != "f32" else fn for p, fn in kernels.items()}
     out: dict[str, dict[str, float]] = {p: {} for p in kernels}
     for label, rows in ATTENTION_CASES.items():
         q, kc, vc, seqs, slots = _attention_case(s, rows)
         t = _best_each({path: lambda f=fn: f(q, kc, vc, seqs, slots, s.head_dim ** -0.5) for path, fn in kernels.items()})
         for path in kernels:
             out[path][label] = t[path]
+    return out
+
+
+def _attention_gather(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
+    """The bf16 kernels' few-row items (decodes) staging a super-block's rows or gathering each
+    head's blocks from the pool: the same bits, timed before ``attention`` (whose bf16 paths then
+    run on the choice) on a forced bf16-family attention path, else on bf16 (the data movement
+    this decides is the same for all of them)."""
+    from streamkv.native import invariant_attention_amx, invariant_attention_bf16, invariant_attention_bf16f
+
+    fn = {"amx": invariant_attention_amx, "bf16f": invariant_attention_bf16f}.get(
+        chosen.get("attention", "bf16"), invariant_attention_bf16)()
+    out: dict[str, dict[str, float]] = {"stage": {}, "direct": {}}
+    for label, rows in ATTENTION_CASES.items():
+        if not label.startswith("decode"):
+            continue  # prompt tiles never stage
+        q, kc, vc, seqs, slots = _attention_case(s, rows)
+        t = _best_each({p: lambda d=p == "direct": fn(q, kc, vc, seqs, slots, s.head_dim ** -0.5, direct=d)
+                        for p in out})
+        for p in out:
+            out[p][label] = t[p]
     return out
 
 
@@ -289,7 +314,7 @@ def _prefill_attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]
 
 
 MEASURES = {"linear": _linear, "gemm": _gemm, "lm_head": _lm_head, "attention": _attention,
-            "prefill_attention": _prefill_attention}
+            "attention_gather": _attention_gather, "prefill_attention": _prefill_attention}
 
 
 def measure(kind: str, shapes, chosen: dict[str, str]) -> dict[str, dict[str, float]]:

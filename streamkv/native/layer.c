@@ -73,7 +73,8 @@ typedef struct {
     int n_layers, d, H, Hk, D, inter;
     int act_bf16;            /* GEMM inputs in bf16 */
     int kv_bf16;             /* cache dtype */
-    int attn_bf16;           /* attention through inv_attn_bf16.c: 1, 2 on AMX tiles, 3 the fma chain (0: inv_attn.c) */
+    int attn_bf16;           /* attention through inv_attn_bf16.c: 1, 2 on AMX tiles, 3 the fma chain (0: inv_attn.c);
+                                plus 4: its few-row items gather from the pool (passed on as mode's bit 4) */
     float eps, scale;
     const float* cos_t;      /* [positions, D]: cos, and sin with the rotate-half sign folded in */
     const float* sin_t;

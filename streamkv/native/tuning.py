@@ -14,6 +14,10 @@ Kinds and their paths (a kind only exists where more than one path can run):
     attention          bf16 | f32 | amx invariant attention: bf16 dot products, float32, bf16 on AMX tiles, or
                  | bf16f                bf16f: the bf16 kernel's products as float32 fmas (vdpbf16ps's bits but
                                         for denormals), for CPUs whose bf16 dot products run at half the fma rate
+    attention_gather   stage | direct   the bf16 attention kernels' decode items: copy a super-block's cache
+                                        rows (every head) to a staging buffer first, or transpose each head's
+                                        blocks straight from the pool (the same bits; measured on the decode
+                                        cases before attention, whose bf16 paths are then timed on it)
     prefill_attention  native | sdpa    fast numerics: the paged prefill kernel or torch's SDPA
 
 With the default invariant numerics one path serves every row of every step (a row's bits must
@@ -96,6 +100,8 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
         ("attention", "bf16"): not fast and fits and native.invariant_attention_bf16() is not None,
         ("attention", "f32"): not fast,
         ("attention", "bf16f"): not fast and fits and native.invariant_attention_bf16f() is not None,
+        ("attention_gather", "stage"): not fast and fits and native.invariant_attention_bf16() is not None,
+        ("attention_gather", "direct"): not fast and fits and native.invariant_attention_bf16() is not None,
         ("attention", "amx"): not fast and fits and native.invariant_attention_amx() is not None,
         ("prefill_attention", "native"): fast and s.backend == "cpu" and s.bf16 and s.kv_bf16 and s.head_dim == 64
                                          and native.paged_attention() is not None,
