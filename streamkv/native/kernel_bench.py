@@ -10,6 +10,7 @@ the candidates of a kind measured in turn (`_best_each`) so a passing load slows
 from __future__ import annotations
 
 import functools
+import itertools
 
 import math
 import statistics
@@ -255,6 +256,24 @@ def _attention_case(s, rows: list[tuple[int, int]]):
 
 
 ATTENTION_CASES = {"prompt 512": [(512, 512)], "decode ctx 2048": [(1, 2048)], "decode 8 x ctx 512": [(1, 512)] * 8}
+DECODE_COPIES = 16  # a decode case's calls cycle through this many caches (~48 MB at ctx 2048, as a step's layers)
+
+
+def _attention_calls(s, label: str, fns: dict[str, Callable[..., torch.Tensor]]) -> dict[str, Callable[[], object]]:
+    """One call per path of ``fns`` on case ``label``. A decode case's calls go round DECODE_COPIES
+    caches with other data in the same pages, so its keys come from L3 or memory as in a step
+    (30 layers, each its own cache), not from the L2 a single cache would stay in: how the rows
+    are gathered (``attention_gather``) measured faster on a hot cache and slower inside a step
+    on the EPYC. A prompt case is bound by its arithmetic: one cache."""
+    q, kc, vc, seqs, slots = _attention_case(s, ATTENTION_CASES[label])
+    caches = [(kc, vc)] + [((torch.randn_like(kc, dtype=torch.float32) * 0.5).to(kc.dtype),
+                            torch.randn_like(vc, dtype=torch.float32).to(vc.dtype))
+                           for _ in range(DECODE_COPIES - 1 if label.startswith("decode") else 0)]
+    turn = itertools.count()
+
+    def call(fn: Callable[..., torch.Tensor]) -> Callable[[], object]:
+        return lambda: fn(q, *caches[next(turn) % len(caches)], seqs, slots, s.head_dim ** -0.5)
+    return {path: call(fn) for path, fn in fns.items()}
 
 
 def _attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
@@ -267,9 +286,8 @@ def _attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     if chosen.get("attention_gather") == "direct":  # the bf16 kernels' decode items as they will run
         kernels = {p: functools.partial(fn, direct=True) if p != "f32" else fn for p, fn in kernels.items()}
     out: dict[str, dict[str, float]] = {p: {} for p in kernels}
-    for label, rows in ATTENTION_CASES.items():
-        q, kc, vc, seqs, slots = _attention_case(s, rows)
-        t = _best_each({path: lambda f=fn: f(q, kc, vc, seqs, slots, s.head_dim ** -0.5) for path, fn in kernels.items()})
+    for label in ATTENTION_CASES:
+        t = _best_each(_attention_calls(s, label, kernels))
         for path in kernels:
             out[path][label] = t[path]
     return out
@@ -285,12 +303,8 @@ def _attention_gather(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     fn = {"amx": invariant_attention_amx, "bf16f": invariant_attention_bf16f}.get(
         chosen.get("attention", "bf16"), invariant_attention_bf16)()
     out: dict[str, dict[str, float]] = {"stage": {}, "direct": {}}
-    for label, rows in ATTENTION_CASES.items():
-        if not label.startswith("decode"):
-            continue  # prompt tiles never stage
-        q, kc, vc, seqs, slots = _attention_case(s, rows)
-        t = _best_each({p: lambda d=p == "direct": fn(q, kc, vc, seqs, slots, s.head_dim ** -0.5, direct=d)
-                        for p in out})
+    for label in (lb for lb in ATTENTION_CASES if lb.startswith("decode")):  # prompt tiles never stage
+        t = _best_each(_attention_calls(s, label, {p: functools.partial(fn, direct=p == "direct") for p in out}))
         for p in out:
             out[p][label] = t[p]
     return out
@@ -300,7 +314,7 @@ def _prefill_attention(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]
     from streamkv.native import paged_attention
 
     paged = paged_attention()
-    q, kc, vc, seqs, slots = _attention_case(s, [(512, 512)])
+    q, kc, vc, seqs, slots = _attention_case(s, ATTENTION_CASES["prompt 512"])
     qb = q.to(torch.bfloat16)
     g = s.heads // s.kv_heads
     q4 = qb.transpose(0, 1)[None]
