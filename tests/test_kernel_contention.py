@@ -130,7 +130,8 @@ def test_a_choice_made_beside_a_busy_job_is_cached_flagged_warned_and_cleared_by
     if len(paths["attention"]) < 2:
         pytest.skip(f"attention has one path on this CPU ({paths['attention']}): nothing to choose")
     forced = {k: p[0] for k, p in paths.items() if k != "attention"}
-    timings = {"f32": {"decode x1": 1.0}, "bf16": {"decode x1": 2.0}, "amx": {"decode x1": 3.0}}
+    timings = {"f32": {"decode x1": 1.0}, "bf16": {"decode x1": 2.0}, "amx": {"decode x1": 3.0},
+               "bf16f": {"decode x1": 4.0}}
     threads = []  # torch's thread count at each measurement
     monkeypatch.setattr(kernel_bench, "measure",
                         lambda k, s, chosen: threads.append(torch.get_num_threads()) or {p: timings[p] for p in paths[k]})

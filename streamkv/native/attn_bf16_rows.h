@@ -200,17 +200,31 @@ static inline __attribute__((always_inline)) void qk_rows(const int nr, const in
 
 
 /* P V of one row over its lim visible keys (the partly visible super-blocks of a prompt's diagonal,
- * a decode row's last block): key pairs the row does not see at all are skipped. */
-static void pv_row(int nv, int lim, const __m512i* Vp, uint32_t pp[NB][8], float a, RowState* s) {
+ * a decode row's last block): key pairs the row does not see at all are skipped. F: the chain
+ * (attn_fma_rows.h; Vp then widened when F = 1). */
+static inline __attribute__((always_inline)) void pv_row(const int F, int nv, int lim, const void* Vp,
+                                                         uint32_t pp[NB][8], float a, RowState* s) {
     const int rb = (lim + 15) / 16;
     const __m512 va = _mm512_set1_ps(a);
+    float pf[SB];
+    if (F) widen_p(rb, pp, pf);
     __m512 o[2 * MAXDB];
     for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(s->o[j], va);
     for (int x = 0; x < rb; x++) {
         const int left = lim - 16 * x, npairs = left >= 16 ? 8 : (left + 1) / 2;
         for (int kp = 0; kp < npairs; kp++) {
+            const int at = (8 * x + kp) * nv;
+            if (F) {
+                const __m512 pe = _mm512_set1_ps(pf[16 * x + 2 * kp]), po = _mm512_set1_ps(pf[16 * x + 2 * kp + 1]);
+                for (int j = 0; j < nv; j++) {
+                    __m512 ve, vo;
+                    kv_pair(F == 1, Vp, at + j, &ve, &vo);
+                    o[j] = _mm512_fmadd_ps(pe, ve, _mm512_fmadd_ps(po, vo, o[j]));
+                }
+                continue;
+            }
             const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[x][kp]);
-            for (int j = 0; j < nv; j++) o[j] = _mm512_dpbf16_ps(o[j], (__m512bh)Vp[(8 * x + kp) * nv + j], w);
+            for (int j = 0; j < nv; j++) o[j] = _mm512_dpbf16_ps(o[j], (__m512bh)((const __m512i*)Vp)[at + j], w);
         }
     }
     for (int j = 0; j < nv; j++) s->o[j] = o[j];
@@ -241,7 +255,7 @@ static inline __attribute__((always_inline)) void few_rows(const int F, int D, f
     else if (whole) PV_ROWS(F, 3, 4, NB, Vp, pp, a, st);
     else
         for (int r = 0; r < rn; r++)
-            if (lims[r] > 0) PV_ROW(F, nv, lims[r], Vp, pp[r], a[r], st + r);
+            if (lims[r] > 0) pv_row(F, nv, lims[r], Vp, pp[r], a[r], st + r);
 }
 
 /* One super-block for rows [0, R): scores, softmax update, P V. pos[r] is row r's context index
@@ -276,7 +290,7 @@ static inline __attribute__((always_inline)) void super_block(const int F, int D
                 else PV_ROWS(F, 2, 8, nb, Vp, pp + h, a + h, st + r0 + h);
         } else {
             for (int r = 0; r < 4; r++)
-                if (lims[r] > 0) PV_ROW(F, nv, lims[r], Vp, pp[r], a[r], st + r0 + r);
+                if (lims[r] > 0) pv_row(F, nv, lims[r], Vp, pp[r], a[r], st + r0 + r);
         }
     }
     if (r0 < R) few_rows(F, D, scale, qp + r0, pos + r0, R - r0, nk, Kt, Vp, st + r0);

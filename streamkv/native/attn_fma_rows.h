@@ -5,7 +5,8 @@
  * first (the instruction's definition). K and V blocks come as bf16 pairs (Kt, Vp) or widened
  * (widen_blocks(): two float32 vectors per pair vector, even then odd elements); kv_pair() reads
  * either (W), so a few rows skip the widening pass and more rows run it once per super-block.
- * QK_ROWS / PV_ROWS / PV_ROW pick the chain F: 0 vdpbf16ps, 1 widened blocks, 2 pairs widened as read.
+ * QK_ROWS / PV_ROWS (and pv_row()'s F) pick the chain: 0 vdpbf16ps, 1 widened blocks, 2 pairs widened
+ * as read.
  */
 #ifndef STREAMKV_ATTN_FMA_ROWS_H
 #define STREAMKV_ATTN_FMA_ROWS_H
@@ -82,29 +83,6 @@ static inline __attribute__((always_inline)) void pv_rows_f(const int W, const i
         for (int j = 0; j < NV; j++) st[r].o[j] = o[r][j];
 }
 
-/* pv_row() as the fma chain (the same key pairs skipped) */
-static inline __attribute__((always_inline)) void pv_row_f(const int W, int nv, int lim, const void* Vf,
-                                                           uint32_t pp[NB][8], float a, RowState* s) {
-    const int rb = (lim + 15) / 16;
-    float pf[SB];
-    widen_p(rb, pp, pf);
-    const __m512 va = _mm512_set1_ps(a);
-    __m512 o[2 * MAXDB];
-    for (int j = 0; j < nv; j++) o[j] = _mm512_mul_ps(s->o[j], va);
-    for (int x = 0; x < rb; x++) {
-        const int left = lim - 16 * x, npairs = left >= 16 ? 8 : (left + 1) / 2;
-        for (int kp = 0; kp < npairs; kp++) {
-            const __m512 pe = _mm512_set1_ps(pf[16 * x + 2 * kp]), po = _mm512_set1_ps(pf[16 * x + 2 * kp + 1]);
-            for (int j = 0; j < nv; j++) {
-                __m512 ve, vo;
-                kv_pair(W, Vf, (8 * x + kp) * nv + j, &ve, &vo);
-                o[j] = _mm512_fmadd_ps(pe, ve, _mm512_fmadd_ps(po, vo, o[j]));
-            }
-        }
-    }
-    for (int j = 0; j < nv; j++) s->o[j] = o[j];
-}
-
 /* n vectors of bf16 pairs -> 2n float32 vectors: each pair's low (even) then high (odd) element */
 static inline void widen_blocks(int n, const __m512i* src, __m512* dst) {
     const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
@@ -119,7 +97,5 @@ static inline void widen_blocks(int n, const __m512i* src, __m512* dst) {
     (F ? qk_rows_f(F == 1, nr, nbk, P, KS, qp, Kt, acc) : qk_rows(nr, nbk, P, KS, qp, Kt, acc))
 #define PV_ROWS(F, NR, NV, nb, Vp, pp, a, st) \
     (F ? pv_rows_f(F == 1, NR, NV, nb, Vp, pp, a, st) : pv_rows(NR, NV, nb, Vp, pp, a, st))
-#define PV_ROW(F, nv, lim, Vp, pp, a, st) \
-    (F ? pv_row_f(F == 1, nv, lim, Vp, pp, a, st) : pv_row(nv, lim, Vp, pp, a, st))
 
 #endif
