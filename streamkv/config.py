@@ -238,8 +238,9 @@ class RuntimeConfig:
 
     kernels: str = field(default="auto", metadata={"unit": "KIND=PATH,...", 
         "help": "auto | KIND=PATH,...: kernels are chosen by measurement at first start and cached per CPU "
-                "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense|deq, gemm=amx|avx512, "
-                "lm_head=q8|dense|deq, attention=bf16|f32|amx, prefill_attention=native|sdpa"})
+                "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense|deq|q4f, gemm=amx|avx512, "
+                "lm_head=q8|dense|deq, attention_gather=stage|direct, attention=bf16|f32|amx|bf16f, "
+                "prefill_attention=native|sdpa"})
 
     step_log: str | None = field(default=None, metadata={"unit": "PATH", "help": "append one JSON line per engine "
                                   "step (its sequences, rows, classes and seconds) to PATH, for diagnosis"})
