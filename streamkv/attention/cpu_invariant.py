@@ -14,7 +14,6 @@ recomputed prompt row (see the kernel's header for the arithmetic).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any

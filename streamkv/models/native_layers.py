@@ -64,8 +64,8 @@ class NativeLayers:
 
     ``attention`` picks the attention kernel (``f32``: ``inv_attn.c``; ``bf16``: ``inv_attn_bf16.c``;
     ``amx``: that one on AMX tiles; ``bf16f``: that one's products as float32 fmas; ``gather``:
-    ``direct`` for the bf16 kernels' pool gathers, see ``attention_gather``), the same one the attention backend uses, so both paths agree
-    with the backend's own ``forward``.
+    ``direct`` for the bf16 kernels' pool gathers, see ``attention_gather``), the same one the
+    attention backend uses, so both paths agree with the backend's own ``forward``.
     """
 
     def __init__(self, lib: ctypes.CDLL, model: Any, cache: KVCache, scale: float, attention: str,
@@ -85,9 +85,10 @@ class NativeLayers:
                                 self._f32(qk), _ptr(cache.k[i]), _ptr(cache.v[i]))
         bf16 = model.dtype == torch.bfloat16
         rope = model.rope
+        mode = ATTENTION_MODES[attention] | (DIRECT if gather == "direct" else 0)
         self.model = SkModel(len(model.layers), d, h, hk, hd, inter, int(bf16), int(cache.k.dtype == torch.bfloat16),
-                             ATTENTION_MODES[attention] | (DIRECT if gather == "direct" else 0), arch.rms_norm_eps, scale, self._f32(rope.cos_table),
-                             self._f32(rope.sin_table), layers, None)
+                             mode, arch.rms_norm_eps, scale, self._f32(rope.cos_table), self._f32(rope.sin_table),
+                             layers, None)
         self.layers = layers
         self.embed = model.embed
         self.hidden, self.heads, self.head_dim = d, h, hd

@@ -23,4 +23,5 @@ from streamkv.native.loader import build_tag, compile_steps, object_files, run_a
 __all__ = ["build_tag", "compile_steps", "decode_attention", "deq_gemm", "deq_gemm_bf16", "gguf_dequant",
            "invariant_attention", "invariant_attention_amx", "invariant_attention_bf16", "invariant_attention_bf16f",
            "invariant_gemm", "invariant_gemm_bf16_path", "invariant_gemm_uses_bf16_dot", "invariant_isa", "kv_move",
-           "layer_library", "object_files", "page_bounds", "page_select", "page_shares", "paged_attention", "q4_gemm", "q8_gemm", "run_all"]
+           "layer_library", "object_files", "page_bounds", "page_select", "page_shares", "paged_attention", "q4_gemm",
+           "q8_gemm", "run_all"]

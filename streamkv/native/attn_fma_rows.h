@@ -14,12 +14,12 @@
 /* q's pairs of rows [0, nr), widened: qe[r][p] = q_r[2p], qo[r][p] = q_r[2p + 1] (exact) */
 static inline __attribute__((always_inline)) void widen_q(const int nr, int P, const uint32_t (*qp)[64],
                                                           float qe[4][64], float qo[4][64]) {
-    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
     for (int r = 0; r < nr; r++)
         for (int p = 0; p < P; p += 16) {   /* qp is zero past D/2 up to whole 16-pair vectors */
-            const __m512i v = _mm512_loadu_si512((const void*)(qp[r] + p));
-            _mm512_storeu_ps(qe[r] + p, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-            _mm512_storeu_ps(qo[r] + p, _mm512_castsi512_ps(_mm512_and_si512(v, hi)));
+            __m512 e, o;
+            v_bf16_pairs(_mm512_loadu_si512((const void*)(qp[r] + p)), &e, &o);
+            v_store(qe[r] + p, e);
+            v_store(qo[r] + p, o);
         }
 }
 
@@ -32,9 +32,7 @@ static inline __attribute__((always_inline)) void kv_pair(const int W, const voi
         *o = ((const __m512*)base)[2 * i + 1];
         return;
     }
-    const __m512i v = ((const __m512i*)base)[i];
-    *e = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-    *o = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)));
+    v_bf16_pairs(((const __m512i*)base)[i], e, o);
 }
 
 /* qk_rows() as the fma chain over K blocks (Kf: widened if W) */
@@ -85,11 +83,7 @@ static inline __attribute__((always_inline)) void pv_rows_f(const int W, const i
 
 /* n vectors of bf16 pairs -> 2n float32 vectors: each pair's low (even) then high (odd) element */
 static inline void widen_blocks(int n, const __m512i* src, __m512* dst) {
-    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
-    for (int i = 0; i < n; i++) {
-        dst[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(src[i], 16));
-        dst[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(src[i], hi));
-    }
+    for (int i = 0; i < n; i++) v_bf16_pairs(src[i], dst + 2 * i, dst + 2 * i + 1);
 }
 
 /* the chain F picks: 0 vdpbf16ps, 1 fmas over widened K and V blocks, 2 fmas widening as they go */

@@ -36,7 +36,8 @@
  * copies the block's cache rows, all heads, in address order into a staging buffer, then runs each
  * head from there (or, with mode & 4, the measured `attention_gather=direct`, transposes each head's
  * blocks straight from the pool: on the Intel Xeon without AMX a decode over 2,048 keys 0.087 ->
- * 0.063 ms per layer, 2 threads, L3-resident; on the EPYC staging measured faster inside a step). The rows are then read as one sequential stream (a per-head gather reads 128
+ * 0.063 ms per layer, 2 threads, L3-resident; on the EPYC staging measured faster inside a step).
+ * Staged, the rows are read as one sequential stream (a per-head gather reads 128
  * of every 384 bytes and streamed at ~12 GB/s on the EPYC, vs ~28 GB/s for the copy), and each
  * head's rows still run exactly a per-head item's operations (a super-block whose slots are one run
  * in the pool already has that layout: it is read in place, no copy). A step of only a few chunk items
@@ -354,7 +355,8 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     if (D % 16 != 0 || D > 32 * MAXDB || Hk <= 0 || H % Hk != 0 || H / Hk > ROWS || B <= 0) return 1;
     if (mode < 0 || (mode & 3) == 3 || mode > 7) return 4;
     const int G = H / Hk, TQ = ROWS / G, nv = 2 * ((D + 31) / 32), W = 2 + 16 * nv;
-    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL, 0, (mode & 3) == 2, (mode & 4) != 0};
+    Ctx cx = {kc, vc, seqs, slots, q, out, NULL, H, Hk, D, (D + 31) / 32, scale, NULL, NULL, 0, (mode & 3) == 2,
+              (mode & 4) != 0};
 #ifdef AMX
     cx.tiles = (mode & 3) == 1 && amx_enabled();
 #endif

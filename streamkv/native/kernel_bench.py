@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-
 import math
 import statistics
 import time

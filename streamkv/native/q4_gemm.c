@@ -155,15 +155,6 @@ static inline __attribute__((always_inline)) __m512 group_end(const Q4* a, const
     return Q8 ? o : _mm512_fmadd_ps(zr, _mm512_set1_ps(a->xsum[m * a->G + g]), o);
 }
 
-/* W[i] (16 lanes of 2 bf16) -> we[i], wo[i]: its low (even k) and high (odd k) words as float32, exact */
-static inline __attribute__((always_inline)) void widen_pairs(const int P, const __m512i* W, __m512* we, __m512* wo) {
-    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000);
-    for (int i = 0; i < P; i++) {
-        we[i] = _mm512_castsi512_ps(_mm512_slli_epi32(W[i], 16));   /* q[2p] - 8 of each lane (low word) */
-        wo[i] = _mm512_castsi512_ps(_mm512_and_si512(W[i], hi));    /* q[2p + 1] - 8 (high word) */
-    }
-}
-
 /* the fma chain's step for R rows x P tiles: s[r][i] += x pair (m + r) . (we[i], wo[i]), odd k first */
 static inline __attribute__((always_inline)) void fma_pair(const Q4* a, const int R, const int P, int64_t m, int g,
                                                            int p, const __m512* we, const __m512* wo, __m512 s[][P]) {
@@ -198,8 +189,8 @@ static inline __attribute__((always_inline)) void small(const Q4* a, const int Q
             __m512i W[4];
             for (int i = 0; i < P; i++) W[i] = wvec(a, Q8, t0 + i, g, p, ctrl, table);
             if (a->xw) {
-                __m512 we[4], wo[4];
-                widen_pairs(P, W, we, wo);
+                __m512 we[4], wo[4];   /* q[2p] - 8 (low words), q[2p + 1] - 8 (high words) */
+                for (int i = 0; i < P; i++) v_bf16_pairs(W[i], &we[i], &wo[i]);
                 fma_pair(a, R, P, m0, g, p, we, wo, s);
                 continue;
             }
@@ -293,7 +284,8 @@ static void big_tiles(const Q4* a, int q8, int64_t m0, int64_t m1, int t, int P,
         for (int i = 0; i < P; i++) {
             for (int p = 0; p < 16; p++) {
                 const __m512i W = q8 ? wvec(a, 1, t + i, g, p, ctrl, table) : wvec(a, 0, t + i, g, p, ctrl, table);
-                if (a->xw) widen_pairs(1, &W, (__m512*)buf + ((g * 16 + p) * P + i) * 2, (__m512*)buf + ((g * 16 + p) * P + i) * 2 + 1);
+                __m512* wide = (__m512*)buf + ((g * 16 + p) * P + i) * 2;   /* the fma chain's layout */
+                if (a->xw) v_bf16_pairs(W, wide, wide + 1);
                 else buf[(g * 16 + p) * P + i] = W;
             }
             if (q8) group_scale(a, 1, t + i, g, &scz[(g * P + i) * 2], &scz[(g * P + i) * 2 + 1]);
@@ -354,7 +346,7 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
             {
                 __m512i* buf = aligned_alloc(64, sizeof(__m512i) * (a.xw ? 32 * PF : 32) * G);  /* fma: widened */
                 __m512* scz = aligned_alloc(64, sizeof(__m512) * 2 * PF * G);
-                __m512* ob = aligned_alloc(64, sizeof(__m512) * PF * MBF);  /* the fma chain's outputs */
+                __m512* ob = fma ? aligned_alloc(64, sizeof(__m512) * PF * MBF) : NULL;  /* the fma chain's outputs */
                 const int step = fma ? PF : 2;   /* tiles per item */
                 #pragma omp for schedule(static)
                 for (int t = 0; t < T; t += step) big_tiles(&a, q8, m0, m1, t, T - t < step ? T - t : step, buf, scz, ob);

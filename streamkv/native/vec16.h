@@ -45,6 +45,11 @@ static inline v16 v_load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 static inline void v_store(float* p, v16 a) { _mm512_storeu_ps(p, a); }
+/* 16 lanes of bf16 pairs -> each pair's low (even) and high (odd) element as float32, exact */
+static inline void v_bf16_pairs(__m512i v, v16* even, v16* odd) {
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)));
+}
 static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
 static inline v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
