@@ -238,7 +238,7 @@ class RuntimeConfig:
 
     kernels: str = field(default="auto", metadata={"unit": "KIND=PATH,...", 
         "help": "auto | KIND=PATH,...: kernels are chosen by measurement at first start and cached per CPU "
-                "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense|deq|q4f, gemm=amx|avx512, "
+                "(see `streamkv info`); KIND=PATH forces one: linear=q4|dense|deq|q4f, gemm=amx|avx512|fma, "
                 "lm_head=q8|dense|deq, attention_gather=stage|direct, attention=bf16|f32|amx|bf16f, "
                 "prefill_attention=native|sdpa"})
 

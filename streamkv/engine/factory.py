@@ -175,7 +175,8 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     kernels = kernel_choice(config, ckpt, dtype, device)
     log.info("kernels: %s", kernels.describe())
     q4 = _packed_weights(kernels, ckpt.gguf, arch)
-    options = KernelOptions(tiles=kernels.get("gemm") == "amx", q4_fma=kernels.get("linear") == "q4f",
+    options = KernelOptions(tiles=kernels.get("gemm") == "amx", gemm_fma=kernels.get("gemm") == "fma",
+                            q4_fma=kernels.get("linear") == "q4f",
                             deq_rows=kernels.packed_rows("linear"),
                             head_deq_rows=kernels.packed_rows("lm_head"))
     model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics,

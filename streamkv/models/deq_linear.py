@@ -107,11 +107,11 @@ def pack_deq8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 class DeqWeights(nn.Module):
     """One GGUF matrix packed for ``deq_gemm.c`` (float32 models: x [M, K] float32 -> [M, N] with the
     bits of the dense float32 GEMM over the loader's weights) or ``deq_bf16.c`` (bf16 models, 4-bit
-    layers or the Q8_0 head: x [M, K] bf16 -> the bits of the dense bf16 GEMM, ``tiles`` alike);
+    layers or the Q8_0 head: x [M, K] bf16 -> the bits of the dense bf16 GEMM, ``tiles`` and ``fma`` alike);
     serves steps of at most ``max_rows`` rows."""
 
     def __init__(self, packed: torch.Tensor, dm: torch.Tensor, out_features: int, max_rows: int,
-                 bf16: bool = False, tiles: bool = False) -> None:
+                 bf16: bool = False, tiles: bool = False, fma: bool = False) -> None:
         super().__init__()
         from streamkv.native import deq_gemm, deq_gemm_bf16
 
@@ -124,7 +124,7 @@ class DeqWeights(nn.Module):
         self.kernel = kernel
         self.out_features = out_features
         self.max_rows = max_rows
-        self.bf16, self.tiles = bf16, tiles
+        self.bf16, self.tiles, self.fma = bf16, tiles, fma
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("dm", dm, persistent=False)
 
@@ -133,16 +133,18 @@ class DeqWeights(nn.Module):
         return 4 if self.packed.dtype == torch.uint8 else 8
 
     @classmethod
-    def from_q4(cls, w: Q4Matrix, max_rows: int, bf16: bool = False, tiles: bool = False) -> DeqWeights:
+    def from_q4(cls, w: Q4Matrix, max_rows: int, bf16: bool = False, tiles: bool = False,
+                fma: bool = False) -> DeqWeights:
         if w.m is None:
             raise ValueError("this 4-bit matrix has no stored offset (m): it cannot reproduce the dense weights")
         pack = pack_deq_bf16 if bf16 else pack_deq
-        return cls(*pack(w.q, w.scale, w.m), w.q.shape[0], max_rows, bf16, tiles)
+        return cls(*pack(w.q, w.scale, w.m), w.q.shape[0], max_rows, bf16, tiles, fma)
 
     @classmethod
-    def from_q8(cls, w: Q8Matrix, max_rows: int, bf16: bool = False, tiles: bool = False) -> DeqWeights:
+    def from_q8(cls, w: Q8Matrix, max_rows: int, bf16: bool = False, tiles: bool = False,
+                fma: bool = False) -> DeqWeights:
         pack = pack_deq8_bf16 if bf16 else pack_deq8
-        return cls(*pack(w.q, w.d), w.q.shape[0], max_rows, bf16, tiles)
+        return cls(*pack(w.q, w.d), w.q.shape[0], max_rows, bf16, tiles, fma)
 
     def serves(self, rows: int) -> bool:
         return rows <= self.max_rows
@@ -150,5 +152,5 @@ class DeqWeights(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.bf16:
             return self.kernel(x.to(torch.bfloat16), self.packed, self.dm, self.out_features,
-                               out_dtype or torch.bfloat16, self.tiles)
+                               out_dtype or torch.bfloat16, self.tiles, self.fma)
         return self.kernel(x.float(), self.packed, self.dm, self.out_features, out_dtype or torch.float32)

@@ -36,7 +36,8 @@ NUMERICS = ("invariant", "fast")
 class KernelOptions:
     """The measured kernel choice as the layers see it (``native/tuning.py``).
 
-    ``tiles``: dense bf16 GEMMs on AMX tiles. ``q4_fma``: bf16 4-bit layers on the q4 kernel's
+    ``tiles``: dense bf16 GEMMs on AMX tiles; ``gemm_fma``: on vdpbf16ps's chain as float32 fmas
+    (``gemm=fma``; never both). ``q4_fma``: bf16 4-bit layers on the q4 kernel's
     float32 fma chain (``linear=q4f``). ``deq_rows`` / ``head_deq_rows``: a float32 model's
     GGUF 4-bit layers / Q8_0 LM head (a bf16 model's 4-bit layers: ``linear=deq``) are also kept
     packed, and steps of at most that many rows read them (``models/deq_linear.py``: the same bits
@@ -47,8 +48,11 @@ class KernelOptions:
     q4_fma: bool = False
     deq_rows: int = 0
     head_deq_rows: int = 0
+    gemm_fma: bool = False
 
     def __post_init__(self) -> None:
+        if self.tiles and self.gemm_fma:
+            raise ValueError("the dense GEMM runs on AMX tiles or on the fma chain, not both")
         if self.deq_rows < 0 or self.head_deq_rows < 0:
             raise ValueError(f"deq rows must be >= 0, got {self.deq_rows} and {self.head_deq_rows}")
 
@@ -96,18 +100,19 @@ def _invariant_kernel() -> Callable[..., torch.Tensor]:
 
 class DensePanels(nn.Module):
     """A dense weight in the invariant GEMM's panel layout: x [M, K] -> [M, N] in ``out_dtype``;
-    ``tiles``: bf16 on AMX tiles where the CPU has them (one path for every M either way)."""
+    ``tiles``: bf16 on AMX tiles where the CPU has them; ``fma``: bf16 on vdpbf16ps's chain as float32
+    fmas (AVX512-BF16 builds); one path for every M either way."""
 
-    def __init__(self, weight: torch.Tensor, tiles: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, tiles: bool = False, fma: bool = False) -> None:
         super().__init__()
         self.kernel = _invariant_kernel()
         self.out_features = weight.shape[0]
-        self.tiles = tiles
+        self.tiles, self.fma = tiles, fma
         self.register_buffer("panels", pack_dense(weight.detach()), persistent=False)
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.kernel(x.to(self.panels.dtype), self.panels, self.out_features, out_dtype or self.panels.dtype,
-                           self.tiles)
+                           self.tiles, self.fma)
 
 
 class Linear(nn.Module, ABC):
@@ -137,7 +142,7 @@ class InvariantLinear(Linear):
     Weights with 4-bit blocks (``q4``) and ``options.deq_rows``: dense panels plus the packed copy,
     which steps of at most that many rows read (the same bits; float32: ``deq_gemm.c``, bf16:
     ``deq_bf16.c``). bf16 weights with 4-bit blocks otherwise: the native q4 kernel for every row.
-    Otherwise the dense panels (``options.tiles``: bf16 on AMX tiles)."""
+    Otherwise the dense panels (``options.tiles``: bf16 on AMX tiles; ``gemm_fma``: on the fma chain)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, q4: Q4Matrix | None,
                  options: KernelOptions = NO_OPTIONS) -> None:
@@ -147,12 +152,13 @@ class InvariantLinear(Linear):
         self.deq: DeqWeights | None = None
         bf16 = weight.dtype == torch.bfloat16
         if q4 is not None and (not bf16 or options.deq_rows):
-            self.deq = DeqWeights.from_q4(q4, options.deq_rows, bf16, options.tiles) if options.deq_rows else None
+            self.deq = (DeqWeights.from_q4(q4, options.deq_rows, bf16, options.tiles, options.gemm_fma)
+                        if options.deq_rows else None)
         elif q4 is not None:
             self.q4 = PackedQ4(q4.q, q4.scale, q4.zero, fma=options.q4_fma)
             if not self.q4.native:
                 raise ValueError("numerics=invariant takes 4-bit bf16 weights only through the native q4 kernel")
-        self.dense = DensePanels(weight, options.tiles) if self.q4 is None else None
+        self.dense = DensePanels(weight, options.tiles, options.gemm_fma) if self.q4 is None else None
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor, rows: RowSplit = DENSE) -> torch.Tensor:
@@ -199,7 +205,8 @@ class LogitsHead(nn.Module):
         if q8 is not None and numerics == "invariant" and (weight.dtype == torch.float32 or options.head_deq_rows):
             if options.head_deq_rows:  # the int8 copy for small steps, the dense head's bits (bf16: lm_head=deq)
                 bf16 = weight.dtype == torch.bfloat16
-                self.deq = DeqWeights.from_q8(q8, options.head_deq_rows, bf16=bf16, tiles=bf16 and options.tiles)
+                self.deq = DeqWeights.from_q8(q8, options.head_deq_rows, bf16=bf16, tiles=bf16 and options.tiles,
+                                              fma=bf16 and options.gemm_fma)
         elif q8 is not None and q8_gemm() is not None:
             self.packed = PackedQ8(q8.q, q8.d)
         elif q8 is not None and numerics == "fast":
@@ -209,7 +216,7 @@ class LogitsHead(nn.Module):
         if numerics == "invariant" and self.packed is not None:
             return
         if numerics == "invariant" or invariant_gemm() is not None:
-            self.dense = DensePanels(weight, options.tiles)
+            self.dense = DensePanels(weight, options.tiles, options.gemm_fma)
         else:
             self.weight32 = weight.detach().float()
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from streamkv.attention.backend import KVCache
+from streamkv.native.exact_ops import gemm_path
 
 
 class SkLinear(ctypes.Structure):
@@ -113,7 +114,8 @@ class NativeLayers:
         wbf16 = panels.dtype == torch.bfloat16
         k = panels.shape[1] * (2 if wbf16 else 1)
         deq = lin.deq  # same bits as the panels: small steps read it (native/deq_gemm.c)
-        return SkLinear(0, lin.dense.out_features, k, int(wbf16), int(lin.dense.tiles), panels.data_ptr(), None, bias,
+        return SkLinear(0, lin.dense.out_features, k, int(wbf16), gemm_path(lin.dense.tiles, lin.dense.fma),
+                        panels.data_ptr(), None, bias,
                         _ptr(deq.packed) if deq else None, _ptr(deq.dm) if deq else None, deq.max_rows if deq else 0)
 
     def profile(self, on: bool) -> torch.Tensor | None:

@@ -13,14 +13,14 @@ callers use the pure-PyTorch path. ``STREAMKV_NATIVE=0`` disables the kernels.
 """
 from __future__ import annotations
 
-from streamkv.native.exact_ops import (deq_gemm, deq_gemm_bf16, gguf_dequant, invariant_attention,
+from streamkv.native.exact_ops import (deq_gemm, deq_gemm_bf16, gemm_path, gguf_dequant, invariant_attention,
                                        invariant_attention_amx, invariant_attention_bf16, invariant_attention_bf16f,
                                        invariant_gemm, invariant_gemm_bf16_path, invariant_gemm_uses_bf16_dot,
                                        invariant_isa, kv_move, layer_library, q4_gemm, q8_gemm)
 from streamkv.native.fast_ops import decode_attention, page_bounds, page_select, page_shares, paged_attention
 from streamkv.native.loader import build_tag, compile_steps, object_files, run_all
 
-__all__ = ["build_tag", "compile_steps", "decode_attention", "deq_gemm", "deq_gemm_bf16", "gguf_dequant",
+__all__ = ["build_tag", "compile_steps", "decode_attention", "deq_gemm", "deq_gemm_bf16", "gemm_path", "gguf_dequant",
            "invariant_attention", "invariant_attention_amx", "invariant_attention_bf16", "invariant_attention_bf16f",
            "invariant_gemm", "invariant_gemm_bf16_path", "invariant_gemm_uses_bf16_dot", "invariant_isa", "kv_move",
            "layer_library", "object_files", "page_bounds", "page_select", "page_shares", "paged_attention", "q4_gemm",

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 KINDS: dict[str, tuple[str, ...]] = {
     "linear": ("q4", "dense", "deq", "q4f"),
-    "gemm": ("amx", "avx512"),
+    "gemm": ("amx", "avx512", "fma"),       # fma: vdpbf16ps's chain on float32 fmas (same bits)
     "lm_head": ("q8", "dense", "deq"),
     "attention_gather": ("stage", "direct"),   # measured before attention: its bf16 paths run on it
     "attention": ("bf16", "f32", "amx", "bf16f"),

@@ -36,7 +36,7 @@
 #include "amx.h"
 
 int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
-                      int use_tiles);
+                      int path);
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512VBMI__)
 #define DEQ_BF16 1
@@ -266,18 +266,19 @@ static int few_rows_tiles(const uint16_t* x, int64_t M, int K, int bits, const u
 
 /* x [M, K] bf16 @ the packed [N, K] weights (bits 4: q, dm as above; 8: q [T][G][16][32] int8, column
  * c's 32 values along k, dm [T][G][16] float32 d) -> out [M, N] (float32, or bf16 when out_bf16), the
- * bits of streamkv_inv_gemm over the dense weights with the same use_tiles. 1: bad shapes, 2: no memory. */
+ * bits of streamkv_inv_gemm over the dense weights with the same path (0 vector units, 1 AMX tiles,
+ * 2 the fma chain). 1: bad shapes, 2: no memory. */
 int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
-                           void* out, int out_bf16, int use_tiles) {
+                           void* out, int out_bf16, int path) {
     if (M <= 0 || K <= 0 || K % 32 || N <= 0 || (bits != 4 && bits != 8)) return 1;
     const int T = (N + 15) / 16;
 #ifdef AMX
-    if (use_tiles && M <= TILE_ROWS && amx_enabled()) return few_rows_tiles(x, M, K, bits, q, dm, N, out, out_bf16);
+    if (path == 1 && M <= TILE_ROWS && amx_enabled()) return few_rows_tiles(x, M, K, bits, q, dm, N, out, out_bf16);
 #endif
     uint16_t* wp = malloc(sizeof(uint16_t) * (size_t)T * 16 * K);
     if (!wp) return 2;
     dense_panels(bits, q, dm, K, T, wp);
-    const int rc = streamkv_inv_gemm(x, M, K, wp, 1, N, out, out_bf16, use_tiles);
+    const int rc = streamkv_inv_gemm(x, M, K, wp, 1, N, out, out_bf16, path);
     free(wp);
     return rc;
 }
@@ -285,8 +286,8 @@ int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q
 int streamkv_deq_bf16_available(void) { return 1; }
 #else
 int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
-                           void* out, int out_bf16, int use_tiles) {
-    (void)x; (void)M; (void)K; (void)q; (void)dm; (void)bits; (void)N; (void)out; (void)out_bf16; (void)use_tiles;
+                           void* out, int out_bf16, int path) {
+    (void)x; (void)M; (void)K; (void)q; (void)dm; (void)bits; (void)N; (void)out; (void)out_bf16; (void)path;
     return 3;  /* needs AVX512-BF16 and VBMI */
 }
 

@@ -131,6 +131,14 @@ def invariant_gemm() -> Callable[..., torch.Tensor] | None:
     return None if lib is None else functools.partial(_inv_gemm, lib.streamkv_inv_gemm)
 
 
+def gemm_path(tiles: bool = False, fma: bool = False) -> int:
+    """inv_gemm.c's ``path`` for bf16 weights: 1 AMX tiles (``gemm=amx``), 2 vdpbf16ps's chain on
+    float32 fmas (``gemm=fma``: the same bits where the CPU's vdpbf16ps adds as documented), else 0."""
+    if tiles and fma:
+        raise ValueError("the dense GEMM runs on AMX tiles or on the fma chain, not both")
+    return 1 if tiles else 2 if fma else 0
+
+
 def _gemm_out(x: torch.Tensor, n: int, out_dtype: torch.dtype, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x contiguous and the [M, n] output of a GEMM writing ``out_dtype`` (float32 or bfloat16)."""
     if out_dtype not in (torch.float32, torch.bfloat16):
@@ -175,10 +183,10 @@ def deq_gemm_bf16() -> Callable[..., torch.Tensor] | None:
 
 
 def _deq_gemm_bf16(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor, n: int,
-                   out_dtype: torch.dtype = torch.bfloat16, tiles: bool = False) -> torch.Tensor:
+                   out_dtype: torch.dtype = torch.bfloat16, tiles: bool = False, fma: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ the packed [n, K] weight (``models/deq_linear.py``: ``pack_deq_bf16``, 4-bit when q
     is uint8; ``pack_deq8_bf16``, 8-bit when int8) -> [M, n] in ``out_dtype``, the bits of
-    ``invariant_gemm`` over the dense bf16 weights (``tiles`` alike)."""
+    ``invariant_gemm`` over the dense bf16 weights (``tiles`` and ``fma`` alike)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise TypeError(f"bf16 deq GEMM needs a 2-D bfloat16 input, got {x.dtype} {tuple(x.shape)}")
     if q.dtype not in (torch.uint8, torch.int8) or dm.dtype != torch.float32 or not (q.is_contiguous()
@@ -195,7 +203,7 @@ def _deq_gemm_bf16(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: t
     if m == 0:
         return out
     rc = fn(x.data_ptr(), m, k, q.data_ptr(), dm.data_ptr(), bits, n, out.data_ptr(),
-            int(out_dtype == torch.bfloat16), int(tiles))
+            int(out_dtype == torch.bfloat16), gemm_path(tiles, fma))
     if rc != 0:
         raise ValueError(f"bf16 deq GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
     return out
@@ -214,11 +222,12 @@ def invariant_gemm_bf16_path() -> str | None:
 
 
 def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,
-              out_dtype: torch.dtype, tiles: bool = False) -> torch.Tensor:
+              out_dtype: torch.dtype, tiles: bool = False, fma: bool = False) -> torch.Tensor:
     """x [M, K] @ the packed weight (``models/linear.py: pack_dense``) -> [M, n] in ``out_dtype``.
 
     x float32 with float32 panels, or bfloat16 with bfloat16 panels; out float32 or bfloat16;
-    ``tiles``: bf16 on AMX tiles where the CPU has them (ignored elsewhere).
+    ``tiles``: bf16 on AMX tiles where the CPU has them (ignored elsewhere); ``fma``: bf16 on the fma
+    chain of vdpbf16ps (AVX512-BF16 builds; ignored elsewhere).
     """
     wbf16 = wp.dtype == torch.bfloat16
     if x.dim() != 2 or x.dtype != wp.dtype or wp.dtype not in (torch.float32, torch.bfloat16):
@@ -229,7 +238,7 @@ def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,
     if m == 0:
         return out
     rc = fn(x.data_ptr(), m, k, wp.data_ptr(), int(wbf16), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
-            int(tiles))
+            gemm_path(tiles, fma))
     if rc != 0:
         raise ValueError(f"invariant GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
     return out

@@ -2,7 +2,10 @@
  *
  * Every output element is ONE accumulator updated in increasing k (float32 weights: a fused
  * multiply-add per k; bf16 weights: one vdpbf16ps per k pair on AVX512-BF16 CPUs, else two
- * fused multiply-adds of the exact bf16 values). The micro-kernels below differ only in how
+ * fused multiply-adds of the exact bf16 values). Path "fma" (gemm=fma, AVX512-BF16 builds) runs
+ * each vdpbf16ps as two float32 fmas of the same exact products, the pair's odd element first
+ * (the instruction's definition), for CPUs that issue vdpbf16ps at half the fma rate: x is
+ * widened to float32 once per call, each weight pair vector as it is read. The micro-kernels below differ only in how
  * many rows (R) and 16-column panels (P) they keep in registers, never in that chain, so a
  * row's result is bit-identical for any M, any position in the batch and any thread count.
  *
@@ -91,6 +94,22 @@ static inline __attribute__((always_inline)) void mk_bf16(const int R, const int
         }
     }
 }
+
+/* bf16 weights as vdpbf16ps's fma chain (path 2): x already widened to float32 (exact), each
+ * pair's two exact products added odd element first, as vdpbf16ps defines them */
+static inline __attribute__((always_inline)) void mk_bf16_fma(const int R, const int P, const float* x, int K,
+                                                              const uint16_t* wp, v16 acc[6][8]) {
+    for (int r = 0; r < R; r++) for (int p = 0; p < P; p++) acc[r][p] = v_zero();
+    for (int k = 0; k < K; k += 2) {
+        v16 we[8], wo[8];
+        for (int p = 0; p < P; p++)
+            v_bf16_pairs(_mm512_loadu_si512((const void*)(wp + ((int64_t)p * K + k) * 16)), &we[p], &wo[p]);
+        for (int r = 0; r < R; r++) {
+            v16 x0 = v_set1(x[(int64_t)r * K + k]), x1 = v_set1(x[(int64_t)r * K + k + 1]);
+            for (int p = 0; p < P; p++) acc[r][p] = v_fma(x0, we[p], v_fma(x1, wo[p], acc[r][p]));
+        }
+    }
+}
 #else
 /* bf16 weights without bf16 dot products: x already widened to float32 (exact), each pair's two
  * exact products added in k order. */
@@ -120,7 +139,23 @@ typedef struct {
     const void* wp;
     void* out;
     int silu_I;         /* the fused gate_up (streamkv_inv_gemm_silu): I; else 0 */
+    int fma;            /* bf16 weights on the fma chain (path 2, BF16_DOT): x widened */
 } Gemm;
+
+/* R rows from row m against bf16 panels wp: vdpbf16ps, its fma chain (g->fma) or, without bf16
+ * dot products, the fmas of the widened rows */
+static inline __attribute__((always_inline)) void mk_w16(const Gemm* g, const int R, const int P, int64_t m,
+                                                         const uint16_t* wp, v16 acc[6][8]) {
+#ifdef BF16_DOT
+    if (g->fma) {
+        mk_bf16_fma(R, P, (const float*)g->x + m * g->K, g->K, wp, acc);
+        return;
+    }
+    mk_bf16(R, P, (const uint16_t*)g->x + m * g->K, g->K, wp, acc);
+#else
+    mk_bf16(R, P, (const float*)g->x + m * g->K, g->K, wp, acc);
+#endif
+}
 
 /* R rows starting at row m against panels [t0, t0 + P); with g->silu_I (the fused gate_up, bf16 dot
  * products only), g panels [t0, t0 + P), then their u panels t0 + I/16 .., each the same chains as
@@ -131,10 +166,10 @@ static inline __attribute__((always_inline)) void block(const Gemm* g, const int
 #ifdef BF16_DOT
     if (g->silu_I) {
         const int I = g->silu_I;
-        const uint16_t *x = (const uint16_t*)g->x + m * K, *wp = (const uint16_t*)g->wp + (int64_t)t0 * K * 16;
+        const uint16_t* wp = (const uint16_t*)g->wp + (int64_t)t0 * K * 16;
         v16 accu[6][8];
-        mk_bf16(R, P, x, K, wp, acc);
-        mk_bf16(R, P, x, K, wp + (int64_t)I * K, accu);
+        mk_w16(g, R, P, m, wp, acc);
+        mk_w16(g, R, P, m, wp + (int64_t)I * K, accu);
         for (int r = 0; r < R; r++)
             for (int p = 0; p < P; p++)
                 v_store_bf16((uint16_t*)g->out + (m + r) * I + 16 * (t0 + p), v_silu_mul(acc[r][p], accu[r][p]));
@@ -142,11 +177,7 @@ static inline __attribute__((always_inline)) void block(const Gemm* g, const int
     }
 #endif
     if (g->wbf16) {
-#ifdef BF16_DOT
-        mk_bf16(R, P, (const uint16_t*)g->x + m * K, K, (const uint16_t*)g->wp + (int64_t)t0 * K * 16, acc);
-#else
-        mk_bf16(R, P, (const float*)g->x + m * K, K, (const uint16_t*)g->wp + (int64_t)t0 * K * 16, acc);
-#endif
+        mk_w16(g, R, P, m, (const uint16_t*)g->wp + (int64_t)t0 * K * 16, acc);
     } else {
         mk_f32(R, P, (const float*)g->x + m * K, K, (const float*)g->wp + (int64_t)t0 * K * 16, acc);
     }
@@ -275,26 +306,54 @@ static void run_units(const Gemm* g, int64_t M, int T, int tiles) {
     }
 }
 
-/* x [M, K] (float32, or bf16 when wbf16) -> out [M, N] (float32, or bf16 when out_bf16); with
- * use_tiles, bf16 weights with K a multiple of 32 run on AMX tiles where the CPU has them. */
-int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
-                      int use_tiles) {
-    if (M <= 0 || K <= 0 || N <= 0 || (wbf16 && K % 2 != 0)) return 1;
-    Gemm g = {x, K, N, wbf16, out_bf16, wp, out, 0};
-    float* wide = NULL;
-#ifndef BF16_DOT
-    if (wbf16) {
-        wide = malloc(sizeof(float) * (size_t)M * K);
-        const uint16_t* xb = (const uint16_t*)x;
-        for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_f32(xb[i]);
-        g.x = wide;
-    }
+/* x [M, K] bf16 as float32 (exact; caller frees; NULL: no memory) */
+static float* widen_rows(const uint16_t* x, int64_t M, int K) {
+    float* wide = malloc(sizeof(float) * (size_t)M * K);
+    if (!wide) return NULL;
+    #pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++)
+        for (int k = 0; k < K; k++) wide[m * K + k] = bf16_to_f32(x[m * K + k]);
+    return wide;
+}
+
+/* Whether bf16 weights take path 2 (the fma chain; AVX512-BF16 builds) here; elsewhere the rows
+ * are widened anyway (no bf16 dot products) or go as they are. */
+static int fma_chain(int path) {
+#ifdef BF16_DOT
+    return path == 2;
+#else
+    (void)path;
+    return 0;
 #endif
+}
+
+/* bf16 rows widened for the chain that needs them (set in g), else the rows as they are; returns
+ * what the caller frees (NULL: nothing), and *rc = 2 when out of memory */
+static float* rows_for(Gemm* g, const uint16_t* x, int64_t M, int K, int path, int* rc) {
+    *rc = 0;
+    g->fma = fma_chain(path);
+#ifdef BF16_DOT
+    if (!g->fma) return NULL;
+#endif
+    float* wide = widen_rows(x, M, K);
+    if (!wide) *rc = 2;
+    g->x = wide;
+    return wide;
+}
+
+/* x [M, K] (float32, or bf16 when wbf16) -> out [M, N] (float32, or bf16 when out_bf16); ``path``
+ * for bf16 weights: 0 the vector units, 1 AMX tiles (K a multiple of 32, where the CPU has them),
+ * 2 the fma chain (AVX512-BF16 builds: vdpbf16ps's bits on float32 fmas). 2: no memory. */
+int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
+                      int path) {
+    if (M <= 0 || K <= 0 || N <= 0 || (wbf16 && K % 2 != 0)) return 1;
+    Gemm g = {x, K, N, wbf16, out_bf16, wp, out, 0, 0};
+    int rc = 0;
+    float* wide = wbf16 ? rows_for(&g, (const uint16_t*)x, M, K, path, &rc) : NULL;
+    if (rc) return rc;
     int tiles = 0;
 #ifdef AMX
-    tiles = use_tiles && wbf16 && K % 32 == 0 && amx_enabled();
-#else
-    (void)use_tiles;
+    tiles = path == 1 && wbf16 && K % 32 == 0 && amx_enabled();
 #endif
     run_units(&g, M, (N + 15) / 16, tiles);
     free(wide);
@@ -303,25 +362,27 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
 
 /* act [M, I] bf16 = silu(x Wg^T) * (x Wu^T) for a gate_up weight packed as one bf16 GEMM of N = 2I
  * columns (g panels [0, I/16), u panels [I/16, I/8)): each g panel runs beside its u panel, so the
- * float32 [M, 2I] products never reach memory. On AMX tiles (use_tiles, where streamkv_inv_gemm
- * would take them) or with bf16 dot products; the bits of streamkv_inv_gemm(..., use_tiles)
+ * float32 [M, 2I] products never reach memory. On AMX tiles (path 1, where streamkv_inv_gemm
+ * would take them) or with bf16 dot products (path 0, or their fma chain: 2); the bits of streamkv_inv_gemm(..., path)
  * followed by streamkv_silu_mul (layer.c): the same chains, the same v_silu_mul, the same work
  * split. Returns 0, or nonzero where it cannot run here (I not a multiple of 16, no bf16 dot
  * products): the caller then takes those two passes. */
 int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act,
-                           int use_tiles) {
+                           int path) {
     if (M <= 0 || K <= 0 || K % 2 != 0 || I <= 0 || I % 16 != 0) return 1;
     int tiles = 0;
 #ifdef AMX
-    tiles = use_tiles && K % 32 == 0 && amx_enabled();
-#else
-    (void)use_tiles;
+    tiles = path == 1 && K % 32 == 0 && amx_enabled();
 #endif
 #ifndef BF16_DOT
     if (!tiles) return 1;
 #endif
-    Gemm g = {x, K, 2 * I, 1, 1, wp, act, I};
+    Gemm g = {x, K, 2 * I, 1, 1, wp, act, I, 0};
+    int rc = 0;
+    float* wide = tiles ? NULL : rows_for(&g, x, M, K, path, &rc);
+    if (rc) return rc;
     run_units(&g, M, I / 16, tiles);                  /* the g panels, each with its u panel */
+    free(wide);
     return 0;
 }
 

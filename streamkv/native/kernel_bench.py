@@ -120,7 +120,7 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
         return _linear_f32(s)
     shapes = _layer_shapes(s)
     q4k, dense = q4_gemm(), invariant_gemm()
-    tiles = chosen.get("gemm") == "amx"
+    tiles, fma = chosen.get("gemm") == "amx", chosen.get("gemm") == "fma"
     # linear=deq (the dense bits from the 4-bit blocks) switches with dense by row count: finer
     # rows. A candidate only on tiles: elsewhere it rebuilds the panels and then runs dense's own
     # kernel, so it cannot be faster (only forced, e.g. to test it, does it run there)
@@ -143,7 +143,7 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
         def run_deq() -> None:
             for layer in deq_layers:
                 for (q, dm, n), (_, k) in zip(layer, shapes):
-                    deq(xs[k], q, dm, n, torch.bfloat16, tiles)
+                    deq(xs[k], q, dm, n, torch.bfloat16, tiles, fma)
 
         def run_q4(fma: bool = False) -> None:
             for layer in q4_layers:
@@ -153,7 +153,7 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
         def run_dense() -> None:
             for layer in dense_layers:
                 for (wp, n), (_, k) in zip(layer, shapes):
-                    F.linear(xs[k], wp) if fast else dense(xs[k], wp, n, torch.bfloat16, tiles)
+                    F.linear(xs[k], wp) if fast else dense(xs[k], wp, n, torch.bfloat16, tiles, fma)
 
         # a fast-numerics prompt chunk takes torch's GEMM on either path: one time for both
         same = fast and label.startswith("prompt")
@@ -170,19 +170,23 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
 
 
 def _gemm(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
-    from streamkv.native import invariant_gemm
+    """The dense bf16 GEMM on each path this CPU has: the vector units (vdpbf16ps), AMX tiles,
+    vdpbf16ps's chain on float32 fmas (CPUs that issue vdpbf16ps at half the fma rate)."""
+    from streamkv.native import invariant_gemm, invariant_gemm_bf16_path, invariant_gemm_uses_bf16_dot
 
     shapes = _layer_shapes(s)
     dense = invariant_gemm()
     layers = [_dense_layer(shapes) for _ in range(_copies(sum(n * k for n, k in shapes) * 2, s.layers))]
-    out: dict[str, dict[str, float]] = {"amx": {}, "avx512": {}}
+    paths = ["avx512"] + ["amx"] * (invariant_gemm_bf16_path() == "amx") + ["fma"] * invariant_gemm_uses_bf16_dot()
+    out: dict[str, dict[str, float]] = {path: {} for path in paths}
     for label, m in ROWS.items():
         xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, k in shapes}
-        def run(tiles: bool) -> None:
+
+        def run(path: str) -> None:
             for layer in layers:
                 for (wp, n), (_, k) in zip(layer, shapes):
-                    dense(xs[k], wp, n, torch.bfloat16, tiles)
-        t = _best_each({path: lambda tiles=path == "amx": run(tiles) for path in out})
+                    dense(xs[k], wp, n, torch.bfloat16, path == "amx", path == "fma")
+        t = _best_each({path: functools.partial(run, path) for path in out})
         for path in out:
             out[path][label] = t[path] / len(layers)
     return out
@@ -217,7 +221,7 @@ def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     d8 = torch.rand(t, g, 16) * 0.01
     wp = (torch.randn(t, k // 2, 16, 2) * 0.02).to(torch.bfloat16)
     q8k, dense = q8_gemm(), invariant_gemm()
-    tiles = chosen.get("gemm") == "amx"
+    tiles, fma = chosen.get("gemm") == "amx", chosen.get("gemm") == "fma"
     # lm_head=deq (the dense bits from the int8 head) switches with dense by row count: finer rows.
     # A candidate only on tiles, as linear=deq (kernel_bench._linear)
     deq = deq_gemm_bf16() if s.numerics == "invariant" and tiles else None
@@ -227,8 +231,8 @@ def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     # sampled rows: one per sequence (and its drafts)
     for label, m in list(EXACT_ROWS.items())[:6] if deq else list(ROWS.items())[:3]:
         x = torch.randn(m, k).to(torch.bfloat16)
-        t = _best_each({"q8": lambda: q8k(x, w8, d8, n), "dense": lambda: dense(x, wp, n, torch.float32, tiles),
-                        **({"deq": lambda: deq(x, qd, dd, n, torch.float32, tiles)} if deq else {})})
+        t = _best_each({"q8": lambda: q8k(x, w8, d8, n), "dense": lambda: dense(x, wp, n, torch.float32, tiles, fma),
+                        **({"deq": lambda: deq(x, qd, dd, n, torch.float32, tiles, fma)} if deq else {})})
         for path in out:
             out[path][label] = t[path]
     return out

@@ -33,15 +33,15 @@
 #include "vec16.h"
 
 int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
-                      int use_tiles);
+                      int path);
 int streamkv_q4_gemm(const uint16_t* x, int M, int K, const uint8_t* w, const uint16_t* sz, int N, void* out,
                      int bf16_out, int fma);
 int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uint16_t* dm, int bits, int N,
                       void* out, int out_bf16);
 int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act,
-                           int use_tiles);
+                           int path);
 int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
-                           void* out, int out_bf16, int use_tiles);
+                           void* out, int out_bf16, int path);
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
                       const int64_t* slots, int H, int Hk, int D, float scale, float* out);
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
@@ -50,7 +50,8 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
 typedef struct {
     int kind;            /* 0: dense panels (inv_gemm.c), 1: GGUF 4-bit (q4_gemm.c) */
     int N, K, wbf16;     /* wbf16: dense panels are bf16 */
-    int tiles;           /* dense bf16: AMX tiles (where the CPU has them); 4-bit: q4_gemm.c's fma chain */
+    int tiles;           /* dense bf16: inv_gemm.c's path (1 AMX tiles where the CPU has them, 2 the fma
+                          * chain); 4-bit: q4_gemm.c's fma chain */
     const void* w;       /* panels, or packed nibbles */
     const void* sz;      /* 4-bit: scales and zeros */
     const float* bias;   /* [N] or NULL */

@@ -8,7 +8,10 @@ Kinds and their paths (a kind only exists where more than one path can run):
                  | q4f                  with the dense bits: 4-bit blocks for small steps (deq_bf16.c); q4f:
                                         the 4-bit kernel's float32 fma chain (bf16, invariant numerics; its
                                         own bits), for CPUs whose bf16 dot products run at half the fma rate
-    gemm               amx | avx512     dense bf16 GEMMs on AMX tiles or on the vector units (AMX CPUs only)
+    gemm               amx | avx512     dense bf16 GEMMs (the bf16 LM head and dense layers) on AMX tiles, on the
+                 | fma                  vector units (vdpbf16ps), or fma: vdpbf16ps's chain on float32 fmas (the
+                                        same bits but for denormals; AVX512-BF16 builds), for CPUs whose bf16
+                                        dot products run at half the fma rate
     lm_head            q8 | dense | deq a Q8_0 LM head read as int8, dense, or (bf16) both with the dense
                                         bits: the int8 blocks for small steps (deq_bf16.c)
     attention          bf16 | f32 | amx invariant attention: bf16 dot products, float32, bf16 on AMX tiles, or
@@ -94,6 +97,7 @@ def runnable(s: ModelShapes) -> dict[str, list[str]]:
         ("linear", "q4f"): s.q4 and s.bf16 and not fast and native.q4_gemm() is not None,
         ("gemm", "amx"): s.bf16 and amx,
         ("gemm", "avx512"): True,
+        ("gemm", "fma"): s.bf16 and native.invariant_gemm_uses_bf16_dot(),
         ("lm_head", "q8"): s.q8_head and (exact or s.bf16 and (fast or native.q8_gemm() is not None)),
         ("lm_head", "dense"): True,
         ("lm_head", "deq"): s.q8_head and s.bf16 and not fast and native.deq_gemm_bf16() is not None,
