@@ -53,6 +53,11 @@ static inline int panels_for(int R) { return R == 1 ? 4 : R <= 3 ? 2 : 1; }
 #endif
 
 static inline void store_out(void* out, int out_bf16, int64_t at, int ncols, v16 a) {
+    if (ncols == 16) {  /* a whole panel: one vector store (v_store_bf16 rounds as f32_to_bf16) */
+        if (out_bf16) v_store_bf16((uint16_t*)out + at, a);
+        else v_store((float*)out + at, a);
+        return;
+    }
     float t[16];
     v_store(t, a);
     if (out_bf16) {
