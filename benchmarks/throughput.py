@@ -138,6 +138,7 @@ def run_engine(cfg: dict, wl_path: Path, log_dir: Path, timeout: float, wait: fl
     env = {**os.environ, **cfg["env"]}
     print(f"\n== {cfg['name']}  (log: {log})", file=sys.stderr, flush=True)
     before = common.wait_idle(wait) if wait > 0 else None
+    host_before = _host_fma(cfg)
     t0 = time.perf_counter()
     with open(log, "w") as lf, common.ForeignLoad() as fl:
         p = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.PIPE, text=True, cwd=common.REPO)
@@ -162,7 +163,17 @@ def run_engine(cfg: dict, wl_path: Path, log_dir: Path, timeout: float, wait: fl
     r["wall_s"] = time.perf_counter() - t0
     r["foreign_load_cores"] = fl.cores  # CPU other processes used meanwhile (shared machine)
     r["foreign_load_before"] = before
+    r["host_fma_gflops"] = [host_before, _host_fma(cfg)]
     return r
+
+
+def _host_fma(cfg: dict) -> float | None:
+    """The register-only float32 FMA rate right now (GFLOP/s, 12 chains per thread; ~1 s). A VM's
+    neighbours take whole cores for minutes (this rate once read 212 instead of 405 between two
+    engines), which no in-guest load counter sees: the report prints it before and after each
+    engine, so an engine that ran in a slow stretch shows."""
+    peak = common.fma_peak(int(cfg.get("env", {}).get("OMP_NUM_THREADS", 2)))
+    return peak["peak_gflops"]["12"] if peak else None
 
 
 # --------------------------------------------------------------------------- report
@@ -212,6 +223,8 @@ def build_report(res: dict, wl: dict, machine: dict, ceil: dict | None, cost: di
     ref = next((res[n] for n in names if n == "transformers float32"), None)
     rows.append(["other processes' CPU during the run (cores)"]
                 + [fmt(res[n].get("foreign_load_cores"), 2) for n in names])
+    rows.append(["host fma GFLOP/s before / after (register-only)"]
+                + [" / ".join(fmt(v, 0) for v in res[n].get("host_fma_gflops") or []) or "n/a" for n in names])
     rows.append([f"greedy ids = transformers fp32 (first n of {wl['max_tokens']})"]
                 + [fmt(agreement(res[n], ref)) for n in names])
     out = ["## Throughput (tokens/s, median of %d trial(s); %d threads)"
