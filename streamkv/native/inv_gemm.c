@@ -5,9 +5,10 @@
  * fused multiply-adds of the exact bf16 values). Path "fma" (gemm=fma, AVX512-BF16 builds) runs
  * each vdpbf16ps as two float32 fmas of the same exact products, the pair's odd element first
  * (the instruction's definition), for CPUs that issue vdpbf16ps at half the fma rate: x is
- * widened to float32 once per call, each weight pair vector as it is read. The micro-kernels below differ only in how
- * many rows (R) and 16-column panels (P) they keep in registers, never in that chain, so a
- * row's result is bit-identical for any M, any position in the batch and any thread count.
+ * widened to float32 once per call, each weight pair vector as it is read. The micro-kernels
+ * below differ only in how many rows (R) and 16-column panels (P) they keep in registers, never
+ * in that chain, so a row's result is bit-identical for any M, any position in the batch and any
+ * thread count.
  *
  * Packed weights (built once by streamkv/models/linear.py), panel t = columns [16t, 16t + 16):
  *
@@ -219,79 +220,7 @@ static void unit(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
     }
 }
 
-
-#ifdef AMX
-/* C[32 x 32] (at c, row stride ldc bytes) = rows x[0..32) (row stride ldx bytes) against the panels
- * wp and wq (the next one, or the fused gate_up's u panel); nr row tiles and np panels (1 or 2 each)
- * are used. */
-#define AMX_BLOCK(NR, NP)                                                                        \
-static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, const uint16_t* wq, int K, float* c, \
-                         int64_t ldc) { \
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                                  \
-    for (int k = 0; k < K; k += 32) {                                                            \
-        _tile_loadd(4, x + k, ldx);                                                              \
-        if (NR == 2) _tile_loadd(5, (const char*)(x + k) + 16 * ldx, ldx);                       \
-        _tile_loadd(6, wp + (int64_t)k * 16, 64);                                                \
-        if (NP == 2) _tile_loadd(7, wq + (int64_t)k * 16, 64);                                   \
-        _tile_dpbf16ps(0, 4, 6);                                                                 \
-        if (NP == 2) _tile_dpbf16ps(1, 4, 7);                                                    \
-        if (NR == 2) _tile_dpbf16ps(2, 5, 6);                                                    \
-        if (NR == 2 && NP == 2) _tile_dpbf16ps(3, 5, 7);                                         \
-    }                                                                                            \
-    _tile_stored(0, c, ldc);                                                                     \
-    if (NP == 2) _tile_stored(1, c + 16, ldc);                                                   \
-    if (NR == 2) _tile_stored(2, (char*)c + 16 * ldc, ldc);                                      \
-    if (NR == 2 && NP == 2) _tile_stored(3, (char*)c + 16 * ldc + 64, ldc);                     \
-}
-AMX_BLOCK(1, 1) AMX_BLOCK(1, 2) AMX_BLOCK(2, 1) AMX_BLOCK(2, 2)
-
-/* rows [m0, m1) x panels [t0, t1) on tiles; a last partial row tile reads a zero-padded copy. With
- * g->silu_I (the fused gate_up, streamkv_inv_gemm_silu), panel t is a g panel: it runs beside its u
- * panel t + I/16 and the 32 x (16 + 16) products leave as act = silu(g) * u in bf16. */
-static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
-    const int K = g->K, I = g->silu_I, step = I ? 1 : 2;
-    float cbuf[32 * 32] __attribute__((aligned(64)));
-    uint16_t* pad = NULL;
-    amx_configure();
-    for (int64_t m = m0; m < m1; m += 32) {
-        const int rows = m1 - m < 32 ? (int)(m1 - m) : 32, nr = rows > 16 ? 2 : 1;
-        const uint16_t* x = (const uint16_t*)g->x + m * K;
-        int64_t ldx = (int64_t)K * 2;
-        if (rows % 16) {
-            if (!pad) pad = calloc((size_t)32 * K, 2);
-            memset(pad, 0, (size_t)32 * K * 2);
-            memcpy(pad, x, (size_t)rows * K * 2);
-            __asm__ volatile("" : : "r"(pad) : "memory");  /* _tile_loadd's asm does not say it reads pad */
-            x = pad;
-        }
-        for (int t = t0; t < t1; t += step) {
-            const int np = I || t1 - t >= 2 ? 2 : 1;
-            const uint16_t* wp = (const uint16_t*)g->wp + (int64_t)t * K * 16;
-            const uint16_t* wq = wp + (int64_t)(I ? I : 16) * K;   /* u panel t + I/16, or panel t + 1 */
-            /* whole tiles of float32 output go straight to it; the rest through cbuf */
-            const int direct = !I && !g->out_bf16 && rows % 16 == 0 && 16 * (t + np) <= g->N;
-            float* c = direct ? (float*)g->out + m * g->N + 16 * t : cbuf;
-            const int64_t ldc = direct ? (int64_t)g->N * 4 : 128;
-            if (nr == 2) { if (np == 2) amx_22(x, ldx, wp, wq, K, c, ldc); else amx_21(x, ldx, wp, wq, K, c, ldc); }
-            else { if (np == 2) amx_12(x, ldx, wp, wq, K, c, ldc); else amx_11(x, ldx, wp, wq, K, c, ldc); }
-            if (direct) continue;
-            if (I) {                              /* row r: g in cbuf[32 r, +16), u in cbuf[32 r + 16, +16) */
-                for (int r = 0; r < rows; r++)
-                    v_store_bf16((uint16_t*)g->out + (m + r) * I + 16 * t,
-                                 v_silu_mul(v_load(cbuf + r * 32), v_load(cbuf + r * 32 + 16)));
-                continue;
-            }
-            for (int r = 0; r < rows; r++)
-                for (int p = 0; p < np; p++) {
-                    int col = 16 * (t + p), ncols = g->N - col < 16 ? g->N - col : 16;
-                    store_out(g->out, g->out_bf16, (m + r) * g->N + col, ncols, v_load(cbuf + r * 32 + 16 * p));
-                }
-        }
-    }
-    free(pad);
-    _tile_release();
-}
-#endif
+#include "gemm_amx.h"  /* unit_amx(): the tile units */
 
 /* One parallel loop over (row block, unit of UP panels of the T), row block outer: a thread's items
  * run row block by row block, so its x rows stay in L2 while its units' panels pass; with few units
@@ -368,10 +297,10 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
 /* act [M, I] bf16 = silu(x Wg^T) * (x Wu^T) for a gate_up weight packed as one bf16 GEMM of N = 2I
  * columns (g panels [0, I/16), u panels [I/16, I/8)): each g panel runs beside its u panel, so the
  * float32 [M, 2I] products never reach memory. On AMX tiles (path 1, where streamkv_inv_gemm
- * would take them) or with bf16 dot products (path 0, or their fma chain: 2); the bits of streamkv_inv_gemm(..., path)
- * followed by streamkv_silu_mul (layer.c): the same chains, the same v_silu_mul, the same work
- * split. Returns 0, or nonzero where it cannot run here (I not a multiple of 16, no bf16 dot
- * products): the caller then takes those two passes. */
+ * would take them) or with bf16 dot products (path 0, or their fma chain: 2); the bits of
+ * streamkv_inv_gemm(..., path) followed by streamkv_silu_mul (layer.c): the same chains, the same
+ * v_silu_mul, the same work split. Returns 0, or nonzero where it cannot run here (I not a
+ * multiple of 16, no bf16 dot products, no memory): the caller then takes those two passes. */
 int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act,
                            int path) {
     if (M <= 0 || K <= 0 || K % 2 != 0 || I <= 0 || I % 16 != 0) return 1;
