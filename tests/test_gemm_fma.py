@@ -86,7 +86,7 @@ def test_forcing_gemm_fma_runs_dense_layers_the_fused_gate_up_and_the_lm_head_on
         assert outs["fma"] == outs["avx512"]
 
 
-def test_the_gemm_kind_offers_fma_exactly_where_bf16_dot_products_are_built(monkeypatch):
+def test_the_gemm_kind_offers_fma_exactly_where_bf16_dot_products_are_built():
     """``streamkv info`` lists gemm=fma as a candidate on AVX512-BF16 builds for bf16 models, never
     for float32 ones (their dense GEMM is float32 fmas already)."""
     from streamkv.native.tuning import ModelShapes, runnable

@@ -15,7 +15,7 @@ from streamkv.loading.checkpoint import LoadedCheckpoint
 from streamkv.loading.gguf_file import GGUFFile
 from streamkv.loading.q4_blocks import quant_summary
 from streamkv.native.cpu import usable_cores
-from streamkv.native.choice import KernelChoice, ModelShapes, parse_kernels
+from streamkv.native.choice import KernelChoice, ModelShapes, dense_gemm, parse_kernels
 from streamkv.native.tuning import choose
 from streamkv.models.linear import KernelOptions
 from streamkv.models.registry import model_class
@@ -175,8 +175,8 @@ def build_bundle(config: EngineConfig, show_progress: bool = False) -> ModelBund
     kernels = kernel_choice(config, ckpt, dtype, device)
     log.info("kernels: %s", kernels.describe())
     q4 = _packed_weights(kernels, ckpt.gguf, arch)
-    options = KernelOptions(tiles=kernels.get("gemm") == "amx", gemm_fma=kernels.get("gemm") == "fma",
-                            q4_fma=kernels.get("linear") == "q4f",
+    tiles, gemm_fma = dense_gemm(kernels.paths)
+    options = KernelOptions(tiles=tiles, gemm_fma=gemm_fma, q4_fma=kernels.get("linear") == "q4f",
                             deq_rows=kernels.packed_rows("linear"),
                             head_deq_rows=kernels.packed_rows("lm_head"))
     model = model_class(arch)(arch, weights, max_positions=max_len, q4=q4, numerics=config.runtime.numerics,

@@ -33,6 +33,13 @@ ALL_ROWS = 2 ** 31 - 1  # an exact kind forced to its packed path takes it at ev
 SWITCHED = {"linear": "deq", "lm_head": "deq"}  # bf16 paths that switch by row count between packed and dense, same bits
 
 
+def dense_gemm(paths: dict[str, str]) -> tuple[bool, bool]:
+    """(tiles, fma): how the dense bf16 GEMM runs for a choice's ``gemm`` path (``amx``: AMX tiles,
+    ``fma``: vdpbf16ps's chain on float32 fmas, else neither)."""
+    path = paths.get("gemm")
+    return path == "amx", path == "fma"
+
+
 def parse_kernels(spec: str) -> dict[str, str]:
     """``auto`` -> {}; ``linear=q4,attention=bf16`` -> {kind: path} (ValueError naming the problem)."""
     if spec is not None and not isinstance(spec, str):

@@ -250,24 +250,16 @@ static float* widen_rows(const uint16_t* x, int64_t M, int K) {
     return wide;
 }
 
-/* Whether bf16 weights take path 2 (the fma chain; AVX512-BF16 builds) here; elsewhere the rows
- * are widened anyway (no bf16 dot products) or go as they are. */
-static int fma_chain(int path) {
-#ifdef BF16_DOT
-    return path == 2;
-#else
-    (void)path;
-    return 0;
-#endif
-}
-
-/* bf16 rows widened for the chain that needs them (set in g), else the rows as they are; returns
- * what the caller frees (NULL: nothing), and *rc = 2 when out of memory */
+/* bf16 rows widened for the chain that needs them (path 2's fma chain, or every path without bf16
+ * dot products; set in g), else the rows as they are; returns what the caller frees (NULL:
+ * nothing), and *rc = 2 when out of memory */
 static float* rows_for(Gemm* g, const uint16_t* x, int64_t M, int K, int path, int* rc) {
     *rc = 0;
-    g->fma = fma_chain(path);
 #ifdef BF16_DOT
+    g->fma = path == 2;
     if (!g->fma) return NULL;
+#else
+    (void)path;
 #endif
     float* wide = widen_rows(x, M, K);
     if (!wide) *rc = 2;

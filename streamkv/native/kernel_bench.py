@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from streamkv.native.choice import dense_gemm
+
 STREAM_BYTES = 48 << 20
 ROWS = {"decode x1": 1, "decode x8": 8, "decode x32": 32, "prompt x256": 256}
 # exact kinds (float32 models) find a crossover rather than one winner: finer steps
@@ -120,7 +122,7 @@ def _linear(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
         return _linear_f32(s)
     shapes = _layer_shapes(s)
     q4k, dense = q4_gemm(), invariant_gemm()
-    tiles, fma = chosen.get("gemm") == "amx", chosen.get("gemm") == "fma"
+    tiles, fma = dense_gemm(chosen)
     # linear=deq (the dense bits from the 4-bit blocks) switches with dense by row count: finer
     # rows. A candidate only on tiles: elsewhere it rebuilds the panels and then runs dense's own
     # kernel, so it cannot be faster (only forced, e.g. to test it, does it run there)
@@ -221,7 +223,7 @@ def _lm_head(s, chosen: dict[str, str]) -> dict[str, dict[str, float]]:
     d8 = torch.rand(t, g, 16) * 0.01
     wp = (torch.randn(t, k // 2, 16, 2) * 0.02).to(torch.bfloat16)
     q8k, dense = q8_gemm(), invariant_gemm()
-    tiles, fma = chosen.get("gemm") == "amx", chosen.get("gemm") == "fma"
+    tiles, fma = dense_gemm(chosen)
     # lm_head=deq (the dense bits from the int8 head) switches with dense by row count: finer rows.
     # A candidate only on tiles, as linear=deq (kernel_bench._linear)
     deq = deq_gemm_bf16() if s.numerics == "invariant" and tiles else None
