@@ -43,7 +43,8 @@
  *                      are used, one pass over the weights (decode: bound by the weight bytes);
  *   more rows:         two tiles' pairs are expanded once per block of 96 rows (x stays in L2),
  *                      then 6 rows at a time stream past them (4 + 3 or 4 + 4 for a remainder of
- *                      7 or 8: no block of 1-2 rows); threads split the tile pairs. The fma chain
+ *                      7 or 8: no block of 1-2 rows); threads take (row block, tiles) items one
+ *                      at a time (dynamic: a vCPU the host slows takes fewer). The fma chain
  *                      takes three tiles at a time, their pairs widened to float32 once per block
  *                      of 192 rows (no widening in the inner loop: 36 fmas per pair for 6 rows x 3
  *                      tiles, 6 vector and 12 broadcast loads), and runs the block's rows 4 groups
@@ -339,21 +340,25 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
             small_rows(&a, M, 0, t0, t1);
         }
     } else {
-        const int mb = fma ? MBF : MB;
-        for (int64_t m0 = 0; m0 < M; m0 += mb) {
-            const int64_t m1 = m0 + mb < M ? m0 + mb : M;
-            #pragma omp parallel
-            {
-                __m512i* buf = aligned_alloc(64, sizeof(__m512i) * (a.xw ? 32 * PF : 32) * G);  /* fma: widened */
-                __m512* scz = aligned_alloc(64, sizeof(__m512) * 2 * PF * G);
-                __m512* ob = fma ? aligned_alloc(64, sizeof(__m512) * PF * MBF) : NULL;  /* the fma chain's outputs */
-                const int step = fma ? PF : 2;   /* tiles per item */
-                #pragma omp for schedule(static)
-                for (int t = 0; t < T; t += step) big_tiles(&a, q8, m0, m1, t, T - t < step ? T - t : step, buf, scz, ob);
-                free(buf);
-                free(scz);
-                free(ob);
+        /* one team for the whole call: (row block, tile item) pairs handed out one at a time,
+         * block by block (a block's rows stay in L2 for both threads), so a thread the host slows
+         * takes fewer pairs instead of holding the others at a barrier per block */
+        const int mb = fma ? MBF : MB, step = fma ? PF : 2;   /* rows per block, tiles per item */
+        const int items = (T + step - 1) / step, pairs = (int)((M + mb - 1) / mb) * items;
+        #pragma omp parallel
+        {
+            __m512i* buf = aligned_alloc(64, sizeof(__m512i) * (a.xw ? 32 * PF : 32) * G);  /* fma: widened */
+            __m512* scz = aligned_alloc(64, sizeof(__m512) * 2 * PF * G);
+            __m512* ob = fma ? aligned_alloc(64, sizeof(__m512) * PF * MBF) : NULL;  /* the fma chain's outputs */
+            #pragma omp for schedule(dynamic, 1)
+            for (int j = 0; j < pairs; j++) {
+                const int64_t m0 = (int64_t)(j / items) * mb, m1 = m0 + mb < M ? m0 + mb : M;
+                const int t = (j % items) * step;
+                big_tiles(&a, q8, m0, m1, t, T - t < step ? T - t : step, buf, scz, ob);
             }
+            free(buf);
+            free(scz);
+            free(ob);
         }
     }
     free(xsum);
