@@ -118,3 +118,52 @@ def test_where_vdpbf16ps_adds_a_pair_odd_first_the_two_chains_agree_to_the_bit()
     for m in (1, 5, 8, 100):
         x = (torch.randn(m, 576, generator=g) * 2.0 ** torch.randint(-12, 13, (m, 576), generator=g)).bfloat16()
         assert torch.equal(KERNEL(x, w, sz, 1536, torch.float32, True), KERNEL(x, w, sz, 1536, torch.float32, False)), m
+
+
+_NO_MEMORY_PROBE = """
+import ctypes, resource, sys, torch
+libc = ctypes.CDLL(None)   # fixed thresholds: a big block is always a fresh mmap, and freeing one unmaps it
+libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+libc.mallopt(-1, 128 << 10)  # M_TRIM_THRESHOLD
+from streamkv.models.q4_linear import pack_native
+from streamkv.native import q4_gemm
+kernel = q4_gemm()
+g = torch.Generator().manual_seed(21)
+k = 32 * 8192          # per-thread buffers of a many-row call: 16 MiB (dot chain), 48 MiB (fma chain)
+n = 256                # 16 tiles: work for every thread of the team (a thread with no work touches no buffer)
+q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+w, sz = pack_native(q, torch.rand(n, k // 32, generator=g) * 0.05, torch.randn(n, k // 32, generator=g) * 0.05)
+x = torch.randn(8, k, generator=g).bfloat16()
+want = {fma: kernel(x, w, sz, n, torch.float32, fma) for fma in (False, True)}
+
+
+def vm_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+for fma, room in ((False, 4 << 20), (True, 12 << 20)):  # room for the call's row sums (and widened x), not its buffers
+    resource.setrlimit(resource.RLIMIT_AS, (vm_bytes() + room, hard))
+    try:
+        kernel(x, w, sz, n, torch.float32, fma)
+        sys.exit("no MemoryError")
+    except MemoryError as e:
+        assert "could not allocate" in str(e), e
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert torch.equal(kernel(x, w, sz, n, torch.float32, fma), want[fma])
+print("ok")
+"""
+
+
+@needs_kernel
+def test_a_many_row_call_without_memory_for_its_buffers_raises_and_the_next_call_is_exact():
+    """Under an address-space limit that leaves room for the row sums but not the per-thread
+    buffers, the GEMM returns rc 3 (a ``MemoryError``) instead of crashing, and the next call
+    gives the same bits as before. In a subprocess: the limit is process-wide."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _NO_MEMORY_PROBE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-500:], r.stderr[-2000:])

@@ -33,9 +33,16 @@ def _q4(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor
     out = torch.empty(m, n, dtype=out_dtype)
     rc = fn(x.data_ptr(), m, k, w.data_ptr(), sz.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
             int(fma))
-    if rc != 0:
-        raise ValueError(f"q4 GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    _check_rc("q4", rc, x, n)
     return out
+
+
+def _check_rc(name: str, rc: int, x: torch.Tensor, n: int) -> None:
+    """``q4_gemm.c``'s return codes: 0 done, 3 no memory for its buffers (nothing written), else rejected."""
+    if rc == 3:
+        raise MemoryError(f"{name} GEMM could not allocate its buffers for x {tuple(x.shape)} and {n} outputs")
+    if rc != 0:
+        raise ValueError(f"{name} GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
 
 
 def q8_gemm() -> Callable[..., torch.Tensor] | None:
@@ -53,8 +60,8 @@ def _q8(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor,
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    if m and fn(x.data_ptr(), m, k, w.data_ptr(), d.data_ptr(), n, out.data_ptr()) != 0:
-        raise ValueError(f"q8 GEMM rejected x {tuple(x.shape)} for {n} outputs")
+    if m:
+        _check_rc("q8", fn(x.data_ptr(), m, k, w.data_ptr(), d.data_ptr(), n, out.data_ptr()), x, n)
     return out
 
 
