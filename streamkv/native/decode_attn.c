@@ -151,6 +151,7 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
     int all = FAST_BF16_D64 && bf16 && D == 64 && H <= 16;
     int G = all ? H : H / Hk, Hi = all ? 1 : Hk;
     int64_t* first = malloc(sizeof(int64_t) * (B + 1));  /* first item of each sequence */
+    if (!first) return 3;
     first[0] = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t L = offsets[b + 1] - offsets[b];
@@ -161,6 +162,11 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
     float* M = malloc(sizeof(float) * items * G);
     float* S = malloc(sizeof(float) * items * G);
     float* A = malloc(sizeof(float) * items * G * D);
+    if (!M || !S || !A) {
+        free(first); free(M); free(S); free(A);
+        return 3;
+    }
+    int nomem = 0;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
         int64_t b = 0;
@@ -170,6 +176,11 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
         int hk = (int)(local / nc);
         int64_t c = local % nc, l0 = c * chunk_len, l1 = l0 + chunk_len < L ? l0 + chunk_len : L;
         float* sc = malloc(sizeof(float) * G * (l1 > l0 ? l1 - l0 : 1));
+        if (!sc) {
+            #pragma omp atomic write
+            nomem = 1;
+            continue;
+        }
         const float* qb = q + (b * H + hk * G) * D;
         int done = 0;
 #if FAST_BF16_D64
@@ -187,6 +198,10 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
             chunk_f32(qb, (const float*)kc, (const float*)vc, slots + offsets[b] + l0, l1 - l0, Hk, hk, G, D,
                       scale, M + it * G, S + it * G, A + it * G * D, sc);
         free(sc);
+    }
+    if (nomem) {   /* out untouched: rc 3, never a crash */
+        free(first); free(M); free(S); free(A);
+        return 3;
     }
     for (int64_t b = 0; b < B; b++) {
         int64_t nc = (first[b + 1] - first[b]) / Hi;
@@ -209,6 +224,7 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
     return 0;
 }
 
+/* Returns 0; 1 shapes rejected; 3 no memory (out not written). */
 int streamkv_decode_attn(int bf16, const float* q, const void* kc, const void* vc, const int64_t* slots,
                          const int64_t* offsets, int64_t B, int H, int Hk, int D, float scale,
                          int64_t chunk_len, float* out) {

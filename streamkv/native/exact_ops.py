@@ -33,16 +33,17 @@ def _q4(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor
     out = torch.empty(m, n, dtype=out_dtype)
     rc = fn(x.data_ptr(), m, k, w.data_ptr(), sz.data_ptr(), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
             int(fma))
-    _check_rc("q4", rc, x, n)
+    check_rc(rc, f"q4 GEMM of x {tuple(x.shape)} for {n} outputs")
     return out
 
 
-def _check_rc(name: str, rc: int, x: torch.Tensor, n: int) -> None:
-    """``q4_gemm.c``'s return codes: 0 done, 3 no memory for its buffers (nothing written), else rejected."""
+def check_rc(rc: int, what: str) -> None:
+    """The GEMM and attention kernels' return codes: 0 done, 3 no memory for their buffers (the
+    output not written: ``MemoryError``), any other a rejected call (``ValueError``)."""
     if rc == 3:
-        raise MemoryError(f"{name} GEMM could not allocate its buffers for x {tuple(x.shape)} and {n} outputs")
+        raise MemoryError(f"{what}: the kernel could not allocate its buffers")
     if rc != 0:
-        raise ValueError(f"{name} GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+        raise ValueError(f"{what}: rejected (rc={rc})")
 
 
 def q8_gemm() -> Callable[..., torch.Tensor] | None:
@@ -61,7 +62,8 @@ def _q8(fn: ctypes._CFuncPtr, x: torch.Tensor, w: torch.Tensor, d: torch.Tensor,
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     if m:
-        _check_rc("q8", fn(x.data_ptr(), m, k, w.data_ptr(), d.data_ptr(), n, out.data_ptr()), x, n)
+        check_rc(fn(x.data_ptr(), m, k, w.data_ptr(), d.data_ptr(), n, out.data_ptr()),
+                 f"q8 GEMM of x {tuple(x.shape)} for {n} outputs")
     return out
 
 
@@ -279,8 +281,7 @@ def _inv_attn(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch
     t, h, d = q.shape
     rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), seqs.data_ptr(),
             seqs.shape[0], slots.data_ptr(), h, kc.shape[1], d, float(scale), out.data_ptr())
-    if rc != 0:
-        raise ValueError(f"invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
+    check_rc(rc, f"invariant attention of q={tuple(q.shape)} over kv={tuple(kc.shape)}")
     return out
 
 
@@ -324,8 +325,7 @@ def _inv_attn_bf16(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: 
     t, h, d = q.shape
     rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), seqs.data_ptr(), seqs.shape[0], slots.data_ptr(), h,
             kc.shape[1], d, float(scale), out.data_ptr(), mode | (4 if direct else 0))
-    if rc != 0:
-        raise ValueError(f"bf16 invariant attention rejected q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
+    check_rc(rc, f"bf16 invariant attention of q={tuple(q.shape)} over kv={tuple(kc.shape)}")
     return out
 
 

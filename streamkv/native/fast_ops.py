@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from streamkv.native import loader  # ``loader._library()`` at call time (tests replace it)
+from streamkv.native.exact_ops import check_rc
 
 
 def decode_attention() -> Callable[..., torch.Tensor] | None:
@@ -35,8 +36,7 @@ def _decode(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.T
     out = torch.empty(b, h, d, dtype=torch.float32)
     rc = fn(int(kc.dtype == torch.bfloat16), q.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr(),
             offsets.data_ptr(), b, h, kc.shape[1], d, float(scale), int(chunk_len), out.data_ptr())
-    if rc != 0:
-        raise ValueError(f"native decode attention rejected shapes q={tuple(q.shape)} kv={tuple(kc.shape)}")
+    check_rc(rc, f"native decode attention of q={tuple(q.shape)} over kv={tuple(kc.shape)}")
     return out
 
 
@@ -70,8 +70,7 @@ def _paged(fn: ctypes._CFuncPtr, q: torch.Tensor, kc: torch.Tensor, vc: torch.Te
     out = torch.empty(t, h, d, dtype=torch.float32)
     rc = fn(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), seqs.data_ptr(), seqs.shape[0], slots.data_ptr(),
             h, kc.shape[1], float(scale), int(chunk_len), out.data_ptr())
-    if rc != 0:
-        raise ValueError(f"paged attention rejected shapes q={tuple(q.shape)} kv={tuple(kc.shape)} (rc={rc})")
+    check_rc(rc, f"paged attention of q={tuple(q.shape)} over kv={tuple(kc.shape)}")
     return out
 
 
@@ -102,8 +101,7 @@ def _select(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candida
             candidates.numel(), keep, float(scale), pos.data_ptr(), slots.data_ptr() if slots is not None else None,
             sink_len, tail_from, slots.numel() if slots is not None else 0, block_size,
             out.data_ptr() if out is not None else None)
-    if rc != 0:
-        raise ValueError(f"page selection rejected keep={keep} of {candidates.numel()} pages, head_dim {d}")
+    check_rc(rc, f"page selection of keep={keep} of {candidates.numel()} pages, head_dim {d}")
     return pos, out
 
 
@@ -146,8 +144,7 @@ def _shares(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candida
             candidates.numel(), float(scale), out.data_ptr(), keep, pos.data_ptr() if pos is not None else None,
             slots.data_ptr() if flat is not None else None, sink_len, tail_from, first, block_size,
             flat.data_ptr() if flat is not None else None)
-    if rc != 0:
-        raise ValueError(f"page shares rejected keep={keep} of {candidates.numel()} pages, head_dim {d}")
+    check_rc(rc, f"page shares of keep={keep} of {candidates.numel()} pages, head_dim {d}")
     return out, pos, flat
 
 

@@ -120,8 +120,9 @@ static inline __attribute__((always_inline)) void pv_pair(const float* p0, const
 }
 
 /* One item: rows [i0, i1) of sequence b (context indices L - nq + i), kv heads [hk, h1), chunk c;
- * nd = D / 16 is a compile-time constant in each specialisation (see item() below). */
-static inline __attribute__((always_inline)) void item_nd(const Item* it, const float* q, const void* kc,
+ * nd = D / 16 is a compile-time constant in each specialisation (see item() below). Returns 0, or 1
+ * when its scratch cannot be allocated (nothing written). */
+static inline __attribute__((always_inline)) int item_nd(const Item* it, const float* q, const void* kc,
                                                           const void* vc, int bf16, const int64_t* seqs,
                                                           const int64_t* slots, const int64_t* part_off, int H,
                                                           int Hk, const int nd, float scale, float* part) {
@@ -133,6 +134,7 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
     const int nh = it->h1 - it->hk, nvh = (it->i1 - it->i0) * G, nv = nvh * nh;   /* vectors: per head, nvh */
     const int direct = !bf16 && nv <= DIRECT_MAX;
     float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16) + (size_t)VB * D));
+    if (!qs) return 1;
     float* sb = qs + (size_t)nv * D;                      /* scores, then weights, per query vector */
     float* vb = sb + (size_t)nv * (CHUNK + 16);           /* VB rows of V, widened */
     int nvalid[QT * 32];
@@ -218,15 +220,16 @@ static inline __attribute__((always_inline)) void item_nd(const Item* it, const 
         }
     }
     free(qs);
+    return 0;
 }
 
-static void item(const Item* it, const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs,
+static int item(const Item* it, const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs,
                  const int64_t* slots, const int64_t* part_off, int H, int Hk, int D, float scale, float* part) {
     switch (D / 16) {
-#define ND(N) case N: item_nd(it, q, kc, vc, bf16, seqs, slots, part_off, H, Hk, N, scale, part); break;
+#define ND(N) case N: return item_nd(it, q, kc, vc, bf16, seqs, slots, part_off, H, Hk, N, scale, part);
         ND(1) ND(2) ND(4) ND(8)
 #undef ND
-        default: item_nd(it, q, kc, vc, bf16, seqs, slots, part_off, H, Hk, D / 16, scale, part);
+        default: return item_nd(it, q, kc, vc, bf16, seqs, slots, part_off, H, Hk, D / 16, scale, part);
     }
 }
 
@@ -237,11 +240,13 @@ static void item(const Item* it, const float* q, const void* kc, const void* vc,
  * vector runs the same operations. Used when the step still has at least 2 items per thread. */
 #define ALL_HEADS(i0, i1) (!bf16 && ((i1) - (i0)) * H <= DIRECT_MAX)
 
+/* Returns 0; 1, 2 shapes rejected; 3 no memory (out not written). */
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
                       const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
     if (D % 16 != 0 || D > MAXD || Hk <= 0 || H % Hk != 0 || H / Hk > 32 || B <= 0) return 1;
     const int W = D + 2;
     int64_t* part_off = malloc(sizeof(int64_t) * (B + 1));
+    if (!part_off) return 3;
     int64_t nitems = 0, grouped = 0;                  /* items per head, and with all-heads items */
     part_off[0] = 0;
     for (int b = 0; b < B; b++) {
@@ -258,6 +263,13 @@ int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, 
     const int group = Hk > 1 && grouped < nitems && grouped >= 2 * omp_get_max_threads();
     if (group) nitems = grouped;
     Item* items = malloc(sizeof(Item) * nitems);
+    float* part = malloc(sizeof(float) * (size_t)part_off[B] * (size_t)W);
+    if (!items || !part) {
+        free(part);
+        free(items);
+        free(part_off);
+        return 3;
+    }
     int64_t n = 0;
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
@@ -268,10 +280,19 @@ int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, 
                 for (int c = 0; c < ncs; c++) items[n++] = (Item){b, (int)i0, (int)i1, hk, all ? Hk : hk + 1, c};
         }
     }
-    float* part = malloc(sizeof(float) * (size_t)part_off[B] * W);
+    int nomem = 0;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < nitems; t++)
-        item(&items[t], q, kc, vc, bf16, seqs, slots, part_off, H, Hk, D, scale, part);
+        if (item(&items[t], q, kc, vc, bf16, seqs, slots, part_off, H, Hk, D, scale, part)) {
+            #pragma omp atomic write
+            nomem = 1;
+        }
+    if (nomem) {   /* out untouched: the caller gets rc 3, never a crash */
+        free(part);
+        free(items);
+        free(part_off);
+        return 3;
+    }
     /* merge every (row, head) over its chunks, in chunk order */
     #pragma omp parallel for schedule(static)
     for (int b = 0; b < B; b++) {

@@ -315,10 +315,12 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
 /* Sequences whose rows span several tiles read every key block once per tile (and kv head); for
  * them the blocks are transposed once here, in parallel, into cx->pre (per sequence and kv head:
  * its ceil(L / 16) K blocks, then its V blocks, 16 DB vectors each; the same bits load_block
- * would give each tile). Returns pre_at (per sequence: its offset in vectors, or -1), or NULL. */
-static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew) {
+ * would give each tile). Returns pre_at (per sequence: its offset in vectors, or -1), or NULL
+ * (none to transpose, or no memory: then *nomem = 1). */
+static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew, int* nomem) {
     const int KS = 16 * cx->DB, H = cx->H;
     int64_t* at = malloc(sizeof(int64_t) * B), total = 0;
+    if (!at) { *nomem = 1; return NULL; }
     for (int b = 0; b < B; b++) {
         const int64_t nq = cx->seqs[4 * b + 1], L = cx->seqs[4 * b + 3], nc = (L + CHUNK - 1) / CHUNK;
         at[b] = -1;
@@ -328,6 +330,7 @@ static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew) {
     }
     if (total == 0) { free(at); return NULL; }
     cx->pre = aligned_alloc(64, sizeof(__m512i) * total);
+    if (!cx->pre) { free(at); *nomem = 1; return NULL; }
     for (int b = 0; b < B; b++) {
         if (at[b] < 0) continue;
         const int64_t off = cx->seqs[4 * b + 2], L = cx->seqs[4 * b + 3], nblk = (L + 15) / 16;
@@ -349,7 +352,8 @@ static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew) {
 
 /* mode & 3: 0 vdpbf16ps; 1 every row on AMX tiles where this build and CPU have them (else
  * ignored: check streamkv_inv_attn_amx_available()); 2 the fma chain. mode & 4: split items gather
- * each head's blocks from the pool instead of staging the super-block's rows (the same bits) */
+ * each head's blocks from the pool instead of staging the super-block's rows (the same bits).
+ * Returns 0; 1, 2 shapes rejected; 4 mode rejected; 3 no memory (nothing written); 5 not built. */
 int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs, int B,
                            const int64_t* slots, int H, int Hk, int D, float scale, float* out, int mode) {
     if (D % 16 != 0 || D > 32 * MAXDB || Hk <= 0 || H % Hk != 0 || H / Hk > ROWS || B <= 0) return 1;
@@ -375,8 +379,12 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
      * otherwise 512 keys on one thread and 64 on the other. */
     const int apart = nitems == 0 && Hk > 1 && nsplit < 2 * omp_get_max_threads(), per = apart ? Hk : 1;
     nitems += nsplit * per;
+    /* split items' staging rows (K and V of a super-block), one slice per thread of the team */
+    const size_t stage_n = npart ? ((size_t)2 * SB * Hk * D + 31) / 32 * 32 : 0;   /* 64-byte slices */
     Item* items = malloc(sizeof(Item) * nitems);
     cx.part = npart ? malloc(sizeof(float) * npart) : NULL;
+    uint16_t* stages = npart ? aligned_alloc(64, sizeof(uint16_t) * stage_n * omp_get_max_threads()) : NULL;
+    int nomem = !items || (npart && (!cx.part || !stages));
     int64_t n = 0, po = 0;
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
@@ -395,7 +403,13 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
                 }
         }
     }
-    int64_t* pre_at = pretranspose(&cx, B, TQ, nfew);
+    int64_t* pre_at = nomem ? NULL : pretranspose(&cx, B, TQ, nfew, &nomem);
+    if (nomem) {   /* nothing written: the caller gets rc 3, never a crash */
+        free(stages);
+        free(cx.part);
+        free(items);
+        return 3;
+    }
     cx.pre_at = pre_at;
     if (npart == 0) {
         #pragma omp parallel for schedule(dynamic, 1)
@@ -403,14 +417,12 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     } else {
         #pragma omp parallel
         {
-            const size_t bytes = ((size_t)2 * SB * Hk * D * sizeof(uint16_t) + 63) / 64 * 64;  /* K and V rows */
-            uint16_t* stage = aligned_alloc(64, bytes);
+            uint16_t* stage = stages + stage_n * omp_get_thread_num();  /* K and V rows */
             #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < nitems; t++) {
                 if (items[t].hk < 0) run_heads(&items[t], &cx, stage);
                 else run_item(&items[t], &cx);
             }
-            free(stage);
         }
     }
     /* merge the split rows: per (sequence, row, head), its chunks in order */
@@ -434,6 +446,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
             store_out(&cx, out + (sq[0] * H + jh) * D, &s);
         }
     }
+    free(stages);
     free(cx.part);
     free(cx.pre);
     free(pre_at);
@@ -447,7 +460,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
                            const int64_t* slots, int H, int Hk, int D, float scale, float* out, int mode) {
     (void)q; (void)kc; (void)vc; (void)seqs; (void)B; (void)slots; (void)H; (void)Hk; (void)D; (void)scale; (void)out;
     (void)mode;
-    return 3;
+    return 5;  /* not built (3 is no memory) */
 }
 
 int streamkv_inv_attn_bf16_available(void) { return 0; }

@@ -88,9 +88,11 @@ static inline uint64_t rank_key(float s, int i) {
 }
 
 /* The keep best of the n pages (score desc, then the earlier page), ascending in out: the keep-th
- * largest key by quickselect (keys are unique), then one pass in page order. */
-static void top_keep(const float *score, int n, int keep, int64_t *out) {
+ * largest key by quickselect (keys are unique), then one pass in page order. Returns 0, or 1 with
+ * no memory for the keys (out not written). */
+static int top_keep(const float *score, int n, int keep, int64_t *out) {
     uint64_t stack_keys[1024], *key = n <= 1024 ? stack_keys : malloc(sizeof(uint64_t) * (size_t)n);
+    if (!key) return 1;
     for (int i = 0; i < n; i++) key[i] = rank_key(score[i], i);
     int lo = 0, hi = n - 1, k = keep - 1;             /* key[k] of the descending order */
     while (lo < hi) {
@@ -109,6 +111,7 @@ static void top_keep(const float *score, int n, int keep, int64_t *out) {
     for (int i = 0, o = 0; i < n && o < keep; i++)
         if (rank_key(score[i], i) >= kth) out[o++] = i;
     if (key != stack_keys) free(key);
+    return 0;
 }
 
 #include "page_tiles.h"  /* tile(), page_tile(), FEW, GROUPS */
@@ -118,6 +121,7 @@ static void top_keep(const float *score, int n, int keep, int64_t *out) {
 static uint16_t *split_queries(const void *q, int q_bf16, int R, int kvh, int g, int D, float scale, int nb) {
     int D2 = 2 * D;
     uint16_t *qt = calloc((size_t)kvh * nb * D2 * LANES, sizeof(uint16_t));
+    if (!qt) return NULL;
     #pragma omp parallel for schedule(static) if (R * g >= 32)  /* a question's rows; heads write apart */
     for (int h = 0; h < kvh; h++)
         for (int r = 0; r < R; r++)
@@ -144,6 +148,7 @@ static float *upper_bounds(const uint16_t *qt, const uint16_t *bounds, const int
     *passes = kvh * nb;
     *packed = 0;
     float *ub = malloc(sizeof(float) * (size_t)kvh * nb * Pp * LANES);
+    if (!ub) return NULL;
 #if defined(PS_BF16) || defined(PS_AVX2)
     if (!rows_in_lanes && n <= FEW && D2 % 32 == 0 && D2 <= 128) {
         *packed = kvh * n <= LANES;
@@ -184,6 +189,7 @@ static void lane_softmax(float *u, int P, int valid, float *inv) {
 
 static int64_t *padded(const int64_t *cand, int P, int Pp) {  /* candidates padded with the first one */
     int64_t *cp = malloc(sizeof(int64_t) * (size_t)Pp);
+    if (!cp) return NULL;
     for (int p = 0; p < Pp; p++) cp[p] = cand[p < P ? p : 0];
     return cp;
 }
@@ -205,14 +211,15 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
                          const int64_t *full, int64_t sink_len, int64_t tail_from, int64_t ctx_len, int bs,
                          int64_t *slots) {
     if (keep <= 0 || keep > P || D % 2) return 1;
-    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16, passes, packed;
+    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16, passes = 0, packed = 0;
     int64_t *cp = padded(cand, P, Pp);
-    uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
+    uint16_t *qt = cp ? split_queries(q, q_bf16, R, kvh, g, D, scale, nb) : NULL;
     /* ub [h][block][page][lane], lane = row; with pages in lanes and kvh n <= 16, one block of
      * every head's rows (lane h n + row): one softmax pass below instead of kvh mostly idle ones */
-    float *ub = upper_bounds(qt, bounds, cp, n, kvh, D2, nb, Pp, 0, &passes, &packed);
-    float *score = calloc((size_t)P, sizeof(float)), inv[LANES];
-    for (int hb = 0; hb < passes; hb++) {
+    float *ub = qt ? upper_bounds(qt, bounds, cp, n, kvh, D2, nb, Pp, 0, &passes, &packed) : NULL;
+    float *score = ub ? calloc((size_t)P, sizeof(float)) : NULL, inv[LANES];
+    int rc = score ? 0 : 3;   /* 3: no memory (pos and slots not written) */
+    for (int hb = 0; rc == 0 && hb < passes; hb++) {
         float *u = ub + (size_t)hb * Pp * LANES;
         int valid = packed ? kvh * n : n - (hb % nb) * LANES;
         lane_softmax(u, P, valid < LANES ? valid : LANES, inv);  /* padding rows weigh 0 */
@@ -222,13 +229,13 @@ int streamkv_page_select(const void *q, int q_bf16, int R, int kvh, int g, int D
             score[p] = best;
         }
     }
-    top_keep(score, P, keep, pos);
-    if (full) streamkv_compact_slots(full, sink_len, pos, keep, bs, tail_from, ctx_len, slots);
+    if (rc == 0 && top_keep(score, P, keep, pos)) rc = 3;
+    if (rc == 0 && full) streamkv_compact_slots(full, sink_len, pos, keep, bs, tail_from, ctx_len, slots);
     free(score);
     free(ub);
     free(qt);
     free(cp);
-    return 0;
+    return rc;
 }
 
 /* The rows in the lanes of rows-in-lanes pass hb (nb blocks of LANES rows per head): *at, the
@@ -250,11 +257,17 @@ int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D
                          const int64_t *full, int64_t sink_len, int64_t tail_from, int64_t first, int bs,
                          int64_t *slots) {
     if (P <= 0 || D % 2 || keep > P) return 1;
-    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16, passes, packed;
+    int n = R * g, D2 = 2 * D, nb = (n + LANES - 1) / LANES, Pp = (P + 15) / 16 * 16, passes = 0, packed = 0;
     int64_t *cp = padded(cand, P, Pp);
-    uint16_t *qt = split_queries(q, q_bf16, R, kvh, g, D, scale, nb);
-    float *ub = upper_bounds(qt, bounds, cp, n, kvh, D2, nb, Pp, 1, &passes, &packed);
-    float *inv = malloc(sizeof(float) * (size_t)passes * LANES);
+    uint16_t *qt = cp ? split_queries(q, q_bf16, R, kvh, g, D, scale, nb) : NULL;
+    float *ub = qt ? upper_bounds(qt, bounds, cp, n, kvh, D2, nb, Pp, 1, &passes, &packed) : NULL;
+    float *inv = ub ? malloc(sizeof(float) * (size_t)passes * LANES) : NULL;
+    if (!inv) {   /* no memory: nothing written */
+        free(ub);
+        free(qt);
+        free(cp);
+        return 3;
+    }
     /* each pass's (kv head, row block's) softmax on its own, then each page's best share over
      * the passes: max is exact, so any split gives the same bits (rows share pages across
      * heads, so the threads split the pages, not the passes) */
@@ -277,12 +290,17 @@ int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D
             }
         }
     }
+    int rc = 0;
     if (keep > 0 && pos) {
         const int64_t width = sink_len + (int64_t)keep * bs + first;  /* row r's slots: width + r */
         #pragma omp parallel for schedule(static) if (R >= 8)
         for (int r = 0; r < R; r++) {
             int64_t *mine = pos + (size_t)r * keep;
-            top_keep(out + (size_t)r * P, P, keep, mine);
+            if (top_keep(out + (size_t)r * P, P, keep, mine)) {
+                #pragma omp atomic write
+                rc = 3;   /* no memory: this row's picks and slots not written */
+                continue;
+            }
             if (full)
                 streamkv_compact_slots(full, sink_len, mine, keep, bs, tail_from, tail_from + first + r,
                                        slots + r * width + (int64_t)r * (r - 1) / 2);
@@ -292,7 +310,7 @@ int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D
     free(ub);
     free(qt);
     free(cp);
-    return 0;
+    return rc;
 }
 
 /* Page bounds of a bfloat16 cache: for each of the n blocks and every layer,

@@ -215,6 +215,7 @@ static void run_item(const Item* it, const uint16_t* q, const uint16_t* kc, cons
     }
 }
 
+/* Returns 0; 1 shapes rejected; 3 no memory (out not written). */
 int streamkv_paged_attn(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* seqs,
                         int64_t B, const int64_t* slots, int H, int Hk, float scale, int64_t chunk_len,
                         float* out) {
@@ -224,6 +225,7 @@ int streamkv_paged_attn(const uint16_t* q, const uint16_t* kc, const uint16_t* v
     int64_t qt = ROWS_MAX / H;  /* queries per tile */
     int64_t n_items = 0, cap = 64;
     Item* items = malloc(sizeof(Item) * cap);
+    if (!items) return 3;
     int64_t prow = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
@@ -231,7 +233,12 @@ int streamkv_paged_attn(const uint16_t* q, const uint16_t* kc, const uint16_t* v
             int64_t q1 = q0 + qt < nq ? q0 + qt : nq;
             int64_t see = L - nq + q1;  /* context entries visible to the tile */
             for (int64_t c0 = 0; c0 < see; c0 += chunk_len) {
-                if (n_items == cap) { cap *= 2; items = realloc(items, sizeof(Item) * cap); }
+                if (n_items == cap) {
+                    Item* more = realloc(items, sizeof(Item) * cap * 2);
+                    if (!more) { free(items); return 3; }
+                    items = more;
+                    cap *= 2;
+                }
                 int64_t c1 = c0 + chunk_len < see ? c0 + chunk_len : see;
                 items[n_items++] = (Item){b, q0, q1, c0, c1, prow};
                 prow += (q1 - q0) * H;
@@ -241,6 +248,10 @@ int streamkv_paged_attn(const uint16_t* q, const uint16_t* kc, const uint16_t* v
     float* M = malloc(sizeof(float) * (prow ? prow : 1));
     float* S = malloc(sizeof(float) * (prow ? prow : 1));
     float* A = malloc(sizeof(float) * 64 * (prow ? prow : 1));
+    if (!M || !S || !A) {   /* out untouched: rc 3, never a crash */
+        free(items); free(M); free(S); free(A);
+        return 3;
+    }
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; i++)
         run_item(&items[i], q, kc, vc, seqs, slots, H, Hk, scale, M + items[i].prow, S + items[i].prow,
