@@ -38,11 +38,17 @@ def attn_case(kernel, dtype, rows):
     vc = torch.randn(8192, 3, 64, generator=g).to(dtype)
     if rows == "prefill":   # 256 rows after 7,936 cached: transposed blocks / partials of ~6-10 MB
         seqs, slots = torch.tensor([(0, 256, 0, 8192)]), torch.randperm(8192, generator=g)
+    elif rows == "items":   # 100 decodes over 65,536 keys: 12,800 chunk items (~0.5 MB), the first allocation
+        kc, vc = kc.repeat(8, 1, 1), vc.repeat(8, 1, 1)
+        seqs, slots = torch.tensor([(b, 1, 0, 65536) for b in range(100)]), torch.randperm(65536, generator=g)
+        slots = slots.repeat(100)
+        seqs[:, 2] = torch.arange(100) * 65536
     else:                   # 64 decodes over 4,096 keys each, split by chunk: ~1.2 MB of partials
         seqs = torch.tensor([(b, 1, 0, 4096) for b in range(64)])
         slots = torch.randperm(8192, generator=g)[:4096]
     q = torch.randn(int(seqs[:, 1].sum()), 9, 64, generator=g)
-    return (lambda: kernel(q, kc, vc, seqs, slots, 0.125)), (2 << 20 if rows == "prefill" else 512 << 10)  # out fits
+    room = {"prefill": 2 << 20, "decode": 512 << 10, "items": 400 << 10}[rows]  # out fits, the large blocks not
+    return (lambda: kernel(q, kc, vc, seqs, slots, 0.125)), room
 
 
 def fast_decode_case():   # the fast-math decode kernel: 64 rows over 4,096 keys, ~2.4 MB of partials
@@ -89,6 +95,7 @@ print("ok")
 _BF16 = pytest.mark.skipif(invariant_attention_bf16() is None, reason="no AVX512-BF16: the bf16 kernels are not built")
 CASES = [pytest.param("q4-dot", marks=_BF16), pytest.param("q4-fma", marks=_BF16),
          pytest.param("bf16-prefill", marks=_BF16), pytest.param("bf16-decode", marks=_BF16),
+         pytest.param("bf16-items", marks=_BF16),
          "f32-prefill", "f32-decode", "fast-decode"]
 
 

@@ -350,6 +350,14 @@ static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew, int* nomem) {
     return at;
 }
 
+/* a call that found no memory frees what it took and returns 3 (nothing written, never a crash) */
+static int no_memory(void* a, void* b, void* c) {
+    free(a);
+    free(b);
+    free(c);
+    return 3;
+}
+
 /* mode & 3: 0 vdpbf16ps; 1 every row on AMX tiles where this build and CPU have them (else
  * ignored: check streamkv_inv_attn_amx_available()); 2 the fma chain. mode & 4: split items gather
  * each head's blocks from the pool instead of staging the super-block's rows (the same bits).
@@ -385,6 +393,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     cx.part = npart ? malloc(sizeof(float) * npart) : NULL;
     uint16_t* stages = npart ? aligned_alloc(64, sizeof(uint16_t) * stage_n * omp_get_max_threads()) : NULL;
     int nomem = !items || (npart && (!cx.part || !stages));
+    if (nomem) return no_memory(stages, cx.part, items);
     int64_t n = 0, po = 0;
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
@@ -403,13 +412,8 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
                 }
         }
     }
-    int64_t* pre_at = nomem ? NULL : pretranspose(&cx, B, TQ, nfew, &nomem);
-    if (nomem) {   /* nothing written: the caller gets rc 3, never a crash */
-        free(stages);
-        free(cx.part);
-        free(items);
-        return 3;
-    }
+    int64_t* pre_at = pretranspose(&cx, B, TQ, nfew, &nomem);
+    if (nomem) return no_memory(stages, cx.part, items);
     cx.pre_at = pre_at;
     if (npart == 0) {
         #pragma omp parallel for schedule(dynamic, 1)
