@@ -60,8 +60,28 @@ def fast_decode_case():   # the fast-math decode kernel: 64 rows over 4,096 keys
     return (lambda: kernel(q, kc, vc, slots, offsets, 0.125, 256)), 512 << 10
 
 
+def fast_paged_case():   # the fast-math mixed-batch kernel: 64 decodes over 4,096 keys, ~2.4 MB of partials
+    from streamkv.native import paged_attention
+    kc = torch.randn(8192, 3, 64, generator=g).bfloat16()
+    vc = torch.randn(8192, 3, 64, generator=g).bfloat16()
+    seqs, slots = torch.tensor([(b, 1, 0, 4096) for b in range(64)]), torch.randperm(8192, generator=g)[:4096]
+    q, kernel = torch.randn(64, 9, 64, generator=g).bfloat16(), paged_attention()
+    return (lambda: kernel(q, kc, vc, seqs, slots, 0.125, 256)), 512 << 10
+
+
+def quest_case():   # Quest's page ranking over 100,000 candidate pages: ~19 MB of per-page bounds products
+    from streamkv.native import page_select
+    q, bounds = torch.randn(1, 3, 3, 64, generator=g), torch.randn(100000, 3, 128, generator=g).bfloat16()
+    cand, kernel = torch.arange(100000), page_select()
+    return (lambda: kernel(q, bounds, cand, 64, 0.125)[0]), 1536 << 10
+
+
 def case():
     from streamkv.native import invariant_attention, invariant_attention_bf16
+    if CASE == "quest-select":
+        return quest_case()
+    if CASE == "fast-paged":
+        return fast_paged_case()
     if CASE.startswith("q4"):
         return q4_case(CASE == "q4-fma")
     if CASE == "fast-decode":
@@ -96,7 +116,7 @@ _BF16 = pytest.mark.skipif(invariant_attention_bf16() is None, reason="no AVX512
 CASES = [pytest.param("q4-dot", marks=_BF16), pytest.param("q4-fma", marks=_BF16),
          pytest.param("bf16-prefill", marks=_BF16), pytest.param("bf16-decode", marks=_BF16),
          pytest.param("bf16-items", marks=_BF16),
-         "f32-prefill", "f32-decode", "fast-decode"]
+         "f32-prefill", "f32-decode", "fast-decode", pytest.param("fast-paged", marks=_BF16), "quest-select"]
 
 
 @pytest.mark.skipif(invariant_attention() is None or not sys.platform.startswith("linux"),
