@@ -316,20 +316,10 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
     const int G = K / 32, T = (N + 15) / 16;
     float* xsum = q8 ? NULL : malloc(sizeof(float) * (size_t)M * G);
     float* xw = fma ? malloc(sizeof(float) * (size_t)M * K) : NULL;
-    /* a many-row call's per-thread buffers, one slice per thread of the team (at most
-     * omp_get_max_threads()): the expanded weights, their scales, the fma chain's outputs */
-    const int nth = M < 8 ? 0 : omp_get_max_threads();
-    const size_t nbuf = (size_t)(fma ? 32 * PF : 32) * G, nscz = (size_t)2 * PF * G, nob = fma ? (size_t)PF * MBF : 0;
-    __m512i* bufs = nth ? aligned_alloc(64, sizeof(__m512i) * nbuf * nth) : NULL;
-    __m512* sczs = nth ? aligned_alloc(64, sizeof(__m512) * nscz * nth) : NULL;
-    __m512* obs = nth && fma ? aligned_alloc(64, sizeof(__m512) * nob * nth) : NULL;
-    if ((!q8 && !xsum) || (fma && !xw) || (nth && (!bufs || !sczs || (fma && !obs)))) {
+    if ((!q8 && !xsum) || (fma && !xw)) {
         free(xsum);
         free(xw);
-        free(bufs);
-        free(sczs);
-        free(obs);
-        return 3;  /* no memory: never the other chain's bits instead, never a crash */
+        return 3;  /* no memory: never the other chain's bits instead */
     }
     /* per row (either way the same bits): the groups' sums; for the fma chain x widened to float32
      * (exact: bf16 -> float32 is a shift) */
@@ -355,23 +345,36 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
          * takes fewer pairs instead of holding the others at a barrier per block */
         const int mb = fma ? MBF : MB, step = fma ? PF : 2;   /* rows per block, tiles per item */
         const int items = (T + step - 1) / step, pairs = (int)((M + mb - 1) / mb) * items;
+        int nomem = 0;
         #pragma omp parallel
         {
-            const int id = omp_get_thread_num();
-            __m512i* buf = bufs + nbuf * id;  /* fma: widened */
-            __m512* scz = sczs + nscz * id;
-            __m512* ob = obs ? obs + nob * id : NULL;
+            /* each thread's own buffers (from its own malloc arena, reused call after call) */
+            __m512i* buf = aligned_alloc(64, sizeof(__m512i) * (fma ? 32 * PF : 32) * G);  /* fma: widened */
+            __m512* scz = aligned_alloc(64, sizeof(__m512) * 2 * PF * G);
+            __m512* ob = fma ? aligned_alloc(64, sizeof(__m512) * PF * MBF) : NULL;  /* the fma chain's outputs */
+            if (!buf || !scz || (fma && !ob)) {
+                #pragma omp atomic write
+                nomem = 1;
+            }
+            #pragma omp barrier
+            /* every thread reads nomem after the barrier: all take no pair, or all run */
             #pragma omp for schedule(dynamic, 1)
             for (int j = 0; j < pairs; j++) {
+                if (nomem) continue;
                 const int64_t m0 = (int64_t)(j / items) * mb, m1 = m0 + mb < M ? m0 + mb : M;
                 const int t = (j % items) * step;
                 big_tiles(&a, q8, m0, m1, t, T - t < step ? T - t : step, buf, scz, ob);
             }
+            free(buf);
+            free(scz);
+            free(ob);
+        }
+        if (nomem) {
+            free(xsum);
+            free(xw);
+            return 3;  /* no memory: nothing written, never a crash */
         }
     }
-    free(bufs);
-    free(sczs);
-    free(obs);
     free(xsum);
     free(xw);
     return 0;
