@@ -387,13 +387,10 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
      * otherwise 512 keys on one thread and 64 on the other. */
     const int apart = nitems == 0 && Hk > 1 && nsplit < 2 * omp_get_max_threads(), per = apart ? Hk : 1;
     nitems += nsplit * per;
-    /* split items' staging rows (K and V of a super-block), one slice per thread of the team */
-    const size_t stage_n = npart ? ((size_t)2 * SB * Hk * D + 31) / 32 * 32 : 0;   /* 64-byte slices */
     Item* items = malloc(sizeof(Item) * nitems);
     cx.part = npart ? malloc(sizeof(float) * npart) : NULL;
-    uint16_t* stages = npart ? aligned_alloc(64, sizeof(uint16_t) * stage_n * omp_get_max_threads()) : NULL;
-    int nomem = !items || (npart && (!cx.part || !stages));
-    if (nomem) return no_memory(stages, cx.part, items);
+    int nomem = !items || (npart && !cx.part);
+    if (nomem) return no_memory(NULL, cx.part, items);
     int64_t n = 0, po = 0;
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
@@ -413,7 +410,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         }
     }
     int64_t* pre_at = pretranspose(&cx, B, TQ, nfew, &nomem);
-    if (nomem) return no_memory(stages, cx.part, items);
+    if (nomem) return no_memory(NULL, cx.part, items);
     cx.pre_at = pre_at;
     if (npart == 0) {
         #pragma omp parallel for schedule(dynamic, 1)
@@ -421,12 +418,27 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     } else {
         #pragma omp parallel
         {
-            uint16_t* stage = stages + stage_n * omp_get_thread_num();  /* K and V rows */
+            /* each thread's own staging rows (its own malloc arena, reused call after call) */
+            const size_t bytes = ((size_t)2 * SB * Hk * D * sizeof(uint16_t) + 63) / 64 * 64;  /* K and V rows */
+            uint16_t* stage = aligned_alloc(64, bytes);
+            if (!stage) {
+                #pragma omp atomic write
+                nomem = 1;
+            }
+            #pragma omp barrier
+            /* every thread reads nomem after the barrier: all take no item, or all run */
             #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < nitems; t++) {
+                if (nomem) continue;
                 if (items[t].hk < 0) run_heads(&items[t], &cx, stage);
                 else run_item(&items[t], &cx);
             }
+            free(stage);
+        }
+        if (nomem) {   /* the merge below never ran: out not written */
+            free(cx.pre);
+            free(pre_at);
+            return no_memory(NULL, cx.part, items);
         }
     }
     /* merge the split rows: per (sequence, row, head), its chunks in order */
@@ -450,7 +462,6 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
             store_out(&cx, out + (sq[0] * H + jh) * D, &s);
         }
     }
-    free(stages);
     free(cx.part);
     free(cx.pre);
     free(pre_at);
