@@ -118,4 +118,3 @@ def test_where_vdpbf16ps_adds_a_pair_odd_first_the_two_chains_agree_to_the_bit()
     for m in (1, 5, 8, 100):
         x = (torch.randn(m, 576, generator=g) * 2.0 ** torch.randint(-12, 13, (m, 576), generator=g)).bfloat16()
         assert torch.equal(KERNEL(x, w, sz, 1536, torch.float32, True), KERNEL(x, w, sz, 1536, torch.float32, False)), m
-

@@ -199,11 +199,8 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
                       scale, M + it * G, S + it * G, A + it * G * D, sc);
         free(sc);
     }
-    if (nomem) {   /* out untouched: rc 3, never a crash */
-        free(first); free(M); free(S); free(A);
-        return 3;
-    }
-    for (int64_t b = 0; b < B; b++) {
+    /* merge (not after an item found no memory: out untouched, rc 3, never a crash) */
+    for (int64_t b = 0; b < (nomem ? 0 : B); b++) {
         int64_t nc = (first[b + 1] - first[b]) / Hi;
         for (int hk = 0; hk < Hi; hk++) for (int g = 0; g < G; g++) {
             float mx = -INFINITY, tot = 0.f;
@@ -221,7 +218,7 @@ static int run(int bf16, const float* q, const void* kc, const void* vc, const i
         }
     }
     free(first); free(M); free(S); free(A);
-    return 0;
+    return nomem ? 3 : 0;
 }
 
 /* Returns 0; 1 shapes rejected; 3 no memory (out not written). */

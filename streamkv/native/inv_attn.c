@@ -287,15 +287,10 @@ int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, 
             #pragma omp atomic write
             nomem = 1;
         }
-    if (nomem) {   /* out untouched: the caller gets rc 3, never a crash */
-        free(part);
-        free(items);
-        free(part_off);
-        return 3;
-    }
-    /* merge every (row, head) over its chunks, in chunk order */
+    /* merge every (row, head) over its chunks, in chunk order (not after an item found no
+     * memory: out stays untouched and the caller gets rc 3, never a crash) */
     #pragma omp parallel for schedule(static)
-    for (int b = 0; b < B; b++) {
+    for (int b = 0; b < (nomem ? 0 : B); b++) {
         const int64_t row0 = seqs[4 * b], nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         const int64_t nc = (L + CHUNK - 1) / CHUNK;
         for (int64_t i = 0; i < nq; i++) {
@@ -325,7 +320,7 @@ int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, 
     free(part);
     free(items);
     free(part_off);
-    return 0;
+    return nomem ? 3 : 0;
 }
 
 const char* streamkv_inv_isa(void) { return STREAMKV_VEC_ISA; }

@@ -351,10 +351,9 @@ static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew, int* nomem) {
 }
 
 /* a call that found no memory frees what it took and returns 3 (nothing written, never a crash) */
-static int no_memory(void* a, void* b, void* c) {
-    free(a);
-    free(b);
-    free(c);
+static int no_memory(void* part, void* items) {
+    free(part);
+    free(items);
     return 3;
 }
 
@@ -390,7 +389,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
     Item* items = malloc(sizeof(Item) * nitems);
     cx.part = npart ? malloc(sizeof(float) * npart) : NULL;
     int nomem = !items || (npart && !cx.part);
-    if (nomem) return no_memory(NULL, cx.part, items);
+    if (nomem) return no_memory(cx.part, items);
     int64_t n = 0, po = 0;
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
@@ -410,7 +409,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         }
     }
     int64_t* pre_at = pretranspose(&cx, B, TQ, nfew, &nomem);
-    if (nomem) return no_memory(NULL, cx.part, items);
+    if (nomem) return no_memory(cx.part, items);
     cx.pre_at = pre_at;
     if (npart == 0) {
         #pragma omp parallel for schedule(dynamic, 1)
@@ -435,15 +434,11 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
             }
             free(stage);
         }
-        if (nomem) {   /* the merge below never ran: out not written */
-            free(cx.pre);
-            free(pre_at);
-            return no_memory(NULL, cx.part, items);
-        }
     }
-    /* merge the split rows: per (sequence, row, head), its chunks in order */
+    /* merge the split rows: per (sequence, row, head), its chunks in order (not after a thread
+     * found no memory: then no item ran and out is not written) */
     #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < nitems; t++) {
+    for (int64_t t = 0; t < (nomem ? 0 : nitems); t++) {
         const Item* it = &items[t];
         if (it->part < 0 || it->c0 != 0 || it->h0 != 0) continue;   /* once per sequence */
         const int64_t* sq = seqs + 4 * it->b;
@@ -462,11 +457,11 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
             store_out(&cx, out + (sq[0] * H + jh) * D, &s);
         }
     }
-    free(cx.part);
     free(cx.pre);
     free(pre_at);
+    free(cx.part);
     free(items);
-    return 0;
+    return nomem ? 3 : 0;
 }
 
 int streamkv_inv_attn_bf16_available(void) { return 1; }
