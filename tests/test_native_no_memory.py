@@ -22,15 +22,15 @@ g = torch.Generator().manual_seed(21)
 CASE = sys.argv[1]
 
 
-def q4_case(fma):
+def q4_case(fma, rows, room):
     from streamkv.models.q4_linear import pack_native
     from streamkv.native import q4_gemm
     k, n = 32 * 8192, 256  # per-thread buffers 16 MiB (dot chain) / 48 MiB (fma); 16 tiles: work for every thread
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     w, sz = pack_native(q, torch.rand(n, k // 32, generator=g) * 0.05, torch.randn(n, k // 32, generator=g) * 0.05)
-    x = torch.randn(8, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
     kernel = q4_gemm()
-    return (lambda: kernel(x, w, sz, n, torch.float32, fma)), (12 << 20 if fma else 4 << 20)
+    return (lambda: kernel(x, w, sz, n, torch.float32, fma)), room
 
 
 def attn_case(kernel, dtype, rows):
@@ -83,7 +83,10 @@ def case():
     if CASE == "fast-paged":
         return fast_paged_case()
     if CASE.startswith("q4"):
-        return q4_case(CASE == "q4-fma")
+        # q4-fma: 33 rows take the many-row blocking (x widened, 34.6 MB, fits; the per-thread buffers
+        # not); q4-fma-mid: 8 rows take the chunked one, whose widened x (8 MiB) is its large block
+        return q4_case(*{"q4-dot": (False, 8, 4 << 20), "q4-fma": (True, 33, 40 << 20),
+                         "q4-fma-mid": (True, 8, 4 << 20)}[CASE])
     if CASE == "fast-decode":
         return fast_decode_case()
     kernel, dtype = (invariant_attention_bf16(), torch.bfloat16) if CASE.startswith("bf16") else \\
@@ -113,7 +116,7 @@ print("ok")
 """
 
 _BF16 = pytest.mark.skipif(invariant_attention_bf16() is None, reason="no AVX512-BF16: the bf16 kernels are not built")
-CASES = [pytest.param("q4-dot", marks=_BF16), pytest.param("q4-fma", marks=_BF16),
+CASES = [pytest.param("q4-dot", marks=_BF16), pytest.param("q4-fma", marks=_BF16), pytest.param("q4-fma-mid", marks=_BF16),
          pytest.param("bf16-prefill", marks=_BF16), pytest.param("bf16-decode", marks=_BF16),
          pytest.param("bf16-items", marks=_BF16),
          "f32-prefill", "f32-decode", "fast-decode", pytest.param("fast-paged", marks=_BF16), "quest-select"]

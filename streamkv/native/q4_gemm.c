@@ -19,7 +19,7 @@
  *
  *       s = fma(x[2p], q[2p] - 8, fma(x[2p + 1], q[2p + 1] - 8, s))
  *
- * the same for every M (both blockings below take it). vdpbf16ps rounds each addition to nearest
+ * the same for every M (every blocking below takes it). vdpbf16ps rounds each addition to nearest
  * even and flushes float32 denormals (inputs and results) to zero; the fmas round alike and keep
  * denormals, so the two chains agree wherever no partial sum or x falls below 2^-126 (on the Intel
  * Xeons: bit for bit over random prompts, tests/test_q4_fma.py). Where vdpbf16ps issues at
@@ -38,9 +38,15 @@
  * zero term (o = fma(s, d[n, g], o)); packed w [T][G][16 pairs][32 bytes] (row r's pair at bytes
  * 2r, 2r + 1), d [T][G][16] float32 (the file's f16 scales, exact).
  *
- * Two blockings of the same arithmetic:
+ * Three blockings of the same arithmetic:
  *   few rows (M < 8):  all M rows x P tiles of accumulators in registers, pairs expanded as they
  *                      are used, one pass over the weights (decode: bound by the weight bytes);
+ *                      the fma chain instead takes the next blocking from 1 row on;
+ *   fma, <= 32 rows:   chunks of up to 16 rows (balanced; 2 tiles at a time for up to 8 rows,
+ *                      else 1) with the pairs expanded and widened as they are read, x transposed
+ *                      so a pair's rows are adjacent (q4_fma_rows.h: mid_rows). Against the
+ *                      blocking below, per layer of the 135M model, 2 threads, Intel Xeon without
+ *                      AMX: 5 rows -15%, 8 -15%, 16 -19%, 32 -8% time; at 44-48 rows it loses 8-13%;
  *   more rows:         two tiles' pairs are expanded once per block of 96 rows (x stays in L2),
  *                      then 6 rows at a time stream past them (4 + 3 or 4 + 4 for a remainder of
  *                      7 or 8: no block of 1-2 rows); threads take (row block, tiles) items one
@@ -66,6 +72,9 @@
 #define MB 96    /* rows per block (x stays in L2) */
 #define MBF 192  /* the fma chain's rows per block: its pairs, widened, cost twice as much to expand */
 #define PF 3     /* the fma chain's tiles per item (6 rows x 3 tiles of accumulators) */
+#define MID_MAX 32  /* the fma chain, 2-32 rows: chunks of <= MID_RMAX rows, pairs expanded as read */
+#define MID_RMAX 16
+#define MID_P2 8     /* chunks of up to this many rows take 2 tiles at a time, longer ones 1 */
 #define KG 4     /* the fma chain: groups per pass over a block's rows (their widened pairs stay in L1) */
 
 /* bf16 bits of q - 8 for q = 0..15, twice (vpermw reads 5 index bits; the 5th is don't-care) */
@@ -123,6 +132,7 @@ typedef struct {
     const uint16_t* x;   /* [M, K] bf16 */
     const float* xsum;   /* [M, G] (Q4 only) */
     const float* xw;     /* [M, K] x widened to float32: the fma chain; NULL: vdpbf16ps */
+    const float* xt;     /* [K / 2][M][2] the same, transposed: the fma chain's mid rows */
     const uint8_t* w;
     const void* sz;      /* Q4: scale and zero bf16 [T][G][2][16]; Q8: d float32 [T][G][16] */
     void* out;
@@ -156,16 +166,6 @@ static inline __attribute__((always_inline)) __m512 group_end(const Q4* a, const
     return Q8 ? o : _mm512_fmadd_ps(zr, _mm512_set1_ps(a->xsum[m * a->G + g]), o);
 }
 
-/* the fma chain's step for R rows x P tiles: s[r][i] += x pair (m + r) . (we[i], wo[i]), odd k first */
-static inline __attribute__((always_inline)) void fma_pair(const Q4* a, const int R, const int P, int64_t m, int g,
-                                                           int p, const __m512* we, const __m512* wo, __m512 s[][P]) {
-    for (int r = 0; r < R; r++) {
-        const float* xr = a->xw + (m + r) * a->K + 32 * g + 2 * p;
-        const __m512 x0 = _mm512_set1_ps(xr[0]), x1 = _mm512_set1_ps(xr[1]);
-        for (int i = 0; i < P; i++) s[r][i] = _mm512_fmadd_ps(x0, we[i], _mm512_fmadd_ps(x1, wo[i], s[r][i]));
-    }
-}
-
 static inline uint32_t xpair(const Q4* a, int64_t m, int g, int p) {
     uint32_t v;
     memcpy(&v, a->x + m * a->K + 32 * g + 2 * p, 4);
@@ -189,12 +189,6 @@ static inline __attribute__((always_inline)) void small(const Q4* a, const int Q
         for (int p = 0; p < 16; p++) {
             __m512i W[4];
             for (int i = 0; i < P; i++) W[i] = wvec(a, Q8, t0 + i, g, p, ctrl, table);
-            if (a->xw) {
-                __m512 we[4], wo[4];   /* q[2p] - 8 (low words), q[2p + 1] - 8 (high words) */
-                for (int i = 0; i < P; i++) v_bf16_pairs(W[i], &we[i], &wo[i]);
-                fma_pair(a, R, P, m0, g, p, we, wo, s);
-                continue;
-            }
             for (int r = 0; r < R; r++) {
                 const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xpair(a, m0 + r, g, p));
                 for (int i = 0; i < P; i++) s[r][i] = _mm512_dpbf16_ps(s[r][i], (__m512bh)W[i], xb);
@@ -321,17 +315,25 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
         free(xw);
         return 3;  /* no memory: never the other chain's bits instead */
     }
+    const int mid = fma && M <= MID_MAX;   /* xw holds x transposed (xt) */
     /* per row (either way the same bits): the groups' sums; for the fma chain x widened to float32
      * (exact: bf16 -> float32 is a shift) */
     #pragma omp parallel for schedule(static) if (M >= 8)
     for (int64_t m = 0; m < M; m++) {
         for (int g = 0; !q8 && g < G; g++)
             xsum[m * G + g] = v_hsum(v_add(v_load_bf16(x + m * K + 32 * g), v_load_bf16(x + m * K + 32 * g + 16)));
-        for (int k = 0; fma && k < K; k += 16) v_store(xw + m * K + k, v_load_bf16(x + m * K + k));
+        /* xt (mid rows): 8 pairs widened at a time, each pair's 8 bytes scattered to its place */
+        const int64_t M2 = 2 * M;
+        const __m512i at = _mm512_setr_epi64(0, M2, 2 * M2, 3 * M2, 4 * M2, 5 * M2, 6 * M2, 7 * M2);
+        for (int k = 0; mid && k < K; k += 16)
+            _mm512_i64scatter_epi64(xw + ((int64_t)(k / 2) * M + m) * 2, at, _mm512_castps_si512(v_load_bf16(x + m * K + k)), 4);
+        for (int k = 0; fma && !mid && k < K; k += 16) v_store(xw + m * K + k, v_load_bf16(x + m * K + k));
     }
-    const Q4 a = {x, xsum, xw, w, sz, out, M, K, G, N, T, bf16_out};
+    const Q4 a = {x, xsum, mid ? NULL : xw, mid ? xw : NULL, w, sz, out, M, K, G, N, T, bf16_out};
     void (*small_rows)(const Q4*, int, int64_t, int, int) = q8 ? small_rows_q8 : small_rows_q4;
-    if (M < 8) {
+    if (mid) {
+        mid_rows(&a);
+    } else if (M < 8) {
         /* each thread takes a contiguous range of tiles (balanced to one tile) */
         #pragma omp parallel
         {
