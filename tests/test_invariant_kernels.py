@@ -240,8 +240,10 @@ def test_attention_is_correct_and_every_row_equals_its_decode(kernel, heads):
     chunk boundary, decodes long enough to be split by chunk); then every row alone, as a decode
     over its own context, gives the same bits. The bf16 kernel runs a step's few-row sequences
     (decodes; a decode with its drafts, 4 rows at 1026 keys: two rows see nothing of the last
-    chunk) one item per chunk over every kv head and a lone short decode one item per kv head
-    (64 heads: per kv head always), so this also checks that the work split never changes a bit.
+    chunk) one item per chunk over every kv head, one with more drafts (8 rows at 700 keys: more
+    rows than one item holds for every kv head at 9/3 heads) one item per chunk and kv head, and a
+    lone short decode one item per kv head (64 heads: per kv head always), so this also checks
+    that the work split never changes a bit.
     Split items copy a super-block's cache rows (kv heads x head_dim) in whole vectors, or with
     memcpy when a row is not a multiple of 32 (3 x 16 here). On AMX tiles a split item of 8 rows x 3
     heads (6/2/48) runs a 16-row tile and a partial one."""

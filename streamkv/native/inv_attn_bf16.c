@@ -70,13 +70,17 @@
 #define PRE_AHEAD 2      /* pretranspose() prefetches the cache rows this many 16-key blocks ahead */
 #define FMA_WIDEN_ROWS 8  /* the fma chain widens a super-block's blocks once for this many rows or more */
 #define SPLIT_MIN 1      /* a lone few-row sequence with more chunks than this is split one item per chunk */
-/* Few-row sequences (nq H <= ROWS: decode rows, a decode row with its speculative drafts) run as
- * one item per chunk (run_heads) when there are several of them or more than one chunk; a lone
- * one-chunk one keeps one item per kv head (run_item). Measured on the EPYC, 2 threads, a lone
+/* Few-row sequences (nq H / Hk <= ROWS: decode rows, a decode row with up to 15 speculative
+ * drafts) run as one item per chunk (run_heads; one per chunk and kv head when nq H > ROWS) when
+ * there are several of them or more than one chunk; a lone one-chunk one keeps one item per kv
+ * head (run_item). A lone 7-row verify step over ~1.5k keys took 3 items per kv head for 2
+ * threads before its rows could split by chunk: 7.1-7.3 -> 5.7-6.0 ms of attention per step
+ * (Intel Xeon without AMX, 30 layers). Measured on the EPYC, 2 threads, a lone
  * decode (us per layer): 1,024 keys 100 -> 50 as 2 chunk items instead of 3 head items; 576 keys
  * 38 -> 27 and 1,536 keys 87 -> 74 with a chunk item per kv head. Only the work split differs:
  * the bits are the same either way. */
-#define FEW(nq) ((nq) * H <= ROWS)
+#define FEW(nq) ((nq) * (H / Hk) <= ROWS)    /* a kv head's rows fit one item */
+#define WHOLE(nq) ((nq) * H <= ROWS)        /* every kv head's rows fit one item */
 #define SPLIT(nq, nc) (FEW(nq) && (nfew > 1 || (nc) > SPLIT_MIN))
 
 /* A tile of one sequence's query rows [q0, q1) over chunks [c0, c1): one kv head (run_item(),
@@ -261,12 +265,12 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     uint32_t qp[ROWS][64];
     int64_t rel[ROWS], iota[SB];
     RowState st[ROWS];
-    for (int r = h0 * R; r < h1 * R; r++) {
+    for (int r = h0 * R; r < h1 * R; r++) {   /* qp and st hold rows h0 R .. h1 R - 1 from 0 */
         int j, h;
         split_row(r, R, G, &j, &h);
-        q_pairs(cx->q + ((row0 + j) * H + h) * D, D, cx->DB, qp[r]);
-        st[r].m = -INFINITY; st[r].l = 0.f;
-        for (int i = 0; i < nv; i++) st[r].o[i] = v_zero();
+        q_pairs(cx->q + ((row0 + j) * H + h) * D, D, cx->DB, qp[r - h0 * R]);
+        st[r - h0 * R].m = -INFINITY; st[r - h0 * R].l = 0.f;
+        for (int i = 0; i < nv; i++) st[r - h0 * R].o[i] = v_zero();
     }
     for (int i = 0; i < SB; i++) iota[i] = i;
     Ctx sc = *cx;                  /* the block's rows, slot i = its key i: kc/vc set per super-block */
@@ -295,7 +299,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
                 if (direct) load_block(cx, sl + 16 * x, n, hk, Kt + x * KS, Vp + x * KS);
                 else load_block(&sc, iota + 16 * x, n, hk - h0, Kt + x * KS, Vp + x * KS);
             }
-            rows_block(cx, (const uint32_t (*)[64])qp[hk * R], 0, rel, R, tr, nk, Kt, Vp, st + hk * R);
+            rows_block(cx, (const uint32_t (*)[64])qp[(hk - h0) * R], 0, rel, R, tr, nk, Kt, Vp, st + (hk - h0) * R);
         }
     }
     tiles_end(cx);
@@ -306,9 +310,10 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
         int j, h;
         split_row(r, R, G, &j, &h);
         float* p = cx->part + it->part + (((int64_t)j * H + h) * nc + it->c0) * (2 + 16 * nv);
-        p[0] = st[r].m; p[1] = st[r].l;
-        if (st[r].m != -INFINITY)
-            for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, st[r].o[i]);
+        const RowState* sr = st + r - h0 * R;
+        p[0] = sr->m; p[1] = sr->l;
+        if (sr->m != -INFINITY)
+            for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, sr->o[i]);
     }
 }
 
@@ -318,7 +323,7 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
  * would give each tile). Returns pre_at (per sequence: its offset in vectors, or -1), or NULL
  * (none to transpose, or no memory: then *nomem = 1). */
 static int64_t* pretranspose(Ctx* cx, int B, int TQ, int nfew, int* nomem) {
-    const int KS = 16 * cx->DB, H = cx->H;
+    const int KS = 16 * cx->DB, H = cx->H, Hk = cx->Hk;
     int64_t* at = malloc(sizeof(int64_t) * B), total = 0;
     if (!at) { *nomem = 1; return NULL; }
     for (int b = 0; b < B; b++) {
@@ -371,21 +376,21 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
 #ifdef AMX
     cx.tiles = (mode & 3) == 1 && amx_enabled();
 #endif
-    int64_t nitems = 0, npart = 0, nsplit = 0;
+    int64_t nitems = 0, npart = 0, nsplit = 0, nwide = 0;   /* nwide: split chunks of rows too many for one item */
     int nfew = 0;
     for (int b = 0; b < B; b++) nfew += FEW(seqs[4 * b + 1]);
     for (int b = 0; b < B; b++) {
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         if (nq <= 0 || nq > L) return 2;
         const int64_t nc = (L + CHUNK - 1) / CHUNK;
-        if (SPLIT(nq, nc)) { nsplit += nc; npart += nq * H * nc * W; }
+        if (SPLIT(nq, nc)) { nsplit += nc; nwide += WHOLE(nq) ? 0 : nc; npart += nq * H * nc * W; }
         else nitems += Hk * ((nq + TQ - 1) / TQ);
     }
     /* A step of nothing but a few chunk items (a lone decode over 513-1,536 keys, a Quest
      * decode's picked pages) splits each chunk per kv head too: 2 chunks of 512 + 64 keys are
      * otherwise 512 keys on one thread and 64 on the other. */
-    const int apart = nitems == 0 && Hk > 1 && nsplit < 2 * omp_get_max_threads(), per = apart ? Hk : 1;
-    nitems += nsplit * per;
+    const int apart = nitems == 0 && Hk > 1 && nsplit < 2 * omp_get_max_threads();
+    nitems += apart ? nsplit * Hk : nsplit - nwide + nwide * Hk;
     Item* items = malloc(sizeof(Item) * nitems);
     cx.part = npart ? malloc(sizeof(float) * npart) : NULL;
     int nomem = !items || (npart && !cx.part);
@@ -395,7 +400,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         const int nc = (int)((L + CHUNK - 1) / CHUNK);
         if (SPLIT(nq, nc)) {
-            const int hs = Hk / per;                  /* kv heads per item */
+            const int per = apart || !WHOLE(nq) ? Hk : 1, hs = Hk / per;   /* items per chunk, kv heads per item */
             for (int c = 0; c < nc; c++)
                 for (int h = 0; h < per; h++) items[n++] = (Item){b, 0, (int)nq, -1, c, c + 1, h * hs, (h + 1) * hs, po};
             po += nq * H * nc * W;
