@@ -70,12 +70,12 @@
 #define PRE_AHEAD 2      /* pretranspose() prefetches the cache rows this many 16-key blocks ahead */
 #define FMA_WIDEN_ROWS 8  /* the fma chain widens a super-block's blocks once for this many rows or more */
 #define SPLIT_MIN 1      /* a lone few-row sequence with more chunks than this is split one item per chunk */
-/* Few-row sequences (nq H / Hk <= ROWS: decode rows, a decode row with up to 15 speculative
- * drafts) run as one item per chunk (run_heads; one per chunk and kv head when nq H > ROWS) when
- * there are several of them or more than one chunk; a lone one-chunk one keeps one item per kv
- * head (run_item). A lone 7-row verify step over ~1.5k keys took 3 items per kv head for 2
- * threads before its rows could split by chunk: 7.1-7.3 -> 5.7-6.0 ms of attention per step
- * (Intel Xeon without AMX, 30 layers). Measured on the EPYC, 2 threads, a lone
+/* Few-row sequences (nq H / Hk <= ROWS: decode rows, a decode row with its speculative drafts; up
+ * to 16 rows with SmolLM2's 9 / 3 heads) run as one item per chunk (run_heads; one per chunk and
+ * kv head when nq H > ROWS) when there are several of them or more than one chunk; a lone
+ * one-chunk one keeps one item per kv head (run_item). A lone 7-row verify step over ~1.5k keys
+ * was 3 items (one per kv head) for 2 threads before nq H > ROWS could split: 7.1-7.3 -> 5.7-6.0
+ * ms of attention per step (Intel Xeon without AMX, 30 layers). Measured on the EPYC, 2 threads, a lone
  * decode (us per layer): 1,024 keys 100 -> 50 as 2 chunk items instead of 3 head items; 576 keys
  * 38 -> 27 and 1,536 keys 87 -> 74 with a chunk item per kv head. Only the work split differs:
  * the bits are the same either way. */

@@ -72,7 +72,7 @@
 #define MB 96    /* rows per block (x stays in L2) */
 #define MBF 192  /* the fma chain's rows per block: its pairs, widened, cost twice as much to expand */
 #define PF 3     /* the fma chain's tiles per item (6 rows x 3 tiles of accumulators) */
-#define MID_MAX 32  /* the fma chain, 2-32 rows: chunks of <= MID_RMAX rows, pairs expanded as read */
+#define MID_MAX 32  /* the fma chain, 1-32 rows: chunks of <= MID_RMAX rows, pairs expanded as read */
 #define MID_RMAX 16
 #define MID_P2 8     /* chunks of up to this many rows take 2 tiles at a time, longer ones 1 */
 #define KG 4     /* the fma chain: groups per pass over a block's rows (their widened pairs stay in L1) */
