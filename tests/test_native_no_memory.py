@@ -116,7 +116,8 @@ print("ok")
 """
 
 _BF16 = pytest.mark.skipif(invariant_attention_bf16() is None, reason="no AVX512-BF16: the bf16 kernels are not built")
-CASES = [pytest.param("q4-dot", marks=_BF16), pytest.param("q4-fma", marks=_BF16), pytest.param("q4-fma-mid", marks=_BF16),
+CASES = [pytest.param("q4-dot", marks=_BF16), pytest.param("q4-fma", marks=_BF16),
+         pytest.param("q4-fma-mid", marks=_BF16),
          pytest.param("bf16-prefill", marks=_BF16), pytest.param("bf16-decode", marks=_BF16),
          pytest.param("bf16-items", marks=_BF16),
          "f32-prefill", "f32-decode", "fast-decode", pytest.param("fast-paged", marks=_BF16), "quest-select"]

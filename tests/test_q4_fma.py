@@ -42,12 +42,12 @@ def _chain(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 13, 16, 17, 32, 33, 100, 397])
 def test_the_fma_chain_gives_its_documented_bits(m):
-    """Both fma blockings (up to 32 rows in chunks of at most 16, pairs expanded as they are read: 17
-    rows are chunks of 9 and 8, 32 two of 16; 33 rows or more: pairs widened once per block of
-    rows, 397 rows are three blocks, the last of 13) against the chain computed in numpy, with an odd number of 16-row tiles (72
-    outputs) and 10 groups (passes of 8 groups and of 2). Each x has its own power of two in
-    [2^-12, 2^12], so that most additions round and the order of a pair's two products shows
-    (with the even one first, most of these outputs differ)."""
+    """Both fma blockings (up to 32 rows in chunks of at most 16, pairs expanded as they are read:
+    17 rows are chunks of 9 and 8, 32 two of 16; 33 rows or more: pairs widened once per block of
+    rows, 397 rows are three blocks, the last of 13) against the chain computed in numpy, with an
+    odd number of 16-row tiles (72 outputs) and 10 groups (passes of 8 groups and of 2). Each x
+    has its own power of two in [2^-12, 2^12], so that most additions round and the order of a
+    pair's two products shows (with the even one first, most of these outputs differ)."""
     q, scale, zero = _weights(72, 320, seed=m, zero=False)
     w, sz = pack_native(q, scale, zero)
     g = torch.Generator().manual_seed(100 + m)

@@ -400,7 +400,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         const int nc = (int)((L + CHUNK - 1) / CHUNK);
         if (SPLIT(nq, nc)) {
-            const int per = apart || !WHOLE(nq) ? Hk : 1, hs = Hk / per;   /* items per chunk, kv heads per item */
+            const int per = apart || !WHOLE(nq) ? Hk : 1, hs = Hk / per;   /* items per chunk, heads per item */
             for (int c = 0; c < nc; c++)
                 for (int h = 0; h < per; h++) items[n++] = (Item){b, 0, (int)nq, -1, c, c + 1, h * hs, (h + 1) * hs, po};
             po += nq * H * nc * W;

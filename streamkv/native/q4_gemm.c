@@ -326,7 +326,8 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
         const int64_t M2 = 2 * M;
         const __m512i at = _mm512_setr_epi64(0, M2, 2 * M2, 3 * M2, 4 * M2, 5 * M2, 6 * M2, 7 * M2);
         for (int k = 0; mid && k < K; k += 16)
-            _mm512_i64scatter_epi64(xw + ((int64_t)(k / 2) * M + m) * 2, at, _mm512_castps_si512(v_load_bf16(x + m * K + k)), 4);
+            _mm512_i64scatter_epi64(xw + ((int64_t)(k / 2) * M + m) * 2, at,
+                                    _mm512_castps_si512(v_load_bf16(x + m * K + k)), 4);
         for (int k = 0; fma && !mid && k < K; k += 16) v_store(xw + m * K + k, v_load_bf16(x + m * K + k));
     }
     const Q4 a = {x, xsum, mid ? NULL : xw, mid ? xw : NULL, w, sz, out, M, K, G, N, T, bf16_out};
