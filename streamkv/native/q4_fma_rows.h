@@ -1,9 +1,11 @@
 /* The fma chain's blockings for q4_gemm.c (``linear=q4f``): mid_rows() for 1-32 rows (chunks of up
  * to 16 rows, pairs expanded as read), and the many-row items, R (1-6) rows x P (1-3) tiles.
  *
- * Included by q4_gemm.c inside its AVX512-BF16 section, after Q4, PF and group_end(). The pairs
- * come widened to float32 once per block of rows (big_tiles()): per group g, pair p, tile i
- * wp[((16 g + p) P + i) 2 + {0, 1}] holds the 16 rows' (q[2p] - 8, q[2p + 1] - 8). Per element:
+ * Included by q4_gemm.c inside its AVX512-BF16 section, after Q4, PF, the MID_* constants and the
+ * helpers used here (wvec(), group_scale(), group_end(), store_row(), keep_of()). For the many-row
+ * items the pairs come widened to float32 once per block of rows (big_tiles()): per group g, pair
+ * p, tile i wp[((16 g + p) P + i) 2 + {0, 1}] holds the 16 rows' (q[2p] - 8, q[2p + 1] - 8); the
+ * mid rows widen each pair as they read it. Per element, either way:
  *
  *   s = 0;  s = fma(x[2p], q[2p] - 8, fma(x[2p + 1], q[2p + 1] - 8, s))  for p = 0 .. 15
  *   o = fma(s, scale, o);  o = fma(zero, xsum, o)                         (group_end())
