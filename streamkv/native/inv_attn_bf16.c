@@ -265,12 +265,13 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     uint32_t qp[ROWS][64];
     int64_t rel[ROWS], iota[SB];
     RowState st[ROWS];
-    for (int r = h0 * R; r < h1 * R; r++) {   /* qp and st hold rows h0 R .. h1 R - 1 from 0 */
+    const int nr = (h1 - h0) * R;                /* qp and st hold rows h0 R .. h1 R - 1 from 0 */
+    for (int r = 0; r < nr; r++) {
         int j, h;
-        split_row(r, R, G, &j, &h);
-        q_pairs(cx->q + ((row0 + j) * H + h) * D, D, cx->DB, qp[r - h0 * R]);
-        st[r - h0 * R].m = -INFINITY; st[r - h0 * R].l = 0.f;
-        for (int i = 0; i < nv; i++) st[r - h0 * R].o[i] = v_zero();
+        split_row(h0 * R + r, R, G, &j, &h);
+        q_pairs(cx->q + ((row0 + j) * H + h) * D, D, cx->DB, qp[r]);
+        st[r].m = -INFINITY; st[r].l = 0.f;
+        for (int i = 0; i < nv; i++) st[r].o[i] = v_zero();
     }
     for (int i = 0; i < SB; i++) iota[i] = i;
     Ctx sc = *cx;                  /* the block's rows, slot i = its key i: kc/vc set per super-block */
@@ -306,14 +307,13 @@ static void run_heads(const Item* it, const Ctx* cx, uint16_t* stage) {
     /* partials at part + ((j H + h) nc + c) W; a row that sees nothing of the chunk (a draft's
      * keys past an earlier row) leaves m = -inf, which the merge skips */
     const int64_t nc = (L + CHUNK - 1) / CHUNK;
-    for (int r = h0 * R; r < h1 * R; r++) {
+    for (int r = 0; r < nr; r++) {
         int j, h;
-        split_row(r, R, G, &j, &h);
+        split_row(h0 * R + r, R, G, &j, &h);
         float* p = cx->part + it->part + (((int64_t)j * H + h) * nc + it->c0) * (2 + 16 * nv);
-        const RowState* sr = st + r - h0 * R;
-        p[0] = sr->m; p[1] = sr->l;
-        if (sr->m != -INFINITY)
-            for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, sr->o[i]);
+        p[0] = st[r].m; p[1] = st[r].l;
+        if (st[r].m != -INFINITY)
+            for (int i = 0; i < nv; i++) v_store(p + 2 + 16 * i, st[r].o[i]);
     }
 }
 

@@ -2,7 +2,7 @@
  * to 16 rows, pairs expanded as read), and the many-row items, R (1-6) rows x P (1-3) tiles.
  *
  * Included by q4_gemm.c inside its AVX512-BF16 section, after Q4, PF, the MID_* constants and the
- * helpers used here (wvec(), group_scale(), group_end(), store_row(), keep_of()). For the many-row
+ * helpers used here (wvec(), group_scale(), group_end(), store_row(), keep_of(), my_tiles()). For the many-row
  * items the pairs come widened to float32 once per block of rows (big_tiles()): per group g, pair
  * p, tile i wp[((16 g + p) P + i) 2 + {0, 1}] holds the 16 rows' (q[2p] - 8, q[2p + 1] - 8); the
  * mid rows widen each pair as they read it. Per element, either way:
@@ -101,8 +101,8 @@ static void mid_rows(const Q4* a) {
     if (n == 1) {
         #pragma omp parallel
         {
-            const int nth = omp_get_num_threads(), id = omp_get_thread_num();
-            const int t0 = (int)((int64_t)T * id / nth), t1 = (int)((int64_t)T * (id + 1) / nth);
+            int t0, t1;
+            my_tiles(T, &t0, &t1);
             for (int t = t0; t < t1; t += step) f[a->M](a, t1 - t < step ? t1 - t : step, 0, t);
         }
         return;

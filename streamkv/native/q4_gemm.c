@@ -172,6 +172,13 @@ static inline uint32_t xpair(const Q4* a, int64_t m, int g, int p) {
     return v;
 }
 
+/* inside a team: this thread's contiguous share [*t0, *t1) of T tiles (balanced to one tile) */
+static inline void my_tiles(int T, int* t0, int* t1) {
+    const int nth = omp_get_num_threads(), id = omp_get_thread_num();
+    *t0 = (int)((int64_t)T * id / nth);
+    *t1 = (int)((int64_t)T * (id + 1) / nth);
+}
+
 static inline __mmask16 keep_of(const Q4* a, int t) {
     const int n = a->N - 16 * t < 16 ? a->N - 16 * t : 16;
     return (__mmask16)((1u << n) - 1);
@@ -338,8 +345,8 @@ static int gemm(const uint16_t* x, int M, int K, const uint8_t* w, const void* s
         /* each thread takes a contiguous range of tiles (balanced to one tile) */
         #pragma omp parallel
         {
-            const int nth = omp_get_num_threads(), id = omp_get_thread_num();
-            const int t0 = (int)((int64_t)T * id / nth), t1 = (int)((int64_t)T * (id + 1) / nth);
+            int t0, t1;
+            my_tiles(T, &t0, &t1);
             small_rows(&a, M, 0, t0, t1);
         }
     } else {
