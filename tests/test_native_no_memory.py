@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from streamkv.native import invariant_attention, invariant_attention_bf16
+from streamkv.native import deq_gemm_bf16, invariant_attention, invariant_attention_bf16, invariant_gemm_bf16_path
 
 _PROBE = """
 import ctypes, resource, sys, torch
@@ -49,6 +49,27 @@ def attn_case(kernel, dtype, rows):
     q = torch.randn(int(seqs[:, 1].sum()), 9, 64, generator=g)
     room = {"prefill": 2 << 20, "decode": 512 << 10, "items": 400 << 10}[rows]  # out fits, the large blocks not
     return (lambda: kernel(q, kc, vc, seqs, slots, 0.125)), room
+
+
+def dense_case(kind):
+    # the dense bf16 GEMM (inv_gemm.c): "fma" widens x (32 MiB: 1,024 x 8,192 float32), "amx" pads the
+    # last partial row tile per thread (17 rows: 512 KiB each); "deq" (deq_bf16.c) unpacks the 4-bit
+    # weights into dense panels (16 MiB) before that GEMM
+    from streamkv.models.linear import pack_dense
+    from streamkv.native import deq_gemm_bf16, invariant_gemm
+    k, n = 8192, 256
+    if kind == "deq":
+        from streamkv.models.deq_linear import pack_deq_bf16
+        n = 1024
+        q, d, m = (torch.randint(0, 16, (n, k), generator=g), (torch.rand(n, k // 32, generator=g) * 0.01).half().float(),
+                   (-torch.rand(n, k // 32, generator=g) * 0.08).half().float())
+        w, dm = pack_deq_bf16(q, d, m)
+        x, kernel = torch.randn(4, k, generator=g).bfloat16(), deq_gemm_bf16()
+        return (lambda: kernel(x, w, dm, n, torch.float32)), 4 << 20
+    wp = pack_dense((torch.randn(n, k, generator=g) * 0.02).bfloat16())
+    x = torch.randn(1024 if kind == "fma" else 17, k, generator=g).bfloat16()
+    kernel, room = invariant_gemm(), {"fma": 4 << 20, "amx": 256 << 10}[kind]
+    return (lambda: kernel(x, wp, n, torch.float32, tiles=kind == "amx", fma=kind == "fma")), room
 
 
 def fast_decode_case():   # the fast-math decode kernel: 64 rows over 4,096 keys, ~2.4 MB of partials
@@ -89,6 +110,8 @@ def case():
                          "q4-fma-mid": (True, 8, 4 << 20)}[CASE])
     if CASE == "fast-decode":
         return fast_decode_case()
+    if CASE.startswith("dense"):
+        return dense_case(CASE.split("-")[1])
     kernel, dtype = (invariant_attention_bf16(), torch.bfloat16) if CASE.startswith("bf16") else \\
         (invariant_attention(), torch.float32)
     return attn_case(kernel, dtype, CASE.split("-")[1])
@@ -116,11 +139,14 @@ print("ok")
 """
 
 _BF16 = pytest.mark.skipif(invariant_attention_bf16() is None, reason="no AVX512-BF16: the bf16 kernels are not built")
+_AMX = pytest.mark.skipif(invariant_gemm_bf16_path() != "amx", reason="no AMX tiles on this CPU")
+_DEQ = pytest.mark.skipif(deq_gemm_bf16() is None, reason="no AVX512-BF16 with VBMI: deq_bf16.c is not built")
 CASES = [pytest.param("q4-dot", marks=_BF16), pytest.param("q4-fma", marks=_BF16),
          pytest.param("q4-fma-mid", marks=_BF16),
          pytest.param("bf16-prefill", marks=_BF16), pytest.param("bf16-decode", marks=_BF16),
          pytest.param("bf16-items", marks=_BF16),
-         "f32-prefill", "f32-decode", "fast-decode", pytest.param("fast-paged", marks=_BF16), "quest-select"]
+         "f32-prefill", "f32-decode", "fast-decode", pytest.param("fast-paged", marks=_BF16), "quest-select",
+         "dense-fma", pytest.param("dense-amx", marks=_AMX), pytest.param("dense-deq", marks=_DEQ)]
 
 
 @pytest.mark.skipif(invariant_attention() is None or not sys.platform.startswith("linux"),

@@ -199,7 +199,7 @@ class NativeLayers:
 
     @staticmethod
     def _check(rc: int, what: str, rows: int) -> None:
-        if rc == 103:  # a layer's 4-bit GEMM or attention found no memory for its buffers (100 + 3)
+        if rc == 103:  # a layer's GEMM or attention found no memory for its buffers (100 + 3)
             raise MemoryError(f"native {what} on {rows} rows: a kernel could not allocate its buffers")
         if rc != 0:
             raise RuntimeError(f"native {what} failed on {rows} rows (rc={rc})")

@@ -242,13 +242,13 @@ static void tile_units8(const uint8_t* q, const float* dm, int G, int T, int NB,
     tile_units(8, q, dm, G, T, NB, M, N, xt, out, out_bf16);
 }
 
-/* M <= TILE_ROWS rows on tiles; 2: no memory */
+/* M <= TILE_ROWS rows on tiles; 3: no memory (nothing written) */
 static int few_rows_tiles(const uint16_t* x, int64_t M, int K, int bits, const uint8_t* q, const float* dm, int N,
                           void* out, int out_bf16) {
     const int G = K / 32, T = (N + 15) / 16, NB = (int)((M + 15) / 16);
     /* x in B's layout, per group and block of 16 rows: xt[g][i][p][r][e] = x[16i + r][32g + 2p + e] */
     uint16_t* xt = calloc((size_t)G * NB * 512, 2);
-    if (!xt) return 2;
+    if (!xt) return 3;
     for (int64_t m = 0; m < M; m++)
         for (int k = 0; k < K; k++)
             xt[(((int64_t)(k / 32) * NB + m / 16) * 16 + (k % 32) / 2) * 32 + (m % 16) * 2 + k % 2] = x[m * K + k];
@@ -267,7 +267,7 @@ static int few_rows_tiles(const uint16_t* x, int64_t M, int K, int bits, const u
 /* x [M, K] bf16 @ the packed [N, K] weights (bits 4: q, dm as above; 8: q [T][G][16][32] int8, column
  * c's 32 values along k, dm [T][G][16] float32 d) -> out [M, N] (float32, or bf16 when out_bf16), the
  * bits of streamkv_inv_gemm over the dense weights with the same path (0 vector units, 1 AMX tiles,
- * 2 the fma chain). 1: bad shapes, 2: no memory. */
+ * 2 the fma chain). 1: bad shapes (or no AVX512-BF16 build), 3: no memory (out not written). */
 int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
                            void* out, int out_bf16, int path) {
     if (M <= 0 || K <= 0 || K % 32 || N <= 0 || (bits != 4 && bits != 8)) return 1;
@@ -276,7 +276,7 @@ int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q
     if (path == 1 && M <= TILE_ROWS && amx_enabled()) return few_rows_tiles(x, M, K, bits, q, dm, N, out, out_bf16);
 #endif
     uint16_t* wp = malloc(sizeof(uint16_t) * (size_t)T * 16 * K);
-    if (!wp) return 2;
+    if (!wp) return 3;
     dense_panels(bits, q, dm, K, T, wp);
     const int rc = streamkv_inv_gemm(x, M, K, wp, 1, N, out, out_bf16, path);
     free(wp);
@@ -288,7 +288,7 @@ int streamkv_deq_bf16_available(void) { return 1; }
 int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
                            void* out, int out_bf16, int path) {
     (void)x; (void)M; (void)K; (void)q; (void)dm; (void)bits; (void)N; (void)out; (void)out_bf16; (void)path;
-    return 3;  /* needs AVX512-BF16 and VBMI */
+    return 1;  /* needs AVX512-BF16 and VBMI */
 }
 
 int streamkv_deq_bf16_available(void) { return 0; }

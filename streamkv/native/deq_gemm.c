@@ -281,7 +281,8 @@ static void chunk(const Deq* g, int64_t m0, int64_t m1, int t, int P, float* wb,
 }
 
 /* x [M, K] float32 @ the packed [N, K] weights (bits 4 or 8) -> out [M, N] float32 (or bf16).
- * Returns 1 on bad shapes (K must be a multiple of 32). */
+ * Returns 1 on bad shapes (K must be a multiple of 32), 3 when a thread finds no memory for its
+ * buffers (then no thread writes any output). */
 int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uint16_t* dm, int bits, int N,
                       void* out, int out_bf16) {
     if (M <= 0 || K <= 0 || K % 32 || N <= 0 || (bits != 4 && bits != 8)) return 1;
@@ -303,9 +304,11 @@ int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uin
             #pragma omp atomic write
             failed = 1;
         }
+        #pragma omp barrier
+        /* every thread reads failed after the barrier: all take no unit, or all run */
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < NMB * U; i++) {
-            if (!wb || !acc) continue;
+            if (failed) continue;
             const int64_t m0 = i / U * MB, m1 = m0 + MB < M ? m0 + MB : M;
             const int t = (int)(i % U) * P, np = T - t < P ? T - t : P;
             if (M <= FUSED_MAX) few(&g, m0, m1, t, t + np, acc);
@@ -314,5 +317,5 @@ int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uin
         free(wb);
         free(acc);
     }
-    return failed ? 2 : 0;
+    return failed ? 3 : 0;
 }

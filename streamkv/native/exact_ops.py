@@ -177,8 +177,7 @@ def _deq_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: torch.
         return out
     rc = fn(x.data_ptr(), m, k, q.data_ptr(), dm.data_ptr(), 4 if q.dtype == torch.uint8 else 8, n, out.data_ptr(),
             int(out_dtype == torch.bfloat16))
-    if rc != 0:
-        raise ValueError(f"deq GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    check_rc(rc, f"deq GEMM of x {tuple(x.shape)} for {n} outputs")
     return out
 
 
@@ -213,8 +212,7 @@ def _deq_gemm_bf16(fn: ctypes._CFuncPtr, x: torch.Tensor, q: torch.Tensor, dm: t
         return out
     rc = fn(x.data_ptr(), m, k, q.data_ptr(), dm.data_ptr(), bits, n, out.data_ptr(),
             int(out_dtype == torch.bfloat16), gemm_path(tiles, fma))
-    if rc != 0:
-        raise ValueError(f"bf16 deq GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    check_rc(rc, f"bf16 deq GEMM of x {tuple(x.shape)} for {n} outputs")
     return out
 
 
@@ -248,8 +246,7 @@ def _inv_gemm(fn: ctypes._CFuncPtr, x: torch.Tensor, wp: torch.Tensor, n: int,
         return out
     rc = fn(x.data_ptr(), m, k, wp.data_ptr(), int(wbf16), n, out.data_ptr(), int(out_dtype == torch.bfloat16),
             gemm_path(tiles, fma))
-    if rc != 0:
-        raise ValueError(f"invariant GEMM rejected x {tuple(x.shape)} for {n} outputs (rc={rc})")
+    check_rc(rc, f"invariant GEMM of x {tuple(x.shape)} for {n} outputs")
     return out
 
 

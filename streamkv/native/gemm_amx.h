@@ -29,20 +29,20 @@ static void amx_##NR##NP(const uint16_t* x, int64_t ldx, const uint16_t* wp, con
 }
 AMX_BLOCK(1, 1) AMX_BLOCK(1, 2) AMX_BLOCK(2, 1) AMX_BLOCK(2, 2)
 
-/* rows [m0, m1) x panels [t0, t1) on tiles; a last partial row tile reads a zero-padded copy. With
- * g->silu_I (the fused gate_up, streamkv_inv_gemm_silu), panel t is a g panel: it runs beside its u
- * panel t + I/16 and the 32 x (16 + 16) products leave as act = silu(g) * u in bf16. */
+/* rows [m0, m1) x panels [t0, t1) on tiles; a last partial row tile reads a zero-padded copy (this
+ * thread's part of g->pad). With g->silu_I (the fused gate_up, streamkv_inv_gemm_silu), panel t is
+ * a g panel: it runs beside its u panel t + I/16 and the 32 x (16 + 16) products leave as
+ * act = silu(g) * u in bf16. */
 static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
     const int K = g->K, I = g->silu_I, step = I ? 1 : 2;
     float cbuf[32 * 32] __attribute__((aligned(64)));
-    uint16_t* pad = NULL;
+    uint16_t* pad = g->pad ? g->pad + (size_t)omp_get_thread_num() * 32 * K : NULL;  /* tile_pads() */
     amx_configure();
     for (int64_t m = m0; m < m1; m += 32) {
         const int rows = m1 - m < 32 ? (int)(m1 - m) : 32, nr = rows > 16 ? 2 : 1;
         const uint16_t* x = (const uint16_t*)g->x + m * K;
         int64_t ldx = (int64_t)K * 2;
-        if (rows % 16) {
-            if (!pad) pad = calloc((size_t)32 * K, 2);
+        if (rows % 16) {                                  /* only the last rows of the call: pad set */
             memset(pad, 0, (size_t)32 * K * 2);
             memcpy(pad, x, (size_t)rows * K * 2);
             __asm__ volatile("" : : "r"(pad) : "memory");  /* _tile_loadd's asm does not say it reads pad */
@@ -72,7 +72,6 @@ static void unit_amx(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
                 }
         }
     }
-    free(pad);
     _tile_release();
 }
 #endif

@@ -28,6 +28,7 @@
  *     for rows in steps of R (6, then the remainder):
  *       for panels in steps of P(R):  acc[R][P] over the whole K, then store
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -146,6 +147,7 @@ typedef struct {
     void* out;
     int silu_I;         /* the fused gate_up (streamkv_inv_gemm_silu): I; else 0 */
     int fma;            /* bf16 weights on the fma chain (path 2, BF16_DOT): x widened */
+    uint16_t* pad;      /* AMX tiles, M not a multiple of 16: [threads][32 K] bf16, the last row tile zero-padded */
 } Gemm;
 
 /* R rows from row m against bf16 panels wp: vdpbf16ps, its fma chain (g->fma) or, without bf16
@@ -252,7 +254,7 @@ static float* widen_rows(const uint16_t* x, int64_t M, int K) {
 
 /* bf16 rows widened for the chain that needs them (path 2's fma chain, or every path without bf16
  * dot products; set in g), else the rows as they are; returns what the caller frees (NULL:
- * nothing), and *rc = 2 when out of memory */
+ * nothing), and *rc = 3 when out of memory */
 static float* rows_for(Gemm* g, const uint16_t* x, int64_t M, int K, int path, int* rc) {
     *rc = 0;
 #ifdef BF16_DOT
@@ -262,18 +264,27 @@ static float* rows_for(Gemm* g, const uint16_t* x, int64_t M, int K, int path, i
     (void)path;
 #endif
     float* wide = widen_rows(x, M, K);
-    if (!wide) *rc = 2;
+    if (!wide) *rc = 3;
     g->x = wide;
     return wide;
 }
 
+/* on AMX tiles with a partial last row tile (M % 16): each thread's zero-padded copy of it in g->pad
+ * (every buffer before any output: out of memory, nothing is written); 3: no memory */
+static int tile_pads(Gemm* g, int64_t M, int tiles) {
+    if (!tiles || M % 16 == 0) return 0;
+    g->pad = malloc((size_t)omp_get_max_threads() * 32 * (size_t)g->K * 2);
+    return g->pad ? 0 : 3;
+}
+
 /* x [M, K] (float32, or bf16 when wbf16) -> out [M, N] (float32, or bf16 when out_bf16); ``path``
  * for bf16 weights: 0 the vector units, 1 AMX tiles (K a multiple of 32, where the CPU has them),
- * 2 the fma chain (AVX512-BF16 builds: vdpbf16ps's bits on float32 fmas). 2: no memory. */
+ * 2 the fma chain (AVX512-BF16 builds: vdpbf16ps's bits on float32 fmas). 1: bad shapes, 3: no
+ * memory (out not written). */
 int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16, int N, void* out, int out_bf16,
                       int path) {
     if (M <= 0 || K <= 0 || N <= 0 || (wbf16 && K % 2 != 0)) return 1;
-    Gemm g = {x, K, N, wbf16, out_bf16, wp, out, 0, 0};
+    Gemm g = {x, K, N, wbf16, out_bf16, wp, out, 0, 0, NULL};
     int rc = 0;
     float* wide = wbf16 ? rows_for(&g, (const uint16_t*)x, M, K, path, &rc) : NULL;
     if (rc) return rc;
@@ -281,9 +292,10 @@ int streamkv_inv_gemm(const void* x, int64_t M, int K, const void* wp, int wbf16
 #ifdef AMX
     tiles = path == 1 && wbf16 && K % 32 == 0 && amx_enabled();
 #endif
-    run_units(&g, M, (N + 15) / 16, tiles);
+    if ((rc = tile_pads(&g, M, tiles)) == 0) run_units(&g, M, (N + 15) / 16, tiles);
+    free(g.pad);
     free(wide);
-    return 0;
+    return rc;
 }
 
 /* act [M, I] bf16 = silu(x Wg^T) * (x Wu^T) for a gate_up weight packed as one bf16 GEMM of N = 2I
@@ -303,13 +315,14 @@ int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, 
 #ifndef BF16_DOT
     if (!tiles) return 1;
 #endif
-    Gemm g = {x, K, 2 * I, 1, 1, wp, act, I, 0};
+    Gemm g = {x, K, 2 * I, 1, 1, wp, act, I, 0, NULL};
     int rc = 0;
     float* wide = tiles ? NULL : rows_for(&g, x, M, K, path, &rc);
     if (rc) return rc;
-    run_units(&g, M, I / 16, tiles);                  /* the g panels, each with its u panel */
+    if ((rc = tile_pads(&g, M, tiles)) == 0) run_units(&g, M, I / 16, tiles);  /* each g panel with its u panel */
+    free(g.pad);
     free(wide);
-    return 0;
+    return rc;
 }
 
 /* what bf16 weights can run on: "amx" (tiles available, K a multiple of 32), else "avx512bf16" or "fma" */
