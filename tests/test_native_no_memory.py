@@ -61,8 +61,9 @@ def dense_case(kind):
     if kind == "deq":
         from streamkv.models.deq_linear import pack_deq_bf16
         n = 1024
-        q, d, m = (torch.randint(0, 16, (n, k), generator=g), (torch.rand(n, k // 32, generator=g) * 0.01).half().float(),
-                   (-torch.rand(n, k // 32, generator=g) * 0.08).half().float())
+        q = torch.randint(0, 16, (n, k), generator=g)
+        d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+        m = (-torch.rand(n, k // 32, generator=g) * 0.08).half().float()
         w, dm = pack_deq_bf16(q, d, m)
         x, kernel = torch.randn(4, k, generator=g).bfloat16(), deq_gemm_bf16()
         return (lambda: kernel(x, w, dm, n, torch.float32)), 4 << 20
