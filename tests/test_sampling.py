@@ -153,3 +153,20 @@ def test_detokenizer_releases_held_text_at_finish():
     assert d.take_delta() == "ab"  # the trailing "S" may still begin "STOP"
     d.finish()
     assert d.take_delta() == "S"
+
+
+def test_a_sampled_token_takes_one_uniform_and_never_a_zero_probability_token():
+    # inverse-CDF draws: one float64 uniform per sampled token (the exponential race took one per
+    # vocabulary entry), so a sequence's generator advances alike whatever the vocabulary size
+    probs = torch.zeros(1000)
+    probs[[1, 500, 998]] = torch.tensor([0.2, 0.5, 0.3])   # token 0 and the last one have none
+    seen = torch.zeros(1000)
+    for seed in range(2000):
+        sampler, twin = Sampler(), torch.Generator().manual_seed(seed)
+        (t,), _ = sampler(torch.log(probs)[None].clone(), [item(seq_id=3, temperature=1.0, seed=seed)])
+        seen[t] += 1
+        twin.manual_seed(seed)
+        torch.rand((), generator=twin, dtype=torch.float64)
+        assert torch.equal(sampler._generators[3].get_state(), twin.get_state())
+    assert set(seen.nonzero().flatten().tolist()) == {1, 500, 998}
+    assert torch.allclose(seen[[1, 500, 998]] / 2000, torch.tensor([0.2, 0.5, 0.3]), atol=0.04)
