@@ -170,3 +170,18 @@ def test_a_sampled_token_takes_one_uniform_and_never_a_zero_probability_token():
         assert torch.equal(sampler._generators[3].get_state(), twin.get_state())
     assert set(seen.nonzero().flatten().tolist()) == {1, 500, 998}
     assert torch.allclose(seen[[1, 500, 998]] / 2000, torch.tensor([0.2, 0.5, 0.3]), atol=0.04)
+
+
+def test_greedy_ties_take_the_first_largest_and_a_sampled_row_ignores_its_batch():
+    logits = torch.tensor([[1.0, 4.0, 4.0, -2.0], [7.0, 7.0, 7.0, 7.0]])
+    tokens, _ = Sampler()(logits.clone(), [item(seq_id=0, temperature=0.0), item(seq_id=1, temperature=0.0)])
+    assert tokens == [1, 0]
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(4, 49152, generator=gen) * 3
+    batch = [item(seq_id=0, temperature=0.7, seed=11), item(seq_id=1, temperature=0.0),
+             item(seq_id=2, temperature=1.3, top_p=0.9, seed=12), item(seq_id=3, temperature=1.0, top_k=40, seed=13)]
+    together = Sampler()
+    alone = [Sampler() for _ in batch]
+    for _ in range(5):
+        got, _ = together(rows.clone(), batch)
+        assert got == [alone[i](rows[i:i + 1].clone(), [batch[i]])[0][0] for i in range(4)]

@@ -67,12 +67,14 @@ class Sampler:
             if item_ends_only(logits[i]):
                 logits[i, list(items[i].banned_ids)] = 0.0
                 self.guide.mask(logits[i:i + 1], items[i:i + 1])
-        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, it in enumerate(items) if not it.params.greedy]
+        # greedy rows: the first largest logit (max's indices: argmax's, in about half its time)
+        tokens = (logits.max(dim=-1).indices if len(random_rows) < len(items)
+                  else torch.zeros(len(items), dtype=torch.long, device=logits.device))
         if random_rows:
             probs = filtered_probs(logits[random_rows], [items[i] for i in random_rows])
-            for j, i in enumerate(random_rows):
-                tokens[i] = draw(probs[j], self._generator(items[i]))
+            for j, i in enumerate(random_rows):   # each row summed alone, in token order
+                tokens[i] = draw(probs[j].double().cumsum(0), self._generator(items[i]))
         token_list = tokens.tolist()
         self.guide.accept(guided, items, token_list)
         logprobs: dict[int, TokenLogprobs] = {}
@@ -103,15 +105,14 @@ class Sampler:
         return tuple(out)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token id (a 0-d tensor) from ``probs`` [V] (non-negative, not all zero) by inverting its
-    cumulative distribution: one uniform u in (0, 1] from the sequence's generator, then the first
-    token whose cumulative probability (summed in float64, in token order) reaches u times the
-    total. A token of probability 0 is never drawn: its cumulative value equals its predecessor's,
-    which reaches the point first. V additions instead of the exponential race's V logarithms
-    (argmax p / Exp(1)): at V = 49,152 ~0.09 instead of ~1.1 ms per sampled row on 2 vCPUs."""
-    cdf = probs.double().cumsum(0)
-    u = 1.0 - torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
+def draw(cdf: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id (a 0-d tensor) by inverting a row's cumulative distribution ``cdf`` [V] (its
+    probabilities summed in float64, in token order; the total need not be 1): one uniform u in
+    (0, 1] from the sequence's generator, then the first token whose cumulative value reaches
+    u times the total. A token of probability 0 is never drawn: its cumulative value equals its
+    predecessor's, which reaches the point first. V additions instead of the exponential race's V
+    logarithms (argmax p / Exp(1)): at V = 49,152 ~0.09 instead of ~1.1 ms per sampled row on 2 vCPUs."""
+    u = 1.0 - torch.rand((), generator=generator, dtype=torch.float64, device=cdf.device)
     return torch.searchsorted(cdf, u * cdf[-1]).clamp_(max=cdf.numel() - 1)
 
 
