@@ -185,3 +185,21 @@ def test_greedy_ties_take_the_first_largest_and_a_sampled_row_ignores_its_batch(
     for _ in range(5):
         got, _ = together(rows.clone(), batch)
         assert got == [alone[i](rows[i:i + 1].clone(), [batch[i]])[0][0] for i in range(4)]
+
+
+def _nucleus_by_full_sort(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by its definition over the whole sorted row: the tokens whose mass before them
+    (float64 sums by descending probability) is short of top_p; a bool mask [V]."""
+    vals, order = x.softmax(-1).sort(descending=True)
+    before = vals.double().cumsum(-1) - vals.double()
+    return torch.zeros(x.shape[-1], dtype=torch.bool).scatter_(0, order, before < top_p)
+
+
+@pytest.mark.parametrize("scale", [8.0, 3.0, 1.0, 0.05])   # nucleus within 256, 4,096, past it, nearly all
+def test_the_nucleus_found_among_the_top_tokens_is_the_full_sorts(scale):
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    for top_p in (0.5, 0.9, 0.95):
+        x = torch.randn(6, 49152, generator=gen) * scale
+        got = filtered_probs(x.clone(), [item(seq_id=i, temperature=1.0, top_p=top_p) for i in range(6)])
+        for r in range(6):
+            assert torch.equal(got[r] > 0, _nucleus_by_full_sort(x[r], top_p)), (scale, top_p, r)
