@@ -205,13 +205,14 @@ def test_the_nucleus_found_among_the_top_tokens_is_the_full_sorts(scale):
             assert torch.equal(got[r] > 0, _nucleus_by_full_sort(x[r], top_p)), (scale, top_p, r)
 
 
-def _penalties_as_first_written(row: torch.Tensor, item_: ScheduledSeq) -> None:
+def _penalties_over_the_vocabulary(row: torch.Tensor, item_: ScheduledSeq) -> None:
+    """The penalties as whole-vocabulary passes: a seen mask, and a [V] count of the output."""
     p = item_.params
     history = torch.as_tensor(list(item_.history), dtype=torch.int64)
     if p.repetition_penalty != 1.0 and history.numel():
-        seen = history.unique()
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        seen = torch.zeros(row.numel(), dtype=torch.bool)
+        seen[history] = True
+        row.copy_(torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row))
     output = history[item_.num_prompt:]
     if output.numel() and (p.presence_penalty or p.frequency_penalty):
         counts = torch.bincount(output, minlength=row.numel())[: row.numel()].to(row.dtype)
@@ -221,14 +222,14 @@ def _penalties_as_first_written(row: torch.Tensor, item_: ScheduledSeq) -> None:
 @pytest.mark.parametrize("kw", [dict(repetition_penalty=1.3), dict(repetition_penalty=0.8),
                                 dict(presence_penalty=0.7, frequency_penalty=-0.4),
                                 dict(repetition_penalty=1.1, presence_penalty=-1.0, frequency_penalty=0.25)])
-def test_penalties_give_the_straightforward_formulas_bits(kw):
-    # the mask over V and the per-id counts are only a cheaper schedule of the same float32 operations
+def test_penalties_give_the_whole_vocabulary_formulas_bits(kw):
+    # per distinct id (unique, counts) is only a cheaper schedule of the same float32 operations
     gen = torch.Generator().manual_seed(9)
     for n, num_prompt in ((1, 0), (50, 10), (3000, 2900), (3000, 3000)):
         history = tuple(torch.randint(0, 49152, (n,), generator=gen).tolist())
         it = ScheduledSeq(0, 0, (1,), (0,), True, SamplingParams(temperature=1.0, **kw), history, num_prompt)
         row = torch.randn(49152, generator=gen) * 4
         want = row.clone()
-        _penalties_as_first_written(want, it)
+        _penalties_over_the_vocabulary(want, it)
         apply_penalties(row, it)
         assert torch.equal(row, want), (kw, n)
