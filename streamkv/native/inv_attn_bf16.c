@@ -83,6 +83,10 @@
 #define WHOLE(nq) ((nq) * H <= ROWS)        /* every kv head's rows fit one item */
 #define SPLIT(nq, nc) (FEW(nq) && (nfew > 1 || (nc) > SPLIT_MIN))
 
+/* a split sequence's items per chunk: one over every kv head, or one per kv head when the step
+ * splits them apart or the sequence has more rows than one item holds for every kv head */
+static inline int split_items(int apart, int whole, int Hk) { return apart || !whole ? Hk : 1; }
+
 /* A tile of one sequence's query rows [q0, q1) over chunks [c0, c1): one kv head (run_item(),
  * merged in place), or hk = -1: kv heads [h0, h1), one chunk, partials at part (run_heads()) */
 typedef struct { int b, q0, q1, hk, c0, c1, h0, h1; int64_t part; } Item;
@@ -390,7 +394,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
      * decode's picked pages) splits each chunk per kv head too: 2 chunks of 512 + 64 keys are
      * otherwise 512 keys on one thread and 64 on the other. */
     const int apart = nitems == 0 && Hk > 1 && nsplit < 2 * omp_get_max_threads();
-    nitems += apart ? nsplit * Hk : nsplit - nwide + nwide * Hk;
+    nitems += (nsplit - nwide) * split_items(apart, 1, Hk) + nwide * split_items(apart, 0, Hk);
     Item* items = malloc(sizeof(Item) * nitems);
     cx.part = npart ? malloc(sizeof(float) * npart) : NULL;
     int nomem = !items || (npart && !cx.part);
@@ -400,7 +404,7 @@ int streamkv_inv_attn_bf16(const float* q, const uint16_t* kc, const uint16_t* v
         const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
         const int nc = (int)((L + CHUNK - 1) / CHUNK);
         if (SPLIT(nq, nc)) {
-            const int per = apart || !WHOLE(nq) ? Hk : 1, hs = Hk / per;   /* items per chunk, heads per item */
+            const int per = split_items(apart, WHOLE(nq), Hk), hs = Hk / per;   /* heads per item */
             for (int c = 0; c < nc; c++)
                 for (int h = 0; h < per; h++) items[n++] = (Item){b, 0, (int)nq, -1, c, c + 1, h * hs, (h + 1) * hs, po};
             po += nq * H * nc * W;
