@@ -60,11 +60,9 @@ def dense_case(kind):
     k, n = 8192, 256
     if kind == "deq":
         from streamkv.models.deq_linear import pack_deq_bf16
+        from streamkv.native.kernel_bench import _random_q4
         n = 1024
-        q = torch.randint(0, 16, (n, k), generator=g)
-        d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
-        m = (-torch.rand(n, k // 32, generator=g) * 0.08).half().float()
-        w, dm = pack_deq_bf16(q, d, m)
+        w, dm = pack_deq_bf16(*_random_q4(n, k))
         x, kernel = torch.randn(4, k, generator=g).bfloat16(), deq_gemm_bf16()
         return (lambda: kernel(x, w, dm, n, torch.float32)), 4 << 20
     wp = pack_dense((torch.randn(n, k, generator=g) * 0.02).bfloat16())
