@@ -26,10 +26,11 @@ def _q4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n,k", [(72, 256), (40, 64), (600, 96)])
+@pytest.mark.parametrize("n,k", [(72, 256), (40, 64), (600, 96), (960, 64)])
 def test_packed_weights_give_the_dense_float32_gemms_bits(n, k, threads):
     """Every row count (the fused few-row path, the buffered path, partial row blocks), a partial last
-    panel, 1 or 2 threads: equal to the dense float32 GEMM to the bit, and close to float64."""
+    panel, units of 4 or 3 panels (960 columns on 2 threads: 20 units of 3), 1 or 2 threads: equal to the
+    dense float32 GEMM to the bit, and close to float64."""
     g = torch.Generator().manual_seed(n + k)
     gemm, deq = invariant_gemm(), deq_gemm()
     q, d, m, w = _q4(n, k, g)
