@@ -41,7 +41,7 @@
 #define PFD 16   /* the K / V gathers prefetch the cache row this many keys ahead */
 
 /* rows [i0, i1) of sequence b, kv heads [hk, h1), chunk c */
-typedef struct { int b, i0, i1, hk, h1, c; } Item;
+typedef struct { int b, i0, i1, hk, h1, c; int64_t w; } Item;   /* w: item_work() */
 
 static inline __attribute__((always_inline)) void load_key(const void* base, int bf16, int64_t at, const int nd, v16* k) {
     if (bf16) for (int d = 0; d < nd; d++) k[d] = v_load_bf16((const uint16_t*)base + at + 16 * d);
@@ -233,6 +233,23 @@ static int item(const Item* it, const float* q, const void* kc, const void* vc, 
     }
 }
 
+/* an item's query-key pairs: rows x heads x the chunk's keys its tile's last row sees */
+static int64_t item_work(const Item* it, const int64_t* seqs) {
+    const int64_t nq = seqs[4 * it->b + 1], L = seqs[4 * it->b + 3], c0 = (int64_t)it->c * CHUNK;
+    const int64_t last = L - nq + it->i1, keys = (last < c0 + CHUNK ? last : c0 + CHUNK) - c0;
+    return (int64_t)(it->i1 - it->i0) * (it->h1 - it->hk) * keys;
+}
+
+/* more work first; equal work in the order the items were made (sequence, tile, head, chunk) */
+static int by_work(const void* a, const void* b) {
+    const Item *x = a, *y = b;
+    if (x->w != y->w) return x->w > y->w ? -1 : 1;
+    const int64_t kx[4] = {x->b, x->i0, x->hk, x->c}, ky[4] = {y->b, y->i0, y->hk, y->c};
+    for (int i = 0; i < 4; i++)
+        if (kx[i] != ky[i]) return kx[i] < ky[i] ? -1 : 1;
+    return 0;
+}
+
 /* A tile whose query vectors over every kv head still read a float32 cache in place (decode and
  * short verify rows: (i1 - i0) H <= DIRECT_MAX) may run all kv heads in one item per chunk, block
  * by block: the heads' parts of each cache row are then read together, one sequential stream,
@@ -277,9 +294,14 @@ int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, 
             const int64_t i1 = i0 + QT < nq ? i0 + QT : nq;
             const int ncs = (int)((L - nq + i1 + CHUNK - 1) / CHUNK), all = group && ALL_HEADS(i0, i1);
             for (int hk = 0; hk < Hk; hk += all ? Hk : 1)
-                for (int c = 0; c < ncs; c++) items[n++] = (Item){b, (int)i0, (int)i1, hk, all ? Hk : hk + 1, c};
+                for (int c = 0; c < ncs; c++) items[n++] = (Item){b, (int)i0, (int)i1, hk, all ? Hk : hk + 1, c, 0};
         }
     }
+    /* largest items first, so the dynamic schedule ends on its smallest ones (a lone decode over 640
+     * keys had left one thread a whole 512-key chunk after the other's last short one: 30 layers
+     * 5-14% less in alternating runs on a 2-thread AVX2 EPYC); the order of items changes no bit */
+    for (int64_t t = 0; t < n; t++) items[t].w = item_work(&items[t], seqs);
+    qsort(items, (size_t)n, sizeof(Item), by_work);
     int nomem = 0;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < nitems; t++)
