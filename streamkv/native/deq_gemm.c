@@ -291,7 +291,7 @@ int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uin
     /* units of P panels (the split never changes an element's chain, so never a bit): the most
      * panels per unit whose units split evenly over the threads, at least 2 per thread; where no P
      * does, enough units that every thread gets several. A static split of uneven units left a
-     * thread idle: at 1-4 rows (decode) the 30 layers' GEMMs of a float32 SmolLM2-135M took 2-7%
+     * thread idle: at 1-4 rows (decode) the 30 layers' GEMMs of a float32 SmolLM2-135M took 1-7%
      * less on a 2-thread AVX2 EPYC (576 -> 960: 15 units of 4 panels -> 20 of 3). */
     const int threads = omp_get_max_threads();
     int P = PMAX;
