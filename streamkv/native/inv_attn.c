@@ -43,6 +43,12 @@
 /* rows [i0, i1) of sequence b, kv heads [hk, h1), chunk c */
 typedef struct { int b, i0, i1, hk, h1, c; int64_t w; } Item;   /* w: item_work() */
 
+/* the keys of the item's chunk that the tile's last row (its largest context limit) sees */
+static inline int item_keys(const Item* it, const int64_t* seqs) {
+    const int64_t last = seqs[4 * it->b + 3] - seqs[4 * it->b + 1] + it->i1, c0 = (int64_t)it->c * CHUNK;
+    return (int)((last < c0 + CHUNK ? last : c0 + CHUNK) - c0);
+}
+
 static inline __attribute__((always_inline)) void load_key(const void* base, int bf16, int64_t at, const int nd, v16* k) {
     if (bf16) for (int d = 0; d < nd; d++) k[d] = v_load_bf16((const uint16_t*)base + at + 16 * d);
     else for (int d = 0; d < nd; d++) k[d] = v_load((const float*)base + at + 16 * d);
@@ -129,8 +135,7 @@ static inline __attribute__((always_inline)) int item_nd(const Item* it, const f
     const int64_t row0 = seqs[4 * it->b], nq = seqs[4 * it->b + 1], off = seqs[4 * it->b + 2], L = seqs[4 * it->b + 3];
     const int D = 16 * nd, G = H / Hk, nc = (int)((L + CHUNK - 1) / CHUNK), W = D + 2;
     const int64_t c0 = (int64_t)it->c * CHUNK;
-    const int64_t last = L - nq + it->i1;                 /* the tile's largest context limit */
-    const int n_all = (int)((last < c0 + CHUNK ? last : c0 + CHUNK) - c0);
+    const int n_all = item_keys(it, seqs);
     const int nh = it->h1 - it->hk, nvh = (it->i1 - it->i0) * G, nv = nvh * nh;   /* vectors: per head, nvh */
     const int direct = !bf16 && nv <= DIRECT_MAX;
     float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16) + (size_t)VB * D));
@@ -233,11 +238,9 @@ static int item(const Item* it, const float* q, const void* kc, const void* vc, 
     }
 }
 
-/* an item's query-key pairs: rows x heads x the chunk's keys its tile's last row sees */
+/* an item's query-key pairs: rows x heads x item_keys() */
 static int64_t item_work(const Item* it, const int64_t* seqs) {
-    const int64_t nq = seqs[4 * it->b + 1], L = seqs[4 * it->b + 3], c0 = (int64_t)it->c * CHUNK;
-    const int64_t last = L - nq + it->i1, keys = (last < c0 + CHUNK ? last : c0 + CHUNK) - c0;
-    return (int64_t)(it->i1 - it->i0) * (it->h1 - it->hk) * keys;
+    return (int64_t)(it->i1 - it->i0) * (it->h1 - it->hk) * item_keys(it, seqs);
 }
 
 /* more work first; equal work in the order the items were made (sequence, tile, head, chunk) */
