@@ -28,7 +28,8 @@ def _q4(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n,k", [(72, 256), (40, 64), (600, 96), (960, 64)])
 def test_packed_weights_give_the_dense_float32_gemms_bits(n, k, threads):
-    """Every row count (the fused few-row path, the buffered path, partial row blocks), a partial last
+    """Every row count (the fused few-row path in blocks of up to 6 rows, 11 as 6 + 5, 13 as 5 + 4 + 4;
+    the buffered path, partial row blocks), a partial last
     panel, units of 4 or 3 panels (960 columns on 2 threads: 20 units of 3), 1 or 2 threads: equal to the
     dense float32 GEMM to the bit, and close to float64."""
     g = torch.Generator().manual_seed(n + k)
@@ -40,7 +41,7 @@ def test_packed_weights_give_the_dense_float32_gemms_bits(n, k, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 33, 97, 200):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 16, 17, 33, 97, 200):
             x = torch.randn(rows, k, generator=g)
             for (qp, dm), weight in ((packed4, w), (packed8, w8)):
                 dense = gemm(x, pack_dense(weight), n, torch.float32)
