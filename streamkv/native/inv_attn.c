@@ -22,10 +22,9 @@
  * Work items are (sequence, tile of QT rows, kv head, chunk), or every kv head for a few-row tile
  * over a float32 cache (ALL_HEADS below); each writes per-(row, head, chunk) partials (m, l, o[D]),
  * merged in a second pass. Parallel with OpenMP. Inside an item, VB keys
- * of K (then of V) are gathered and widened once into an L1 buffer that serves every query
- * vector of the tile, each cache row prefetched PFD keys ahead, or, for a float32 cache and a
- * few query vectors, read in place (block_rows); none of this changes any element's order of
- * operations.
+ * of a bf16 K (then V) are gathered and widened once into an L1 buffer that serves every query
+ * vector of the tile, each cache row prefetched PFD keys ahead; a float32 cache is read in place
+ * (block_rows); none of this changes any element's order of operations.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -37,7 +36,7 @@
 #define QT 16
 #define VB 64
 #define MAXD 256
-#define DIRECT_MAX 12  /* at most this many query vectors read a float32 cache in place (block_rows) */
+#define ALL_HEADS_MAX 12  /* at most this many query vectors (rows x H) run every kv head in one item */
 #define PFD 16   /* the K / V gathers prefetch the cache row this many keys ahead */
 
 /* rows [i0, i1) of sequence b, kv heads [hk, h1), chunk c */
@@ -62,11 +61,12 @@ static inline void prefetch_row(const void* base, int bf16, int64_t at, int D) {
 }
 
 /* rows[j] <- the D floats of the cache row of key sl[j], j < nb (ahead: keys from sl[0] on that
- * exist, for the prefetch). A float32 cache read by a few query vectors (`direct`: decode and
- * verify rows) is read in place: the rows stream from memory under the hardware prefetchers and
- * stay in L1 for the item's other vectors (a decode row over 6,500 keys x 30 layers: 23.7 -> 21.9
- * ms on an AVX2 EPYC; copying, with or without software prefetch, held it to ~12 GB/s). Otherwise
- * the rows are gathered (and widened) once into vb, contiguous in L1 for many query vectors. */
+ * exist, for the prefetch). A float32 cache (`direct`) is read in place: the rows stream from
+ * memory under the hardware prefetchers and stay in L1 for the item's other vectors (a decode row
+ * over 6,500 keys x 30 layers: 23.7 -> 21.9 ms on an AVX2 EPYC; copying, with or without software
+ * prefetch, held it to ~12 GB/s; and for whole 16-row tiles too: 30 layers of a 1,024-row chunk over
+ * 2,048 keys 13-17% less, of 5-12 verify rows over 1,400 keys 10-20% less). A bf16 cache's rows are
+ * gathered and widened once into vb, contiguous in L1 for the tile's query vectors. */
 static inline __attribute__((always_inline)) void block_rows(const void* cache, int bf16, int direct,
                                                              const int64_t* sl, int nb, int ahead, int Hk, int hk,
                                                              const int nd, float* vb, const float** rows) {
@@ -137,7 +137,9 @@ static inline __attribute__((always_inline)) int item_nd(const Item* it, const f
     const int64_t c0 = (int64_t)it->c * CHUNK;
     const int n_all = item_keys(it, seqs);
     const int nh = it->h1 - it->hk, nvh = (it->i1 - it->i0) * G, nv = nvh * nh;   /* vectors: per head, nvh */
-    const int direct = !bf16 && nv <= DIRECT_MAX;
+    /* pairs: two vectors share each V load, for tiles of 2 or more rows (a lone row's G vectors
+     * ran 2% slower as pairs) and every tile over a gathered bf16 block */
+    const int direct = !bf16, pairs = !direct || nvh > G;
     float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16) + (size_t)VB * D));
     if (!qs) return 1;
     float* sb = qs + (size_t)nv * D;                      /* scores, then weights, per query vector */
@@ -206,7 +208,7 @@ static inline __attribute__((always_inline)) int item_nd(const Item* it, const f
         const float* vr[VB];
         block_rows(vc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk + hl, nd, vb, vr);
         int x = hl * nvh;
-        for (; !direct && x + 2 <= xe; x += 2) {          /* two vectors share each V load (from L1) */
+        for (; pairs && x + 2 <= xe; x += 2) {            /* two vectors share each V load (from L1) */
             const float* s0 = sb + (size_t)x * (CHUNK + 16) + j0;
             pv_pair(s0, s0 + CHUNK + 16, block_keys(nvalid[x], j0, nb), block_keys(nvalid[x + 1], j0, nb), vr, nd,
                     dst[x] + 2, dst[x + 1] + 2);
@@ -253,12 +255,12 @@ static int by_work(const void* a, const void* b) {
     return 0;
 }
 
-/* A tile whose query vectors over every kv head still read a float32 cache in place (decode and
- * short verify rows: (i1 - i0) H <= DIRECT_MAX) may run all kv heads in one item per chunk, block
+/* A tile of few query vectors over every kv head, on a float32 cache (decode and short verify
+ * rows: (i1 - i0) H <= ALL_HEADS_MAX), may run all kv heads in one item per chunk, block
  * by block: the heads' parts of each cache row are then read together, one sequential stream,
  * where a per-head item reads 1 of every Hk parts of each row. Only the work split changes: each
  * vector runs the same operations. Used when the step still has at least 2 items per thread. */
-#define ALL_HEADS(i0, i1) (!bf16 && ((i1) - (i0)) * H <= DIRECT_MAX)
+#define ALL_HEADS(i0, i1) (!bf16 && ((i1) - (i0)) * H <= ALL_HEADS_MAX)
 
 /* Returns 0; 1, 2 shapes rejected; 3 no memory (out not written). */
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
