@@ -64,7 +64,7 @@ def test_a_cache_directory_that_cannot_hold_the_build_costs_the_cache_not_the_st
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1728, 576), (37, 64), (4099, 130)])
+@pytest.mark.parametrize("shape", [(1728, 576), (37, 64), (4099, 130), (576, 96)])  # 576: units of 6 panels
 def test_gemm_is_correct_and_row_invariant(dtype, shape):
     n, k = shape
     w = torch.randn(n, k, generator=_gen(0)).to(dtype)
