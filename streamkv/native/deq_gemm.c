@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "units.h"
 #include "vec16.h"
 
 #define MB 96
@@ -286,21 +287,6 @@ static void chunk(const Deq* g, int64_t m0, int64_t m1, int t, int P, float* wb,
         }
 }
 
-/* panels per unit for T panels over the threads: the most (<= PMAX) whose units split evenly, at
- * least 2 per thread; where no P above 1 does, the most that still gives every thread 4 units. A
- * static split of uneven units left a thread idle: at 1-4 rows (decode) the 30 layers' GEMMs of a
- * float32 SmolLM2-135M took 1-7% less on a 2-thread AVX2 EPYC (576 -> 960: 15 units of 4 panels
- * -> 20 of 3). */
-static int unit_panels(int T, int threads) {
-    for (int P = PMAX; P > 1; P--) {
-        const int U = (T + P - 1) / P;
-        if (U >= 2 * threads && U % threads == 0) return P;
-    }
-    int P = PMAX;
-    while (P > 1 && (T + P - 1) / P < 4 * threads) P--;
-    return P;
-}
-
 /* x [M, K] float32 @ the packed [N, K] weights (bits 4 or 8) -> out [M, N] float32 (or bf16).
  * Returns 1 on bad shapes (K must be a multiple of 32), 3 when a thread finds no memory for its
  * buffers (then no thread writes any output). */
@@ -309,9 +295,9 @@ int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uin
     if (M <= 0 || K <= 0 || K % 32 || N <= 0 || (bits != 4 && bits != 8)) return 1;
     Deq g = {x, K, N, bits, q, dm, out, out_bf16};
     const int T = (N + 15) / 16;
-    /* units of P panels (unit_panels; the split never changes an element's chain, so never a bit) */
-    const int threads = omp_get_max_threads(), P = unit_panels(T, threads), U = (T + P - 1) / P;
+    /* units of P panels (units.h; the split never changes an element's chain, so never a bit) */
     const int64_t NMB = (M + MB - 1) / MB;
+    const int P = balanced_units(T, NMB, PMAX / 2, PMAX, omp_get_max_threads()), U = (T + P - 1) / P;
     int failed = 0;
     #pragma omp parallel
     {

@@ -24,7 +24,7 @@
  * tiles' VNNI layout). The caller chooses per call (tiles = 1; the choice is measured at first start,
  * streamkv/native/tuning.py); without AMX the flag is ignored.
  *
- *   parallel over (block of MB rows, unit of P <= UP panels: unit_panels()), row blocks outer:
+ *   parallel over (block of MB rows, unit of UP / 2 .. UP panels: units.h), row blocks outer:
  *     for rows in steps of R (6, then the remainder):
  *       for panels in steps of P(R):  acc[R][P] over the whole K, then store
  */
@@ -35,6 +35,7 @@
 #include "vec16.h"
 
 #include "amx.h"
+#include "units.h"
 
 #define MB 96
 /* rows per block on tiles: each block streams every weight panel once, and 96-row blocks read a
@@ -224,39 +225,15 @@ static void unit(const Gemm* g, int64_t m0, int64_t m1, int t0, int t1) {
 
 #include "gemm_amx.h"  /* unit_amx(): the tile units */
 
-/* the panels of the busiest thread when NMB row blocks x units of P of the T panels go to the
- * threads as a static schedule deals them (contiguous shares, the first n % threads one item more) */
-static int64_t busiest(int T, int64_t NMB, int P, int threads) {
-    const int U = (T + P - 1) / P;
-    const int64_t n = NMB * U;
-    int64_t worst = 0, i = 0;
-    for (int t = 0; t < threads; t++) {
-        int64_t load = 0;
-        for (int64_t j = n / threads + (t < n % threads); j > 0; j--, i++)
-            load += i % U == U - 1 ? T - (int64_t)(U - 1) * P : P;
-        worst = load > worst ? load : worst;
-    }
-    return worst;
-}
-
-/* panels per unit: of UP / 2 .. UP, the one whose busiest thread gets the fewest panels, the larger
- * on ties (UP wherever the items already split evenly). A decode batch of 17-96 rows is one row
- * block, and N = 576 made 5 units of 8 panels: 24 panels on one of 2 threads, 12 on the other; 6
- * units of 6 give each 18. */
-static int unit_panels(int T, int64_t NMB, int threads) {
-    int best = UP;
-    for (int P = UP - 1; P >= UP / 2; P--)
-        if (busiest(T, NMB, P, threads) < busiest(T, NMB, best, threads)) best = P;
-    return best;
-}
-
 /* One parallel loop over (row block, unit of P panels of the T), row block outer: a thread's items
  * run row block by row block, so its x rows stay in L2 while its units' panels pass; with few units
  * (N = 576: 5) a loop per row block left one of two threads idle a third of the time. AMX tiles keep
  * units of UP. Only the work split: every element keeps its chain. */
 static void run_units(const Gemm* g, int64_t M, int T, int tiles) {
     const int64_t mb = tiles && M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;  /* >= 2 row blocks */
-    const int P = tiles ? UP : unit_panels(T, NMB, omp_get_max_threads()), U = (T + P - 1) / P;
+    /* units never narrower than the register block of the step's rows (AVX-512, 1 row: 8 panels) */
+    const int fill = panels_for(M < 6 ? (int)M : 6), lo = fill > UP / 2 ? fill : UP / 2;
+    const int P = tiles ? UP : balanced_units(T, NMB, lo, UP, omp_get_max_threads()), U = (T + P - 1) / P;
     #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < NMB * U; i++) {
         const int64_t m0 = i / U * mb, m1 = m0 + mb < M ? m0 + mb : M;

@@ -33,7 +33,7 @@ _EXACT_SOURCES = [_HERE / n for n in ("inv_gemm.c", "inv_attn.c", "inv_attn_bf16
                                       "deq_bf16.c", "layer.c", "kv_move.c", "gguf_deq.c")]
 _HEADERS = [_HERE / n for n in ("simd.h", "vec16.h", "transpose16.h", "attn_bf16_rows.h", "attn_amx_rows.h", "amx.h",
                                  "nibbles.h", "page_tiles.h", "q4_fma_rows.h",
-                                 "attn_fma_rows.h", "gemm_amx.h")]
+                                 "attn_fma_rows.h", "gemm_amx.h", "units.h")]
 # STREAMKV_NATIVE_FLAGS adds compiler flags (e.g. -mno-avx512vbmi to build a fallback path on a
 # CPU that would not take it; tests do this in a subprocess with their own cache directory)
 _COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", *os.environ.get("STREAMKV_NATIVE_FLAGS", "").split()]
