@@ -28,8 +28,11 @@ static inline int64_t busiest(int T, int64_t NMB, int P, int threads) {
  * at 24-96 rows). */
 static inline int balanced_units(int T, int64_t NMB, int lo, int hi, int threads) {
     int best = hi;
-    for (int P = hi - 1; P >= lo; P--)
-        if (busiest(T, NMB, P, threads) < busiest(T, NMB, best, threads)) best = P;
+    int64_t least = busiest(T, NMB, hi, threads);
+    for (int P = hi - 1; P >= lo; P--) {
+        const int64_t load = busiest(T, NMB, P, threads);
+        if (load < least) { best = P; least = load; }
+    }
     return best;
 }
 
