@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from streamkv.attention.backend import KVCache, SeqSpan, make_backend
 from streamkv.attention.torch_ref import span_slots
-from streamkv.native import page_select
+from streamkv.kv.bounds import PageBounds
+from streamkv.native import page_bounds, page_select
 from streamkv.policies import QuestPolicy, RecentPolicy, SpanSlots, make_read_policy
 from streamkv.runner.kv_ops import KVOps
 
@@ -613,3 +614,29 @@ def test_a_stream_forks_question_scores_no_page_its_own_step_writes(smol_fp32):
     engine.sessions.delete(session.id)
     engine.step()
     engine.check_integrity()
+
+
+@pytest.mark.skipif(page_bounds() is None, reason="no C compiler: the native kernels are not built")
+def test_native_bounds_of_a_float32_cache_are_the_torch_paths_bits():
+    """A float32 cache's bounds in C (max / min rounded outward to bf16) equal the torch path's
+    (kv/bounds.py: _round) bit for bit: values exact in bf16, just above and below them, negatives,
+    zeros of both signs, subnormals and the largest finite floats."""
+    g = torch.Generator().manual_seed(7)
+    layers, blocks, heads, dim = 3, 24, 2, 16
+    k = torch.randn(layers, blocks * BS, heads, dim, generator=g) * 4
+    exact = k.bfloat16().float()
+    k[:, : 4 * BS] = exact[:, : 4 * BS]                                    # exactly bf16 values
+    k[:, 4 * BS: 8 * BS] = torch.nextafter(exact[:, 4 * BS: 8 * BS], torch.tensor(float("inf")))
+    k[:, 8 * BS: 12 * BS] = torch.nextafter(exact[:, 8 * BS: 12 * BS], torch.tensor(float("-inf")))
+    k[:, 12 * BS: 13 * BS] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0, -1.0]).repeat(2)[:, None, None]
+    k[:, 13 * BS: 14 * BS] = -k[:, 13 * BS: 14 * BS].abs()                # every key of a block negative
+    native, ref = PageBounds(k, BS), PageBounds(k, BS)
+    assert native._native is not None
+    ref._native = None
+    which = torch.arange(blocks)
+    native.refresh(which)
+    ref.refresh(which)
+    assert torch.equal(native.data.view(torch.int16), ref.data.view(torch.int16))
+    hi, lo = native.data.float().split(dim, dim=-1)
+    keys = k.view(layers, blocks, BS, heads, dim)
+    assert (keys <= hi[:, :, None]).all() and (keys >= lo[:, :, None]).all()

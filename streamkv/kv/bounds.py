@@ -23,7 +23,8 @@ class PageBounds:
         self.num_blocks = slots // block_size
         self.data = torch.zeros(layers, self.num_blocks, heads, 2 * dim, dtype=torch.bfloat16, device=k_cache.device)
         self.fresh = torch.zeros(self.num_blocks, dtype=torch.bool, device=k_cache.device)
-        native = k_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu" and heads * dim <= 1024
+        native = k_cache.dtype in (torch.bfloat16, torch.float32) and k_cache.device.type == "cpu" \
+            and heads * dim <= 1024 and k_cache.is_contiguous()
         self._native = page_bounds() if native else None
 
     @property

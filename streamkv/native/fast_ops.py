@@ -149,18 +149,20 @@ def _shares(fn: ctypes._CFuncPtr, q: torch.Tensor, bounds: torch.Tensor, candida
 
 
 def page_bounds() -> Callable[..., None] | None:
-    """Per-block key max/min of a bfloat16 cache in C (see ``page_select.c``), or None."""
+    """Per-block key max/min of a bfloat16 or float32 cache in C (see ``page_select.c``), or None."""
     lib = loader._library()
     return None if lib is None else functools.partial(_bounds, lib.streamkv_page_bounds)
 
 
 def _bounds(fn: ctypes._CFuncPtr, k: torch.Tensor, block_size: int, blocks: torch.Tensor, out: torch.Tensor) -> None:
-    """k [layers, slots, kvh, D] bf16 (contiguous) -> out[:, blocks] = [max | min] over each
-    block's keys; out [layers, slots // block_size, kvh, 2D] bf16 (contiguous)."""
+    """k [layers, slots, kvh, D] bf16 or float32 (contiguous) -> out[:, blocks] = [max | min] over each
+    block's keys (from float32, rounded outward to bf16); out [layers, slots // block_size, kvh, 2D] bf16
+    (contiguous)."""
     layers, slots, kvh, d = k.shape
-    if k.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or not (k.is_contiguous() and out.is_contiguous()) \
-            or kvh * d > 1024:
-        raise ValueError(f"page bounds need contiguous bf16 tensors and kv_heads * head_dim <= 1024, got {k.dtype}")
+    if k.dtype not in (torch.bfloat16, torch.float32) or out.dtype != torch.bfloat16 \
+            or not (k.is_contiguous() and out.is_contiguous()) or kvh * d > 1024:
+        raise ValueError(f"page bounds need a contiguous bf16 or float32 cache, bf16 bounds and kv_heads * head_dim "
+                         f"<= 1024, got {k.dtype} -> {out.dtype}")
     blocks = blocks.contiguous()
-    fn(k.data_ptr(), layers, slots, kvh, d, block_size, blocks.data_ptr(), blocks.numel(), out.data_ptr(),
-       out.shape[1])
+    fn(k.data_ptr(), int(k.dtype == torch.float32), layers, slots, kvh, d, block_size, blocks.data_ptr(),
+       blocks.numel(), out.data_ptr(), out.shape[1])

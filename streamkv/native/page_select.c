@@ -313,34 +313,45 @@ int streamkv_page_shares(const void *q, int q_bf16, int R, int kvh, int g, int D
     return rc;
 }
 
-/* Page bounds of a bfloat16 cache: for each of the n blocks and every layer,
- * out[l][block][h] = [channel-wise max | channel-wise min] of the block's bs keys (exact:
- * the max of bf16 values is one of them).
- * k [layers][slots][kvh][D] bf16; out [layers][num_blocks][kvh][2D] bf16. */
-void streamkv_page_bounds(const uint16_t *k, int layers, int64_t slots, int kvh, int D, int bs,
+/* float32 -> bfloat16 rounded outward: toward +inf (up) or -inf; exact values stay (bit patterns
+ * order the magnitudes, so dropping the low half rounds toward zero and one more bf16 unit away
+ * from it). The bits of kv/bounds.py's _round: a value that RNE rounds the wrong way steps once. */
+static inline uint16_t bf16_outward(float f, int up) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    const uint16_t t = (uint16_t)(b >> 16);
+    if (!(b & 0xffffu)) return t;
+    return (uint16_t)(t + ((b >> 31) ? !up : up));
+}
+
+/* Page bounds of a bfloat16 or float32 cache (k_f32): for each of the n blocks and every layer,
+ * out[l][block][h] = [channel-wise max | channel-wise min] of the block's bs keys (bf16 cache:
+ * exact, the max of bf16 values is one of them; float32: the max and min rounded outward to
+ * bf16, so they still bound every key).
+ * k [layers][slots][kvh][D] bf16 or float32; out [layers][num_blocks][kvh][2D] bf16. */
+void streamkv_page_bounds(const void *k, int k_f32, int layers, int64_t slots, int kvh, int D, int bs,
                           const int64_t *blocks, int n, uint16_t *out, int64_t num_blocks) {
     int hd = kvh * D;
     #pragma omp parallel for schedule(static)
     for (int w = 0; w < layers * n; w++) {
         int l = w / n, i = w % n;
-        const uint16_t *src = k + ((size_t)l * slots + (size_t)blocks[i] * bs) * hd;
+        const size_t at = ((size_t)l * slots + (size_t)blocks[i] * bs) * hd;
+        const uint16_t *src = (const uint16_t *)k + at;
+        const float *srcf = (const float *)k + at;
         uint16_t *dst = out + ((size_t)l * num_blocks + (size_t)blocks[i]) * 2 * hd;
         float hi[1024], lo[1024];
         if (hd > 1024) continue;
-        for (int e = 0; e < hd; e++) hi[e] = lo[e] = bf16_to_f32(src[e]);
+        for (int e = 0; e < hd; e++) hi[e] = lo[e] = k_f32 ? srcf[e] : bf16_to_f32(src[e]);
         for (int t = 1; t < bs; t++)
             for (int e = 0; e < hd; e++) {
-                float v = bf16_to_f32(src[(size_t)t * hd + e]);
+                float v = k_f32 ? srcf[(size_t)t * hd + e] : bf16_to_f32(src[(size_t)t * hd + e]);
                 hi[e] = v > hi[e] ? v : hi[e];
                 lo[e] = v < lo[e] ? v : lo[e];
             }
         for (int h = 0; h < kvh; h++)
             for (int d = 0; d < D; d++) {
-                uint32_t a, b;
-                memcpy(&a, &hi[h * D + d], sizeof a);
-                memcpy(&b, &lo[h * D + d], sizeof b);
-                dst[(size_t)h * 2 * D + d] = (uint16_t)(a >> 16);
-                dst[(size_t)h * 2 * D + D + d] = (uint16_t)(b >> 16);
+                dst[(size_t)h * 2 * D + d] = bf16_outward(hi[h * D + d], 1);
+                dst[(size_t)h * 2 * D + D + d] = bf16_outward(lo[h * D + d], 0);
             }
     }
 }
