@@ -48,38 +48,32 @@ static inline int item_keys(const Item* it, const int64_t* seqs) {
     return (int)((last < c0 + CHUNK ? last : c0 + CHUNK) - c0);
 }
 
-static inline __attribute__((always_inline)) void load_key(const void* base, int bf16, int64_t at, const int nd, v16* k) {
-    if (bf16) for (int d = 0; d < nd; d++) k[d] = v_load_bf16((const uint16_t*)base + at + 16 * d);
-    else for (int d = 0; d < nd; d++) k[d] = v_load((const float*)base + at + 16 * d);
-}
-
-/* one kv head's D values of a cache row, towards L1 (a decode's gathers waited on memory: 0.40 ->
- * 0.33 ms per layer for a decode row over 6,500 keys on an AVX2 EPYC, the cache in L3) */
-static inline void prefetch_row(const void* base, int bf16, int64_t at, int D) {
-    const char* r = (const char*)base + at * (bf16 ? 2 : 4);
-    for (int o = 0; o < D * (bf16 ? 2 : 4); o += 64) __builtin_prefetch(r + o, 0, 3);
+/* one kv head's D bf16 values of a cache row, towards L1 (a decode's gathers waited on memory: 0.40
+ * -> 0.33 ms per layer for a decode row over 6,500 keys on an AVX2 EPYC, the cache in L3) */
+static inline void prefetch_row(const uint16_t* base, int64_t at, int D) {
+    for (int o = 0; o < 2 * D; o += 64) __builtin_prefetch((const char*)(base + at) + o, 0, 3);
 }
 
 /* rows[j] <- the D floats of the cache row of key sl[j], j < nb (ahead: keys from sl[0] on that
- * exist, for the prefetch). A float32 cache (`direct`) is read in place: the rows stream from
+ * exist, for the prefetch). A float32 cache is read in place: the rows stream from
  * memory under the hardware prefetchers and stay in L1 for the item's other vectors (a decode row
  * over 6,500 keys x 30 layers: 23.7 -> 21.9 ms on an AVX2 EPYC; copying, with or without software
  * prefetch, held it to ~12 GB/s; and for whole 16-row tiles too: 30 layers of a 1,024-row chunk over
  * 2,048 keys 13-17% less, of 5-12 verify rows over 1,400 keys 10-20% less). A bf16 cache's rows are
  * gathered and widened once into vb, contiguous in L1 for the tile's query vectors. */
-static inline __attribute__((always_inline)) void block_rows(const void* cache, int bf16, int direct,
-                                                             const int64_t* sl, int nb, int ahead, int Hk, int hk,
-                                                             const int nd, float* vb, const float** rows) {
+static inline __attribute__((always_inline)) void block_rows(const void* cache, int bf16, const int64_t* sl, int nb,
+                                                             int ahead, int Hk, int hk, const int nd, float* vb,
+                                                             const float** rows) {
     const int D = 16 * nd;
-    v16 k[MAXD / 16];
-    if (direct) {
+    if (!bf16) {
         for (int j = 0; j < nb; j++) rows[j] = (const float*)cache + (sl[j] * Hk + hk) * D;
         return;
     }
+    const uint16_t* c = cache;
     for (int j = 0; j < nb; j++) {
-        if (j + PFD < ahead) prefetch_row(cache, bf16, (sl[j + PFD] * Hk + hk) * D, D);
-        load_key(cache, bf16, (sl[j] * Hk + hk) * D, nd, k);
-        for (int d = 0; d < nd; d++) v_store(vb + (size_t)j * D + 16 * d, k[d]);
+        if (j + PFD < ahead) prefetch_row(c, (sl[j + PFD] * Hk + hk) * D, D);
+        const uint16_t* row = c + (sl[j] * Hk + hk) * D;
+        for (int d = 0; d < nd; d++) v_store(vb + (size_t)j * D + 16 * d, v_load_bf16(row + 16 * d));
         rows[j] = vb + (size_t)j * D;
     }
 }
@@ -139,11 +133,11 @@ static inline __attribute__((always_inline)) int item_nd(const Item* it, const f
     const int nh = it->h1 - it->hk, nvh = (it->i1 - it->i0) * G, nv = nvh * nh;   /* vectors: per head, nvh */
     /* pairs: two vectors share each V load, for tiles of 2 or more rows (a lone row's G vectors
      * ran 2% slower as pairs) and every tile over a gathered bf16 block */
-    const int direct = !bf16, pairs = !direct || nvh > G;
-    float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16) + (size_t)VB * D));
+    const int pairs = bf16 || nvh > G;
+    float* qs = malloc(sizeof(float) * ((size_t)nv * D + (size_t)nv * (CHUNK + 16) + (bf16 ? (size_t)VB * D : 0)));
     if (!qs) return 1;
     float* sb = qs + (size_t)nv * D;                      /* scores, then weights, per query vector */
-    float* vb = sb + (size_t)nv * (CHUNK + 16);           /* VB rows of V, widened */
+    float* vb = sb + (size_t)nv * (CHUNK + 16);           /* VB rows of a bf16 K or V, widened */
     int nvalid[QT * 32];
     for (int x = 0; x < nv; x++) {
         const int i = it->i0 + x % nvh / G;
@@ -157,7 +151,7 @@ static inline __attribute__((always_inline)) int item_nd(const Item* it, const f
     for (int j0 = 0; j0 < n_all; j0 += VB) for (int hl = 0; hl < nh; hl++) {
         const int nb = n_all - j0 < VB ? n_all - j0 : VB;
         const float* kr[VB];                              /* each key's D floats */
-        block_rows(kc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk + hl, nd, vb, kr);
+        block_rows(kc, bf16, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk + hl, nd, vb, kr);
         for (int x = hl * nvh; x < (hl + 1) * nvh; x++) {
             const int end = block_keys(nvalid[x], j0, nb);
             float* s = sb + (size_t)x * (CHUNK + 16) + j0;
@@ -206,7 +200,7 @@ static inline __attribute__((always_inline)) int item_nd(const Item* it, const f
     for (int j0 = 0; j0 < n_all; j0 += VB) for (int hl = 0; hl < nh; hl++) {
         const int nb = n_all - j0 < VB ? n_all - j0 : VB, xe = (hl + 1) * nvh;
         const float* vr[VB];
-        block_rows(vc, bf16, direct, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk + hl, nd, vb, vr);
+        block_rows(vc, bf16, slots + off + c0 + j0, nb, n_all - j0, Hk, it->hk + hl, nd, vb, vr);
         int x = hl * nvh;
         for (; pairs && x + 2 <= xe; x += 2) {            /* two vectors share each V load (from L1) */
             const float* s0 = sb + (size_t)x * (CHUNK + 16) + j0;

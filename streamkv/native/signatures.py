@@ -89,5 +89,4 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.streamkv_gguf_dequant.argtypes = [i32, p, i64, p]
     fn = lib.streamkv_page_bounds
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    fn.argtypes = [p, i32, i32, i64, i32, i32, i32, p, i32, p, i64]
