@@ -157,6 +157,30 @@ def test_the_fused_gate_up_declines_what_it_cannot_run():
         assert rc != 0 and torch.isnan(fused.float()).all(), (k, inter, tiles)
 
 
+def test_the_fused_float32_gate_up_gives_the_two_pass_bits():
+    """A float32 dense gate_up (a float32 model's prompt rows) runs as one GEMM whose epilogue
+    applies silu(g) * u: the bits of the GEMM followed by layer.c's separate pass, at row counts
+    around the 6-row register block and past one 96-row block; I not a multiple of 16 is
+    declined with nothing written (layer.c then takes the two passes)."""
+    from streamkv.native import loader
+
+    lib = loader._library()
+    for k, inter in ((96, 160), (80, 48)):
+        wp = pack_dense(torch.randn(2 * inter, k, generator=_gen(10)))
+        for m in (1, 5, 6, 7, 97, 200):
+            x = torch.randn(m, k, generator=_gen(11))
+            two = torch.empty(m, inter)
+            gu = gemm(x, wp, 2 * inter, torch.float32)
+            assert lib.streamkv_silu_mul(gu.data_ptr(), m, inter, two.data_ptr(), 0) == 0
+            fused = torch.full((m, inter), float("nan"))
+            assert lib.streamkv_inv_gemm_silu_f32(x.data_ptr(), m, k, wp.data_ptr(), inter, fused.data_ptr()) == 0
+            assert torch.equal(fused, two), f"{m} rows, K {k}, I {inter}"
+    x, wp = torch.randn(3, 64, generator=_gen(12)), pack_dense(torch.randn(80, 64, generator=_gen(13)))
+    fused = torch.full((3, 40), float("nan"))
+    assert lib.streamkv_inv_gemm_silu_f32(x.data_ptr(), 3, 64, wp.data_ptr(), 40, fused.data_ptr()) != 0
+    assert torch.isnan(fused).all()
+
+
 def test_the_amx_tile_path_compiles_for_an_amx_cpu(tmp_path):
     """Built for an AMX CPU (-march=sapphirerapids, the library's own flags otherwise), every kernel
     source compiles and the GEMM emits tile instructions: the path this machine cannot run (or

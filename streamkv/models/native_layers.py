@@ -53,7 +53,7 @@ class SkModel(ctypes.Structure):
 ATTENTION_MODES = {"f32": 0, "bf16": 1, "amx": 2, "bf16f": 3}  # SkModel.attn_bf16 (native/layer.c)
 DIRECT = 4  # SkModel.attn_bf16 bit: the bf16 kernels' few-row items gather from the pool (attention_gather)
 PHASES = ("norm", "gemm", "rope_kv", "attention", "silu", "residual", "select")  # native/layer.c's timed phases
-# ("silu" is 0 where the gate_up GEMM applies it itself: bf16 dense weights on AMX tiles, in "gemm")
+# ("silu" is 0 where the gate_up GEMM applies it itself, in "gemm": dense bf16 or float32 prompt rows)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

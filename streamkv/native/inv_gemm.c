@@ -166,12 +166,23 @@ static inline __attribute__((always_inline)) void mk_w16(const Gemm* g, const in
 #endif
 }
 
-/* R rows starting at row m against panels [t0, t0 + P); with g->silu_I (the fused gate_up, bf16 dot
- * products only), g panels [t0, t0 + P), then their u panels t0 + I/16 .., each the same chains as
- * unfused, leaving as act = silu(g) * u in bf16 */
+/* R rows starting at row m against panels [t0, t0 + P); with g->silu_I (the fused gate_up), g panels
+ * [t0, t0 + P), then their u panels t0 + I/16 .., each the same chains as unfused, leaving as act =
+ * silu(g) * u: in float32 for float32 weights and rows, in bf16 for bf16 ones (bf16 dot products) */
 static inline __attribute__((always_inline)) void block(const Gemm* g, const int R, const int P, int64_t m, int t0) {
     v16 acc[6][8];
     const int K = g->K;
+    if (g->silu_I && !g->wbf16) {
+        const int I = g->silu_I;
+        const float *x = (const float*)g->x + m * K, *wp = (const float*)g->wp + (int64_t)t0 * K * 16;
+        v16 accu[6][8];
+        mk_f32(R, P, x, K, wp, acc);
+        mk_f32(R, P, x, K, wp + (int64_t)I * K, accu);
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < P; p++)
+                v_store((float*)g->out + (m + r) * I + 16 * (t0 + p), v_silu_mul(acc[r][p], accu[r][p]));
+        return;
+    }
 #ifdef BF16_DOT
     if (g->silu_I) {
         const int I = g->silu_I;
@@ -326,6 +337,20 @@ int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, 
     free(g.pad);
     free(wide);
     return rc;
+}
+
+/* act [M, I] float32 = silu(x Wg^T) * (x Wu^T) for a float32 gate_up weight packed as one GEMM of
+ * N = 2I columns, x [M, K] float32: as streamkv_inv_gemm_silu, each g panel beside its u panel, so
+ * the float32 [M, 2I] products never reach memory (1,024 rows of the embedded model: 12.6 MB a
+ * layer written and read back, and the pass over them, ~40 ms a chunk on a 2-core AVX2 EPYC).
+ * The bits of streamkv_inv_gemm followed by streamkv_silu_mul: the same mk_f32 chains, the same
+ * v_silu_mul. Returns 0, or 1 for shapes it does not take (I not a multiple of 16), nothing
+ * written: the caller then takes the two passes. */
+int streamkv_inv_gemm_silu_f32(const float* x, int64_t M, int K, const float* wp, int I, float* act) {
+    if (M <= 0 || K <= 0 || I <= 0 || I % 16 != 0) return 1;
+    Gemm g = {x, K, 2 * I, 0, 0, wp, act, I, 0, NULL};
+    run_units(&g, M, I / 16, 0);  /* each g panel with its u panel */
+    return 0;
 }
 
 /* what bf16 weights can run on: "amx" (tiles available, K a multiple of 32), else "avx512bf16" or "fma" */

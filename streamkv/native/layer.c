@@ -10,8 +10,8 @@
  *   a   = attention(q, cache)                float32 [T, H, D] (inv_attn or inv_attn_bf16)
  *   x  += act(a) @ Wo (+ bias)
  *   gu  = rms_norm(x, mlp_norm) @ Wgu        float32 [T, 2I]
- *   x  += act(silu(g) * u) @ Wdown           (bf16 dense Wgu: one GEMM whose epilogue writes act,
- *                                             streamkv_inv_gemm_silu: the same bits)
+ *   x  += act(silu(g) * u) @ Wdown           (dense Wgu: one GEMM whose epilogue writes act,
+ *                                             streamkv_inv_gemm_silu(_f32): the same bits)
  *
  * Invariance: every op is either one of the batch-invariant kernels (inv_gemm.c, q4_gemm.c,
  * inv_attn*.c; deq_gemm.c gives inv_gemm.c's bits, so which of the two a step takes never matters) or works on one row alone in a fixed order (the norm's sum of squares: lane l
@@ -40,6 +40,7 @@ int streamkv_deq_gemm(const float* x, int64_t M, int K, const void* q, const uin
                       void* out, int out_bf16);
 int streamkv_inv_gemm_silu(const uint16_t* x, int64_t M, int K, const void* wp, int I, uint16_t* act,
                            int path);
+int streamkv_inv_gemm_silu_f32(const float* x, int64_t M, int K, const float* wp, int I, float* act);
 int streamkv_deq_gemm_bf16(const uint16_t* x, int64_t M, int K, const uint8_t* q, const float* dm, int bits, int N,
                            void* out, int out_bf16, int path);
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
@@ -154,8 +155,8 @@ static int linear(const SkLinear* l, const void* x, int64_t T, float* out) {
  *
  *   f    float [T, max(qkv, 2I, d)]       q    float [T, H D]       attn  float [T, H D]
  *   act  [T, max(d, H D, I)] (bf16 or float by act_bf16)
- *   act2 bf16 [T, I], with bf16 activations only (the fused gate_up's output: its input, act, is
- *        still being read while it writes)
+ *   act2 [T, I] (act's dtype): the fused gate_up's output (its input, act, is still being read
+ *        while it writes)
  *
  * WsDims holds the row widths both the size and the carving read, so they cannot drift. */
 typedef struct { int64_t a, f, hd, ab; } WsDims;  /* act width, f width, H D, act bytes per value */
@@ -170,7 +171,7 @@ static WsDims ws_dims(const SkModel* m) {
 
 size_t streamkv_fwd_workspace(const SkModel* m, int64_t T) {
     const WsDims d = ws_dims(m);
-    return (size_t)T * (size_t)(4 * d.f + 8 * d.hd + d.a * d.ab + (m->act_bf16 ? 2 * m->inter : 0)) + 128;
+    return (size_t)T * (size_t)(4 * d.f + 8 * d.hd + (d.a + m->inter) * d.ab) + 128;
 }
 
 typedef struct { void* act; float* f; float* q; float* attn; void* act2; } Work;
@@ -283,12 +284,14 @@ int streamkv_fwd_post(const SkModel* m, int layer, float* x, int64_t T, const fl
     TOC(m, P_RESID);
     rc = streamkv_rms_norm(x, T, m->d, L->mlp_norm, m->eps, w.act, m->act_bf16);
     TOC(m, P_NORM);
-    /* bf16 dense gate_up rows: the GEMM applies silu(g) * u itself where it can (same bits, and the
-     * float32 [T, 2I] never goes through memory); else the GEMM, then the pass over its output */
+    /* dense gate_up rows (bf16 weights and activations, or float32 both): the GEMM applies silu(g) * u
+     * itself where it can (same bits, and the float32 [T, 2I] never goes through memory); else the
+     * GEMM, then the pass over its output */
     const SkLinear* gu = &L->gate_up;
-    const int fused = rc == 0 && m->act_bf16 && gu->kind == 0 && gu->wbf16 && !gu->bias && !(gu->deq && T <= gu->deq_rows)
-                      && streamkv_inv_gemm_silu((const uint16_t*)w.act, T, gu->K, gu->w, I, (uint16_t*)w.act2,
-                                                gu->tiles) == 0;
+    const int dense = rc == 0 && gu->kind == 0 && !gu->bias && !(gu->deq && T <= gu->deq_rows);
+    const int fused = dense && (m->act_bf16
+        ? gu->wbf16 && streamkv_inv_gemm_silu(w.act, T, gu->K, gu->w, I, w.act2, gu->tiles) == 0
+        : !gu->wbf16 && streamkv_inv_gemm_silu_f32(w.act, T, gu->K, gu->w, I, w.act2) == 0);
     if (!fused) {
         if (rc == 0) rc = linear(gu, w.act, T, w.f);
         TOC(m, P_GEMM);

@@ -73,6 +73,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "streamkv_rms_norm": [p, i64, i32, p, ctypes.c_float, p, i32],
         "streamkv_silu_mul": [p, i64, i32, p, i32],
         "streamkv_inv_gemm_silu": [p, i64, i32, p, i32, p, i32],
+        "streamkv_inv_gemm_silu_f32": [p, i64, i32, p, i32, p],
     }
     for name, args in signatures.items():
         getattr(lib, name).argtypes = args
