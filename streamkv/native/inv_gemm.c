@@ -166,40 +166,33 @@ static inline __attribute__((always_inline)) void mk_w16(const Gemm* g, const in
 #endif
 }
 
+/* R rows from row m against panels [t, t + P) into acc: bf16 panels (mk_w16) or float32 (mk_f32) */
+static inline __attribute__((always_inline)) void panels(const Gemm* g, const int R, const int P, int64_t m, int t,
+                                                         v16 acc[6][8]) {
+    const int K = g->K;
+    if (g->wbf16) mk_w16(g, R, P, m, (const uint16_t*)g->wp + (int64_t)t * K * 16, acc);
+    else mk_f32(R, P, (const float*)g->x + m * K, K, (const float*)g->wp + (int64_t)t * K * 16, acc);
+}
+
 /* R rows starting at row m against panels [t0, t0 + P); with g->silu_I (the fused gate_up), g panels
  * [t0, t0 + P), then their u panels t0 + I/16 .., each the same chains as unfused, leaving as act =
- * silu(g) * u: in float32 for float32 weights and rows, in bf16 for bf16 ones (bf16 dot products) */
+ * silu(g) * u in the output's dtype (bf16 only with bf16 dot products or tiles: the entry points
+ * decline the rest) */
 static inline __attribute__((always_inline)) void block(const Gemm* g, const int R, const int P, int64_t m, int t0) {
     v16 acc[6][8];
-    const int K = g->K;
-    if (g->silu_I && !g->wbf16) {
-        const int I = g->silu_I;
-        const float *x = (const float*)g->x + m * K, *wp = (const float*)g->wp + (int64_t)t0 * K * 16;
-        v16 accu[6][8];
-        mk_f32(R, P, x, K, wp, acc);
-        mk_f32(R, P, x, K, wp + (int64_t)I * K, accu);
-        for (int r = 0; r < R; r++)
-            for (int p = 0; p < P; p++)
-                v_store((float*)g->out + (m + r) * I + 16 * (t0 + p), v_silu_mul(acc[r][p], accu[r][p]));
-        return;
-    }
-#ifdef BF16_DOT
+    panels(g, R, P, m, t0, acc);
     if (g->silu_I) {
         const int I = g->silu_I;
-        const uint16_t* wp = (const uint16_t*)g->wp + (int64_t)t0 * K * 16;
         v16 accu[6][8];
-        mk_w16(g, R, P, m, wp, acc);
-        mk_w16(g, R, P, m, wp + (int64_t)I * K, accu);
+        panels(g, R, P, m, t0 + I / 16, accu);
         for (int r = 0; r < R; r++)
-            for (int p = 0; p < P; p++)
-                v_store_bf16((uint16_t*)g->out + (m + r) * I + 16 * (t0 + p), v_silu_mul(acc[r][p], accu[r][p]));
+            for (int p = 0; p < P; p++) {
+                const v16 a = v_silu_mul(acc[r][p], accu[r][p]);
+                const int64_t at = (m + r) * I + 16 * (t0 + p);
+                if (g->out_bf16) v_store_bf16((uint16_t*)g->out + at, a);
+                else v_store((float*)g->out + at, a);
+            }
         return;
-    }
-#endif
-    if (g->wbf16) {
-        mk_w16(g, R, P, m, (const uint16_t*)g->wp + (int64_t)t0 * K * 16, acc);
-    } else {
-        mk_f32(R, P, (const float*)g->x + m * K, K, (const float*)g->wp + (int64_t)t0 * K * 16, acc);
     }
     for (int r = 0; r < R; r++)
         for (int p = 0; p < P; p++) {
