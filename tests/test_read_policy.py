@@ -628,7 +628,8 @@ def test_native_bounds_of_a_float32_cache_are_the_torch_paths_bits():
     k[:, : 4 * BS] = exact[:, : 4 * BS]                                    # exactly bf16 values
     k[:, 4 * BS: 8 * BS] = torch.nextafter(exact[:, 4 * BS: 8 * BS], torch.tensor(float("inf")))
     k[:, 8 * BS: 12 * BS] = torch.nextafter(exact[:, 8 * BS: 12 * BS], torch.tensor(float("-inf")))
-    k[:, 12 * BS: 13 * BS] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0, -1.0]).repeat(2)[:, None, None]
+    edges = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0, -1.0])
+    k[:, 12 * BS: 13 * BS] = edges.repeat(2)[:, None, None]
     k[:, 13 * BS: 14 * BS] = -k[:, 13 * BS: 14 * BS].abs()                # every key of a block negative
     native, ref = PageBounds(k, BS), PageBounds(k, BS)
     assert native._native is not None

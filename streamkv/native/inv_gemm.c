@@ -249,8 +249,9 @@ static inline void run_item(const Gemm* g, int64_t i, int64_t M, int64_t mb, int
  * (96 + 4) left one thread the 96-row block and the other the 4 rows, and 1,024 rows (10 x 96 +
  * 64) gave the first thread 3.1% more; a thread slowed by its neighbours also kept its share (30
  * layers' four GEMMs on a 2-thread AVX2 EPYC, two builds alternating: 100 rows 246 -> 144 ms, 200
- * 376 -> 264, 300 606 -> 474, 512 844 -> 759, 1,024 rows 0.2-9% less in each of 6 runs). Only the work
- * split: every element keeps its chain. */
+ * 376 -> 264, 300 606 -> 474, 512 844 -> 759, 1,024 rows 0.2-9% less in each of 6 runs). The unit
+ * width is still balanced_units()' choice, which models the static deal (exact for one row block).
+ * Only the work split: every element keeps its chain. */
 static void run_units(const Gemm* g, int64_t M, int T, int tiles) {
     const int64_t mb = tiles && M >= 2 * MB_AMX ? MB_AMX : MB, NMB = (M + mb - 1) / mb;  /* >= 2 row blocks */
     /* units never narrower than the register block of the step's rows (AVX-512, 1 row: 8 panels) */
