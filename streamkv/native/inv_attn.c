@@ -37,6 +37,7 @@
 #define VB 64
 #define MAXD 256
 #define ALL_HEADS_MAX 12  /* at most this many query vectors (rows x H) run every kv head in one item */
+#define GROUP_SLACK 110  /* percent: see streamkv_inv_attn */
 #define PFD 16   /* the K / V gathers prefetch the cache row this many keys ahead */
 
 /* rows [i0, i1) of sequence b, kv heads [hk, h1), chunk c */
@@ -253,14 +254,50 @@ static int by_work(const void* a, const void* b) {
  * rows: (i1 - i0) H <= ALL_HEADS_MAX), may run all kv heads in one item per chunk, block
  * by block: the heads' parts of each cache row are then read together, one sequential stream,
  * where a per-head item reads 1 of every Hk parts of each row. Only the work split changes: each
- * vector runs the same operations. Used when the step still has at least 2 items per thread. */
+ * vector runs the same operations. Used when the step still has at least 2 items per thread, or
+ * fewer that balance about as well as the per-head ones (see streamkv_inv_attn). */
 #define ALL_HEADS(i0, i1) (!bf16 && ((i1) - (i0)) * H <= ALL_HEADS_MAX)
+
+/* The step's work items, per kv head or (all != 0) with every few-row tile's kv heads in one item
+ * (ALL_HEADS), weighed by item_work() and sorted largest first; returns how many. */
+static int64_t make_items(Item* items, const int64_t* seqs, int B, int H, int Hk, int bf16, int all) {
+    int64_t n = 0;
+    for (int b = 0; b < B; b++) {
+        const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
+        for (int64_t i0 = 0; i0 < nq; i0 += QT) {
+            const int64_t i1 = i0 + QT < nq ? i0 + QT : nq;
+            const int ncs = (int)((L - nq + i1 + CHUNK - 1) / CHUNK), joint = all && ALL_HEADS(i0, i1);
+            for (int hk = 0; hk < Hk; hk += joint ? Hk : 1)
+                for (int c = 0; c < ncs; c++) items[n++] = (Item){b, (int)i0, (int)i1, hk, joint ? Hk : hk + 1, c, 0};
+        }
+    }
+    /* largest items first, so the dynamic schedule ends on its smallest ones (a lone decode over 640
+     * keys had left one thread a whole 512-key chunk after the other's last short one: 30 layers
+     * 5-14% less in alternating runs on a 2-thread AVX2 EPYC); the order of items changes no bit */
+    for (int64_t t = 0; t < n; t++) items[t].w = item_work(&items[t], seqs);
+    qsort(items, (size_t)n, sizeof(Item), by_work);
+    return n;
+}
+
+/* The longest thread's work when the sorted items go, one by one, to the least loaded of T
+ * threads (what the dynamic schedule does with equal speeds). */
+static int64_t makespan(const Item* items, int64_t n, int T) {
+    int64_t load[64] = {0}, most = 0;
+    T = T < 1 ? 1 : T > 64 ? 64 : T;
+    for (int64_t t = 0; t < n; t++) {
+        int at = 0;
+        for (int i = 1; i < T; i++) at = load[i] < load[at] ? i : at;
+        load[at] += items[t].w;
+        most = load[at] > most ? load[at] : most;
+    }
+    return most;
+}
 
 /* Returns 0; 1, 2 shapes rejected; 3 no memory (out not written). */
 int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, const int64_t* seqs, int B,
                       const int64_t* slots, int H, int Hk, int D, float scale, float* out) {
     if (D % 16 != 0 || D > MAXD || Hk <= 0 || H % Hk != 0 || H / Hk > 32 || B <= 0) return 1;
-    const int W = D + 2;
+    const int W = D + 2, T = omp_get_max_threads();
     int64_t* part_off = malloc(sizeof(int64_t) * (B + 1));
     if (!part_off) return 3;
     int64_t nitems = 0, grouped = 0;                  /* items per head, and with all-heads items */
@@ -276,8 +313,6 @@ int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, 
             grouped += ALL_HEADS(i0, i1) ? ncs : Hk * ncs;
         }
     }
-    const int group = Hk > 1 && grouped < nitems && grouped >= 2 * omp_get_max_threads();
-    if (group) nitems = grouped;
     Item* items = malloc(sizeof(Item) * nitems);
     float* part = malloc(sizeof(float) * (size_t)part_off[B] * (size_t)W);
     if (!items || !part) {
@@ -286,21 +321,24 @@ int streamkv_inv_attn(const float* q, const void* kc, const void* vc, int bf16, 
         free(part_off);
         return 3;
     }
-    int64_t n = 0;
-    for (int b = 0; b < B; b++) {
-        const int64_t nq = seqs[4 * b + 1], L = seqs[4 * b + 3];
-        for (int64_t i0 = 0; i0 < nq; i0 += QT) {
-            const int64_t i1 = i0 + QT < nq ? i0 + QT : nq;
-            const int ncs = (int)((L - nq + i1 + CHUNK - 1) / CHUNK), all = group && ALL_HEADS(i0, i1);
-            for (int hk = 0; hk < Hk; hk += all ? Hk : 1)
-                for (int c = 0; c < ncs; c++) items[n++] = (Item){b, (int)i0, (int)i1, hk, all ? Hk : hk + 1, c, 0};
+    /* all-heads items read each cache row once, in one stream, so they go faster per key: with
+     * at least 2 of them per thread they are taken; with fewer, where they still balance within
+     * GROUP_SLACK of the per-head split (a decode over 1,040 keys: 512 + 512 + 16 keys, 4-8% less
+     * time than 9 per-head items in alternating runs on a 2-thread AVX2 EPYC) */
+    const int can = Hk > 1 && grouped < nitems, joint = can && grouped >= 2 * T;
+    int64_t n = make_items(items, seqs, B, H, Hk, bf16, joint);
+    Item* other = !joint && can && grouped >= T ? malloc(sizeof(Item) * grouped) : NULL;
+    if (other) {
+        const int64_t ng = make_items(other, seqs, B, H, Hk, bf16, 1);
+        if (makespan(other, ng, T) * 100 <= makespan(items, n, T) * GROUP_SLACK) {
+            Item* t = items;
+            items = other;
+            other = t;
+            n = ng;
         }
+        free(other);
     }
-    /* largest items first, so the dynamic schedule ends on its smallest ones (a lone decode over 640
-     * keys had left one thread a whole 512-key chunk after the other's last short one: 30 layers
-     * 5-14% less in alternating runs on a 2-thread AVX2 EPYC); the order of items changes no bit */
-    for (int64_t t = 0; t < n; t++) items[t].w = item_work(&items[t], seqs);
-    qsort(items, (size_t)n, sizeof(Item), by_work);
+    nitems = n;
     int nomem = 0;
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < nitems; t++)
