@@ -265,7 +265,7 @@ def run_vllm(llm, kind: str, qps: float, args, vocab) -> list[dict]:
         env["LD_PRELOAD"] = throughput.TCMALLOC
     modes = "non-streaming,streaming" if kind == "append" else "non-streaming"
     cfg = dict(name=f"vLLM {kind} {qps}", py=str(common.REPO / ".venv-vllm/bin/python"), script="run_trace_vllm.py",
-               dtype="bfloat16", extra=["--modes", modes], env=env, needs_hf=True)
+               dtype=args.peer_dtype, extra=["--modes", modes], env=env, needs_hf=True)
     r = throughput.run_engine(cfg, wl_path, run_dir, timeout=1800, wait=0)
     if "runs" not in r:
         print(f"  vLLM {kind} qps={qps}: {r.get('skipped') or r.get('error')}", flush=True)
@@ -276,7 +276,7 @@ def run_vllm(llm, kind: str, qps: float, args, vocab) -> list[dict]:
         pct = lambda p: ttft[min(len(ttft) - 1, int(round(p / 100 * (len(ttft) - 1))))]
         row = {"p50": statistics.median(ttft), "p95": pct(95), "p99": pct(99), "ttfts": ttft,
                "completion_s": run["completion_s"], "invalidated": 0, "preemptions": "-", "trace": kind,
-               "qps": qps, "label": "vLLM " + r["info"]["vllm"], "mode": mode, "policy": "-",
+               "qps": qps, "label": f"vLLM {r['info']['vllm']} {args.peer_dtype}", "mode": mode, "policy": "-",
                "preemption": "-", "same_tokens": run["tokens"] == r["runs"]["non-streaming"]["tokens"]}
         rows.append(row)
         print(f"  vLLM {kind} qps={qps} {mode:13} TTFT p50 {row['p50'] * 1e3:7.0f} ms  p95 {row['p95'] * 1e3:7.0f}  "
@@ -365,6 +365,8 @@ def main() -> int:
                     help="the memory-pressure runs")
     ap.add_argument("--peers", default="vllm", help="vllm (same queries, non-streaming with prefix caching, "
                                                     "and vLLM's own streaming input), or none")
+    ap.add_argument("--peer-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="vLLM's dtype (float32 on a CPU without AVX512-BF16, where its bf16 runs 4-6x slower)")
     ap.add_argument("--max-wait-s", type=float, default=None, help="aging bound of the queue policies")
     ap.add_argument("--pressure-modes", default="recompute,swap,cost", help="preemption modes of the pressure runs")
     ap.add_argument("--arrivals", default="poisson", choices=["poisson", "azure-conv", "azure-code"],
